@@ -1,0 +1,39 @@
+# fedray: every target installs first if needed (.venv, editable, with dev extras).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CONFIG ?= configs/quickstart.yaml
+ALGO ?=
+ARGS ?=
+PORT ?= 5000
+
+.PHONY: install run test test-slow lint bench ui clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip "setuptools>=69" wheel
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install  ## the quickstart (or CONFIG=...), e.g. make run ALGO=fedprox ARGS="rounds=50"
+	$(BIN)/fedray run $(CONFIG) $(if $(ALGO),algorithm=$(ALGO)) $(ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+
+test: install lint  ## lint, then the default suite (slow real-data tests excluded)
+	$(BIN)/python -m pytest -q
+
+test-slow: install  ## the real-data checks (CIFAR-10 JPEGs from ../shared/data)
+	$(BIN)/python -m pytest -q -m slow -s
+
+bench: install  ## fedray vs a plain PyTorch loop on real CIFAR-10
+	$(BIN)/python benchmarks/bench_fedavg_cifar.py $(ARGS)
+
+ui: install  ## the MLflow UI on the project's store
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --port $(PORT)
+
+clean:
+	rm -rf .fedray mlartifacts mlflow.db .pytest_cache .ruff_cache

@@ -1,0 +1,78 @@
+"""FedAvg: McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized Data"
+(AISTATS 2017, arXiv:1602.05629).
+
+Each selected client starts from the global model, trains locally, and uploads its weights; the
+server replaces the global model with the sample-weighted mean
+
+.. math::  w^{t+1} = \\sum_{k \\in S_t} \\frac{n_k}{\\sum_{j \\in S_t} n_j} w_k^{t+1}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fedray.platform.algorithm import ClientModule, Payload, Server, cpu_state
+from fedray.platform.config import ConfigError, ExperimentConfig
+from fedray.platform.registry import register
+
+
+def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
+    """Sample-weighted mean of state dicts.
+
+    Floating entries are averaged in float64 and cast back; integer buffers (BatchNorm's
+    ``num_batches_tracked``) are not averageable and are taken from the first state.
+    """
+    w = torch.tensor(weights, dtype=torch.float64)
+    w = w / w.sum()
+    out = {}
+    for key, first in states[0].items():
+        if first.is_floating_point():
+            stacked = torch.stack([s[key].to(torch.float64) for s in states])
+            out[key] = torch.tensordot(w, stacked, dims=1).to(first.dtype)
+        else:
+            out[key] = first.clone()
+    return out
+
+
+def require_homogeneous(cfg: ExperimentConfig) -> None:
+    from fedray.platform.models import model_group
+
+    if len(set(model_group(cfg.model.group))) > 1:
+        raise ConfigError(
+            f"algorithm={cfg.algorithm} averages whole models, so model.group={cfg.model.group!r} "
+            "(heterogeneous) cannot be used; pick a single architecture"
+        )
+
+
+class FedAvgServer(Server):
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.model = ctx.make_model(0)
+
+    def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
+        down = {"model": cpu_state(self.model)}  # one object for all: put in the object store once
+        return {cid: down for cid in selected}
+
+    def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
+        if not uplinks:
+            return
+        states = [u["model"] for u in uplinks.values()]
+        weights = [float(u["num_samples"]) for u in uplinks.values()]
+        self.model.load_state_dict(weighted_average(states, weights))
+
+    def global_model(self) -> nn.Module:
+        return self.model
+
+
+class FedAvgClient(ClientModule):
+    """Plain cross-entropy on the received global model (the base ClientModule's behaviour)."""
+
+
+@register("fedavg", server=FedAvgServer, client=FedAvgClient)
+@dataclass
+class FedAvgConfig:
+    def validate(self, cfg: ExperimentConfig) -> None:
+        require_homogeneous(cfg)

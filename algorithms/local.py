@@ -1,0 +1,23 @@
+"""Local (Standalone): every client trains alone on its own data, nothing is exchanged.
+
+The lower bound every personalised-FL paper reports. Nothing goes down or up, so communication is
+zero; accuracy is each client's own model on its own test split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedray.platform.algorithm import ClientModule, Server
+from fedray.platform.registry import register
+
+
+class LocalClient(ClientModule):
+    def upload(self):
+        return {}
+
+
+@register("local", server=Server, client=LocalClient)
+@dataclass
+class LocalConfig:
+    pass

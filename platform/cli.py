@@ -1,0 +1,61 @@
+"""``fedray`` command line: ``fedray run CONFIG [key=value ...]``, ``fedray run --resume RUN_ID``.
+
+Every user error (bad config value, missing data, unknown algorithm) ends as one line on stderr
+and exit status 2, before Ray or any training starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fedray.platform.config import ConfigError, load_config
+
+
+def _run(args: argparse.Namespace) -> int:
+    from fedray.platform.progress import print_table, summary_table
+    from fedray.platform.run import resume_experiment, run_experiment
+
+    if args.resume:
+        if args.config or args.overrides:
+            raise ConfigError("--resume RUN_ID takes no config or overrides: the run's own config is used")
+        result = resume_experiment(args.resume)
+    else:
+        config, overrides = args.config, list(args.overrides)
+        if config and "=" in config:  # `fedray run rounds=5`: overrides only, default config
+            config, overrides = None, [config, *overrides]
+        cfg = load_config(config, overrides)
+        result = run_experiment(cfg)
+    row = result.summary_row()
+    best = result.best("acc/personal_mean")
+    row["best personal %"] = None if best is None else round(100 * best, 2)
+    print_table(summary_table([row], title=f"{result.config.name}: {result.config.algorithm}, {len(result.history)} rounds"))
+    print(f"MLflow run id: {result.run_id}   (make ui, experiment {result.config.tracking.experiment or result.config.name!r})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fedray", description="Federated-learning experiments on Lightning + Ray + MLflow")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run one federated experiment")
+    run.add_argument("config", nargs="?", help="experiment YAML (default: built-in defaults)")
+    run.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rounds=30 fedprox.mu=0.1")
+    run.add_argument("--resume", metavar="RUN_ID", help="continue an interrupted run from its last checkpoint")
+    run.set_defaults(func=_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        print(f"fedray: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,349 @@
+"""Typed experiment config: YAML file + dotted ``key=value`` overrides, validated before anything starts.
+
+The config is a tree of dataclasses. Algorithm hyperparameters live in a section named after the
+algorithm (``fedprox.mu=0.1``); the section's dataclass is declared next to the algorithm and found
+through the registry, so this module knows no concrete algorithm.
+
+Every problem is raised as :class:`ConfigError` with a one-line message naming the key, the value
+and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value a user has to fix. The message is one line."""
+
+
+# --------------------------------------------------------------------------------------------- sections
+
+
+@dataclass
+class PartitionConfig:
+    kind: Literal["iid", "dirichlet", "shards", "shamsian", "file"] = "dirichlet"
+    alpha: float = 0.5  # Dirichlet concentration
+    classes_per_client: int = 2  # shards / shamsian
+    min_samples: int = 10  # Dirichlet: re-draw until every client has this many samples
+    long_tail_rho: float | None = None  # imbalance ratio max/min applied to the train pool first
+    path: str | None = None  # kind=file: a split JSON made elsewhere
+
+
+@dataclass
+class SplitConfig:
+    """Per-client split of each client's share, by ratio (FedSSA 8:1:1, FedL2G 0.75/0.25)."""
+
+    train: float = 0.75
+    val: float = 0.0
+    test: float = 0.25
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "digits"
+    root: str | None = None  # where torchvision / image-folder datasets live
+    download: bool = False  # torchvision sets: download only when the user asks
+    num_clients: int = 10
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    split: SplitConfig = field(default_factory=SplitConfig)
+    # synthetic set only: how big and how hard
+    synthetic_samples: int = 2000
+    synthetic_classes: int = 10
+    synthetic_image_size: int = 8
+
+
+@dataclass
+class ModelConfig:
+    # a single architecture name from the zoo, or a group name (fedssa_cnns, htfe2, ...)
+    group: str = "cnn_small"
+
+
+@dataclass
+class TrainConfig:
+    fraction: float = 1.0  # participation C: share of clients selected each round
+    local_epochs: int = 1
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    grad_clip: float | None = None  # max global grad norm; None = no clipping
+    keep_optimizer_state: bool = False  # carry SGD momentum across rounds on the client
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None  # join a cluster; RAY_ADDRESS wins when set
+    num_cpus_per_client: float = 1.0  # resources of one ClientActor
+    num_gpus_per_client: float = 0.0  # fractions share a GPU between actors
+    max_actors: int | None = None  # cap on the ClientActor pool (default: what the resources allow)
+    num_cpus: int | None = None  # CPUs for a local Ray (default: the machine's)
+
+
+@dataclass
+class TrackingConfig:
+    uri: str | None = None  # MLflow tracking URI; MLFLOW_TRACKING_URI wins, then sqlite in the cwd
+    experiment: str | None = None  # default: the config's name
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "quickstart"
+    algorithm: str = "fedavg"
+    seed: int = 0
+    rounds: int = 20
+    eval_every: int = 1
+    checkpoint_every: int = 5
+    output_dir: str = ".fedray"  # checkpoints and run-local files
+    progress: bool = True
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    # hyperparameters of the chosen algorithm, as that algorithm's own dataclass
+    algo: Any = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict; the algorithm section appears under the algorithm's name."""
+        out = dataclasses.asdict(dataclasses.replace(self, algo=None))
+        out.pop("algo")
+        if self.algo is not None:
+            out[self.algorithm] = dataclasses.asdict(self.algo)
+        return out
+
+
+# --------------------------------------------------------------------------------------------- building
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Convert a YAML or command-line value to the declared field type, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        for arg in args:
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}={value!r}: expected {' or '.join(_type_name(a) for a in args)} or null")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r}: allowed values are {', '.join(map(str, allowed))}")
+        return value
+    if origin in (list, tuple):
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        if isinstance(value, str):
+            value = yaml.safe_load(value) if value.startswith("[") else [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r}: expected a list")
+        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{key}={value!r}: expected true or false")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r}: expected an integer")
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r}: expected an integer") from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r}: expected a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r}: expected a number") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}={value!r}: expected a string")
+        return str(value)
+    if dataclasses.is_dataclass(tp):
+        return build_dataclass(tp, value, prefix=key)
+    return value
+
+
+def build_dataclass(cls: type, values: Any, prefix: str = "") -> Any:
+    """Build ``cls`` from a mapping, checking every key and converting every value."""
+    if values is None:
+        values = {}
+    if dataclasses.is_dataclass(values):
+        values = dataclasses.asdict(values)
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix or cls.__name__}: expected a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        if key not in fields:
+            raise ConfigError(f"unknown config key {dotted!r}; known keys here: {', '.join(fields)}")
+        kwargs[key] = _coerce(dotted, value, hints[key])
+    return cls(**kwargs)
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["a.b=1", "c=x"]`` -> nested dict with YAML-parsed values."""
+    tree: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. rounds=30")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = tree
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        node[parts[-1]] = value
+    return tree
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    with path.open() as fh:
+        raw = yaml.safe_load(fh) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {str(path)!r}: top level must be a mapping")
+    return raw
+
+
+def build_config(raw: dict[str, Any]) -> ExperimentConfig:
+    """Turn a nested dict into a validated :class:`ExperimentConfig`."""
+    from fedray.platform import registry  # registry imports config for its types
+
+    raw = dict(raw)
+    algorithm = str(raw.get("algorithm", ExperimentConfig.algorithm)).lower()
+    raw["algorithm"] = algorithm
+    spec = registry.get(algorithm)  # raises ConfigError for an unknown name
+    # sections named after other algorithms are allowed in a YAML (compare configs) and ignored
+    known = registry.available()
+    algo_values = raw.pop(algorithm, None)
+    for name in known:
+        raw.pop(name, None)
+    cfg = build_dataclass(ExperimentConfig, raw)
+    cfg.algo = build_dataclass(spec.config_cls, algo_values, prefix=algorithm)
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    raw = load_yaml(path) if path else {}
+    raw = merge(raw, parse_overrides(overrides or []))
+    return build_config(raw)
+
+
+# --------------------------------------------------------------------------------------------- checks
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: ExperimentConfig) -> None:
+    """Cheap checks that need no data and no Ray. Data-dependent checks live in the data module."""
+    from fedray.platform.data.datasets import known_datasets
+    from fedray.platform.models import known_models
+
+    d, p, s, t = cfg.data, cfg.data.partition, cfg.data.split, cfg.train
+    _check(cfg.rounds >= 1, f"rounds={cfg.rounds}: must be >= 1")
+    _check(cfg.eval_every >= 1, f"eval_every={cfg.eval_every}: must be >= 1")
+    _check(cfg.checkpoint_every >= 0, f"checkpoint_every={cfg.checkpoint_every}: must be >= 0 (0 = never)")
+    _check(d.num_clients >= 1, f"data.num_clients={d.num_clients}: must be >= 1")
+    _check(
+        d.dataset in known_datasets(),
+        f"data.dataset={d.dataset!r}: unknown dataset; known: {', '.join(known_datasets())}",
+    )
+    _check(p.alpha > 0, f"data.partition.alpha={p.alpha}: the Dirichlet concentration must be > 0")
+    _check(p.classes_per_client >= 1, f"data.partition.classes_per_client={p.classes_per_client}: must be >= 1")
+    _check(p.min_samples >= 0, f"data.partition.min_samples={p.min_samples}: must be >= 0")
+    _check(
+        p.long_tail_rho is None or p.long_tail_rho >= 1,
+        f"data.partition.long_tail_rho={p.long_tail_rho}: the imbalance ratio max/min must be >= 1",
+    )
+    _check(p.kind != "file" or bool(p.path), "data.partition.kind=file needs data.partition.path=<split.json>")
+    for name in ("train", "val", "test"):
+        ratio = getattr(s, name)
+        _check(0 <= ratio <= 1, f"data.split.{name}={ratio}: a ratio must lie in [0, 1]")
+    _check(s.train > 0, f"data.split.train={s.train}: clients need training data")
+    _check(
+        abs(s.train + s.val + s.test - 1) < 1e-6,
+        f"data.split: train+val+test = {s.train + s.val + s.test:g}, must be 1",
+    )
+    _check(0 < t.fraction <= 1, f"train.fraction={t.fraction}: the participation fraction must be in (0, 1]")
+    _check(t.local_epochs >= 0, f"train.local_epochs={t.local_epochs}: must be >= 0")
+    _check(t.batch_size >= 1, f"train.batch_size={t.batch_size}: must be >= 1")
+    _check(t.lr > 0, f"train.lr={t.lr}: must be > 0")
+    _check(0 <= t.momentum < 1, f"train.momentum={t.momentum}: must be in [0, 1)")
+    _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay}: must be >= 0")
+    _check(t.grad_clip is None or t.grad_clip > 0, f"train.grad_clip={t.grad_clip}: must be > 0 or null")
+    _check(
+        cfg.model.group in known_models(),
+        f"model.group={cfg.model.group!r}: unknown model or group; known: {', '.join(known_models())}",
+    )
+    r = cfg.ray
+    _check(r.num_cpus_per_client > 0, f"ray.num_cpus_per_client={r.num_cpus_per_client}: must be > 0")
+    _check(r.num_gpus_per_client >= 0, f"ray.num_gpus_per_client={r.num_gpus_per_client}: must be >= 0")
+    _check(r.max_actors is None or r.max_actors >= 1, f"ray.max_actors={r.max_actors}: must be >= 1")
+    validate_algo = getattr(cfg.algo, "validate", None)
+    if validate_algo is not None:
+        validate_algo(cfg)
+
+
+def clients_per_round(cfg: ExperimentConfig) -> int:
+    """K = max(1, round(C * N)): the number of clients sampled each round."""
+    return max(1, int(round(cfg.train.fraction * cfg.data.num_clients)))
+
+
+def save_yaml(cfg: ExperimentConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: MLflow params are flat."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out

@@ -1,0 +1,267 @@
+"""Coordinator: the Ray actor that owns the server half and the one round loop.
+
+Per round: sample clients, ask the server for downlinks, dispatch them to the ClientActors, gather
+the uplinks, aggregate, evaluate, count the bytes each way, checkpoint, and emit metrics as events
+that the driver streams (progress display, MLflow).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from fedray.platform.algorithm import Payload, ServerContext, derive_seed, payload_nbytes
+from fedray.platform.client import ClientActor, evaluate_model, make_client_model
+from fedray.platform.config import ExperimentConfig, clients_per_round
+from fedray.platform.data import ArrayDataset, normalize
+from fedray.platform.models import arch_for_client
+from fedray.platform.registry import get as get_algorithm
+
+CHECKPOINT_FILE = "checkpoint.pt"
+
+
+def sample_clients(seed: int, rnd: int, num_clients: int, k: int) -> list[int]:
+    """K distinct clients, a pure function of (seed, round) so a resumed run samples the same ones."""
+    rng = np.random.default_rng(derive_seed(seed, rnd, 3))
+    return sorted(rng.choice(num_clients, size=k, replace=False).tolist())
+
+
+def pool_size(cfg: ExperimentConfig, resources: dict[str, float]) -> int:
+    """How many ClientActors fit the cluster: bounded by CPUs, GPUs (when asked for) and clients."""
+    r = cfg.ray
+    fit = math.floor(resources.get("CPU", 1) / r.num_cpus_per_client + 1e-9)
+    if r.num_gpus_per_client > 0:
+        fit = min(fit, math.floor(resources.get("GPU", 0) / r.num_gpus_per_client + 1e-9))
+    if r.max_actors:
+        fit = min(fit, r.max_actors)
+    return max(1, min(fit, cfg.data.num_clients))
+
+
+class RoundLoop:
+    """The coordinator's body. Free of the ``@ray.remote`` decorator so its logic reads plainly."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        meta: dict[str, Any],
+        shard_refs: list,
+        global_test_ref,
+        checkpoint_dir: str,
+        num_actors: int,
+        placement_group=None,
+    ) -> None:
+        torch.set_num_threads(1)
+        self.cfg = cfg
+        self.meta = meta
+        self.events: queue.Queue = queue.Queue()
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        n = cfg.data.num_clients
+        archs = [arch_for_client(cfg.model.group, cid) for cid in range(n)]
+        spec = get_algorithm(cfg.algorithm)
+        ctx = ServerContext(cfg, n, meta["num_classes"], archs, lambda cid: make_client_model(cfg, cid, meta))
+        torch.manual_seed(derive_seed(cfg.seed, 4))
+        self.server = spec.server_cls(ctx)
+        global_test: ArrayDataset = ray.get(global_test_ref)
+        self.global_test = (normalize(global_test.x, meta["mean"], meta["std"]), global_test.y)
+
+        self.actors = self._start_actors(num_actors, placement_group)
+        self.actor_of = {cid: self.actors[cid % len(self.actors)] for cid in range(n)}
+        ray.get([a.add_clients.remote(shard_refs[i :: len(self.actors)]) for i, a in enumerate(self.actors)])
+
+        self.start_round = 0
+        self.history: list[dict[str, float]] = []
+        self.cum = {"up": 0, "down": 0}
+        self.last_client_acc: dict[int, float] = {}
+
+    def _start_actors(self, num_actors: int, placement_group) -> list:
+        r = self.cfg.ray
+        options: dict[str, Any] = {"num_cpus": r.num_cpus_per_client, "num_gpus": r.num_gpus_per_client}
+        if placement_group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group)
+        threads = max(1, int(r.num_cpus_per_client))
+        return [ClientActor.options(**options).remote(self.cfg, self.meta, threads) for _ in range(num_actors)]
+
+    # ------------------------------------------------------------------------------------ events
+    def emit(self, kind: str, **data: Any) -> None:
+        self.events.put({"type": kind, **data})
+
+    def poll(self, timeout: float = 0.5) -> list[dict[str, Any]]:
+        """Events since the last poll; waits up to ``timeout`` for the first one."""
+        out = []
+        try:
+            out.append(self.events.get(timeout=timeout))
+            while True:
+                out.append(self.events.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    # ------------------------------------------------------------------------------------ the loop
+    def run(self, stop_after_round: int | None = None) -> dict[str, Any]:
+        """Run rounds ``start_round .. rounds-1``; ``stop_after_round`` simulates an interruption."""
+        cfg = self.cfg
+        k = clients_per_round(cfg)
+        for rnd in range(self.start_round, cfg.rounds):
+            metrics = self.run_round(rnd, sample_clients(cfg.seed, rnd, cfg.data.num_clients, k))
+            self.history.append(metrics)
+            done = rnd + 1
+            if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.rounds):
+                self.save_checkpoint(done)
+            self.emit("round_end", round=done, metrics=metrics)
+            if stop_after_round is not None and done >= stop_after_round and done < cfg.rounds:
+                return self.summary(finished=False)
+        return self.summary(finished=True)
+
+    def run_round(self, rnd: int, selected: list[int]) -> dict[str, float]:
+        start = time.perf_counter()
+        self.emit("round_start", round=rnd + 1, selected=selected)
+        downlinks = self.server.configure(rnd, selected)
+        down_bytes = sum(payload_nbytes(downlinks[cid]) for cid in selected)
+        refs_by_payload: dict[int, Any] = {}  # one object-store copy per distinct payload object
+        pending = {}
+        for cid in selected:
+            payload = downlinks[cid]
+            ref = refs_by_payload.setdefault(id(payload), ray.put(payload))
+            pending[self.actor_of[cid].train.remote(cid, rnd, ref)] = cid
+
+        uplinks: dict[int, Payload] = {}
+        stats: dict[str, list[float]] = defaultdict(list)
+        failed = []
+        remaining = list(pending)
+        while remaining:
+            ready, remaining = ray.wait(remaining, num_returns=1)
+            cid = pending[ready[0]]
+            try:
+                _, uplink, client_stats = ray.get(ready[0])
+            except (ray.exceptions.RayError, RuntimeError) as err:  # reported, the round goes on
+                failed.append(cid)
+                self.emit("client_failed", round=rnd + 1, client=cid, error=str(err).splitlines()[0][:300])
+                continue
+            uplinks[cid] = uplink
+            for name, value in client_stats.items():
+                stats[name].append(value)
+            self.emit("client_done", round=rnd + 1, client=cid, done=len(uplinks) + len(failed), total=len(selected))
+
+        up_bytes = sum(payload_nbytes(u) for u in uplinks.values())
+        self.server.aggregate(rnd, dict(sorted(uplinks.items())))
+        self.cum["up"] += up_bytes
+        self.cum["down"] += down_bytes
+        metrics: dict[str, float] = {name: float(np.mean(v)) for name, v in stats.items()}
+        metrics.update(
+            {
+                "comm/up_bytes": up_bytes,
+                "comm/down_bytes": down_bytes,
+                "comm/up_bytes_cum": self.cum["up"],
+                "comm/down_bytes_cum": self.cum["down"],
+                "clients/selected": len(selected),
+                "clients/failed": len(failed),
+            }
+        )
+        if (rnd + 1) % self.cfg.eval_every == 0 or rnd + 1 == self.cfg.rounds:
+            metrics.update(self.evaluate())
+        metrics["time/round_s"] = time.perf_counter() - start
+        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        """Every client on its own test split; the global model, if any, on the global test set."""
+        payload = self.server.eval_payload()
+        ref = None if payload is None else ray.put(payload)
+        by_actor = defaultdict(list)
+        for cid, actor in self.actor_of.items():
+            by_actor[actor].append(cid)
+        results = ray.get([actor.evaluate.remote(cids, ref) for actor, cids in by_actor.items()])
+        rows = sorted(row for part in results for row in part)
+        correct = np.array([r[1] for r in rows], dtype=np.float64)
+        total = np.array([r[2] for r in rows], dtype=np.float64)
+        acc = np.divide(correct, total, out=np.zeros_like(correct), where=total > 0)
+        self.last_client_acc = {r[0]: float(a) for r, a in zip(rows, acc)}
+        out = {
+            "acc/personal_mean": float(acc[total > 0].mean()),
+            "acc/personal_std": float(acc[total > 0].std()),
+            "acc/personal_weighted": float(correct.sum() / max(total.sum(), 1)),
+            "loss/personal": float(sum(r[3] for r in rows) / max(total.sum(), 1)),
+        }
+        model = self.server.global_model()
+        if model is not None:
+            c, t, loss = evaluate_model(model, *self.global_test, "cpu")
+            out["acc/global"] = c / max(t, 1)
+            out["loss/global"] = loss / max(t, 1)
+        return out
+
+    # ------------------------------------------------------------------------------------ state
+    def save_checkpoint(self, done: int) -> None:
+        """Server state, every client's state and the loop's counters, written atomically."""
+        client_states: dict[int, Any] = {}
+        by_actor = defaultdict(list)
+        for cid, actor in self.actor_of.items():
+            by_actor[actor].append(cid)
+        for part in ray.get([actor.get_state.remote(cids) for actor, cids in by_actor.items()]):
+            client_states.update(part)
+        state = {
+            "round": done,
+            "server": self.server.state_dict(),
+            "clients": client_states,
+            "history": self.history,
+            "cum": self.cum,
+            "last_client_acc": self.last_client_acc,
+            "torch_rng": torch.get_rng_state(),
+        }
+        path = self.checkpoint_dir / CHECKPOINT_FILE
+        tmp = path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+        self.emit("checkpoint", round=done, path=str(path))
+
+    def load_checkpoint(self) -> int:
+        path = self.checkpoint_dir / CHECKPOINT_FILE
+        state = torch.load(path, weights_only=False)
+        self.server.load_state_dict(state["server"])
+        by_actor = defaultdict(dict)
+        for cid, client_state in state["clients"].items():
+            by_actor[self.actor_of[cid]][cid] = client_state
+        ray.get([actor.set_state.remote(states) for actor, states in by_actor.items()])
+        self.history = state["history"]
+        self.cum = state["cum"]
+        self.last_client_acc = state["last_client_acc"]
+        torch.set_rng_state(state["torch_rng"])
+        self.start_round = state["round"]
+        return self.start_round
+
+    def summary(self, finished: bool) -> dict[str, Any]:
+        model = self.server.global_model()
+        return {
+            "finished": finished,
+            "rounds_done": len(self.history),
+            "history": self.history,
+            "client_acc": self.last_client_acc,
+            "global_model": None if model is None else {k: v.cpu() for k, v in model.state_dict().items()},
+        }
+
+    def client_models(self) -> dict[int, dict[str, torch.Tensor]]:
+        by_actor = defaultdict(list)
+        for cid, actor in self.actor_of.items():
+            by_actor[actor].append(cid)
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for part in ray.get([actor.models.remote(cids) for actor, cids in by_actor.items()]):
+            out.update(part)
+        return dict(sorted(out.items()))
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+
+
+# Two concurrent calls: run() in one thread, poll() from the driver in the other.
+Coordinator = ray.remote(num_cpus=0, max_concurrency=2)(RoundLoop)

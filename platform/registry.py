@@ -1,0 +1,82 @@
+"""Algorithm registry: the platform finds algorithms by name and never imports one directly.
+
+An algorithm module in ``algorithms/`` registers itself with the ``@register`` decorator on its
+config dataclass::
+
+    @register("fedprox", server=FedAvgServer, client=FedProxClient)
+    @dataclass
+    class FedProxConfig:
+        mu: float = 0.01
+
+``get(name)`` imports the algorithm modules on first use, so ``algorithm=fedprox`` on the command
+line is all a user types. Third-party packages can register under the ``fedray.algorithms``
+entry-point group.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+from fedray.platform.config import ConfigError
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    name: str
+    server_cls: type
+    client_cls: type
+    config_cls: type
+    module: str
+
+
+_REGISTRY: dict[str, AlgorithmSpec] = {}
+_LOADED = False
+
+
+def register(name: str, *, server: type, client: type):
+    """Class decorator for an algorithm's config dataclass; binds name -> (server, client, config)."""
+
+    def wrap(config_cls: type) -> type:
+        key = name.lower()
+        existing = _REGISTRY.get(key)
+        if existing is not None and existing.module != config_cls.__module__:
+            raise ValueError(f"algorithm {key!r} registered twice ({existing.module}, {config_cls.__module__})")
+        _REGISTRY[key] = AlgorithmSpec(key, server, client, config_cls, config_cls.__module__)
+        return config_cls
+
+    return wrap
+
+
+def _load_all() -> None:
+    global _LOADED
+    if _LOADED:
+        return
+    algorithms = importlib.import_module("fedray.algorithms")
+    for info in pkgutil.iter_modules(algorithms.__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"fedray.algorithms.{info.name}")
+    for ep in metadata.entry_points(group="fedray.algorithms"):
+        ep.load()
+    _LOADED = True
+
+
+def available() -> list[str]:
+    _load_all()
+    return sorted(_REGISTRY)
+
+
+def get(name: str) -> AlgorithmSpec:
+    key = name.lower()
+    if key not in _REGISTRY:
+        _load_all()
+    if key not in _REGISTRY:
+        raise ConfigError(f"algorithm={name!r}: unknown algorithm; available: {', '.join(available())}")
+    return _REGISTRY[key]
+
+
+def default_config(name: str) -> Any:
+    return get(name).config_cls()

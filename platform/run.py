@@ -1,0 +1,222 @@
+"""``run_experiment(config) -> Result``: the one call used by the CLI, the sweeps and the tests.
+
+The driver validates the config and builds the partition before Ray starts (so bad input fails
+fast), puts the shards in Ray's object store, starts the Coordinator and streams its events to the
+progress display and to MLflow. ``resume_experiment(run_id)`` continues an interrupted run from its
+last checkpoint, logging into the same MLflow run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from fedray.platform.config import ExperimentConfig, load_config, save_yaml
+from fedray.platform.data import Federation, build_federation, check_data, histogram_heatmap, load_dataset
+from fedray.platform.progress import Progress, mb
+from fedray.platform.tracking import TAG_CHECKPOINT, RunTracker, checkpoint_dir_of
+
+FINAL_KEYS = ("acc/personal_mean", "acc/personal_std", "acc/personal_weighted", "acc/global")
+
+
+@dataclass
+class Result:
+    run_id: str
+    experiment_id: str
+    config: ExperimentConfig
+    history: list[dict[str, float]]
+    client_acc: dict[int, float]
+    finished: bool
+    wall_time_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def last(self, key: str) -> float | None:
+        """The latest logged value of a metric (evaluation metrics are not logged every round)."""
+        for metrics in reversed(self.history):
+            if key in metrics:
+                return metrics[key]
+        return None
+
+    def best(self, key: str) -> float | None:
+        values = [m[key] for m in self.history if key in m]
+        return max(values) if values else None
+
+    @property
+    def final(self) -> dict[str, float | None]:
+        return {key: self.last(key) for key in FINAL_KEYS}
+
+    def summary_row(self) -> dict[str, Any]:
+        f = self.final
+        std = f["acc/personal_std"]
+        pers = None if f["acc/personal_mean"] is None else f"{100 * f['acc/personal_mean']:.2f} ± {100 * (std or 0):.2f}"
+        return {
+            "algorithm": self.config.algorithm,
+            "personal acc %": pers,
+            "global acc %": None if f["acc/global"] is None else round(100 * f["acc/global"], 2),
+            "MB up": round(mb(self.last("comm/up_bytes_cum") or 0), 3),
+            "MB down": round(mb(self.last("comm/down_bytes_cum") or 0), 3),
+            "wall s": round(self.wall_time_s, 1),
+            "run id": self.run_id,
+        }
+
+
+# --------------------------------------------------------------------------------------------- pieces
+
+
+def prepare_federation(cfg: ExperimentConfig) -> Federation:
+    """Validate the data side and partition it; everything here runs before Ray starts."""
+    check_data(cfg.data)
+    return build_federation(load_dataset(cfg.data), cfg.data, cfg.seed)
+
+
+def federation_meta(fed: Federation) -> dict[str, Any]:
+    return {
+        "num_classes": fed.num_classes,
+        "in_channels": fed.in_channels,
+        "image_size": fed.image_size,
+        "mean": fed.mean,
+        "std": fed.std,
+    }
+
+
+def ensure_ray(cfg: ExperimentConfig) -> None:
+    """Join ``RAY_ADDRESS`` / ``ray.address`` if given; otherwise start a local Ray with this machine's CPUs."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS") or cfg.ray.address
+    kwargs: dict[str, Any] = {
+        "include_dashboard": False,
+        "logging_level": logging.ERROR,
+        "log_to_driver": os.environ.get("FEDRAY_RAY_LOGS", "0") == "1",
+    }
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), **kwargs)
+
+
+def log_partition(tracker: RunTracker, fed: Federation) -> None:
+    tracker.log_table(fed.histogram_table(), "partition.csv")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "partition.png"
+        histogram_heatmap(fed, path)
+        tracker.log_file(path)
+
+
+# --------------------------------------------------------------------------------------------- driver
+
+
+def run_experiment(
+    cfg: ExperimentConfig,
+    *,
+    resume_run_id: str | None = None,
+    stop_after_round: int | None = None,
+    parent_run_id: str | None = None,
+    tags: dict[str, str] | None = None,
+    on_round: Callable[[int, dict[str, float]], None] | None = None,
+    placement_group=None,
+    num_actors: int | None = None,
+) -> Result:
+    """Run (or resume) one federated experiment end to end and return its numbers.
+
+    ``stop_after_round`` stops after that many rounds as an interruption would (the MLflow run is
+    left KILLED, the checkpoint stays); ``on_round`` sees every round's metrics (Ray Tune reporting).
+    """
+    import ray
+
+    from fedray.platform.coordinator import Coordinator, pool_size
+
+    fed = prepare_federation(cfg)  # config and data errors surface here, before Ray
+    tracker = RunTracker(cfg, run_id=resume_run_id, parent_run_id=parent_run_id, extra_tags=tags)
+    if resume_run_id is not None:
+        ckpt_dir = checkpoint_dir_of(resume_run_id, tracker.uri)
+    else:
+        ckpt_dir = Path(cfg.output_dir).resolve() / tracker.run_id
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        save_yaml(cfg, ckpt_dir / "config.yaml")
+        tracker.set_tags({TAG_CHECKPOINT: str(ckpt_dir)})
+        tracker.log_params(cfg)
+        tracker.log_config(cfg)
+        log_partition(tracker, fed)
+
+    start = time.perf_counter()
+    status = "FAILED"
+    coordinator = None
+    try:
+        ensure_ray(cfg)
+        shard_refs = [ray.put(shard) for shard in fed.shards]
+        size = num_actors or pool_size(cfg, ray.available_resources() or ray.cluster_resources())
+        coordinator = Coordinator.remote(
+            cfg, federation_meta(fed), shard_refs, ray.put(fed.global_test), str(ckpt_dir), size, placement_group
+        )
+        if resume_run_id is not None:
+            ray.get(coordinator.load_checkpoint.remote())
+        run_ref = coordinator.run.remote(stop_after_round)
+        with Progress(cfg.rounds, f"{cfg.algorithm} on {cfg.data.dataset}", enabled=cfg.progress) as progress:
+            done = False
+            while not done:
+                done = bool(ray.wait([run_ref], timeout=0)[0])
+                for event in ray.get(coordinator.poll.remote(0.0 if done else 0.5)):
+                    progress.handle(event)
+                    if event["type"] == "round_end":
+                        tracker.log_metrics(event["metrics"], step=event["round"])
+                        if on_round is not None:
+                            on_round(event["round"], event["metrics"])
+        summary = ray.get(run_ref)
+        result = Result(
+            tracker.run_id,
+            tracker.experiment_id,
+            cfg,
+            summary["history"],
+            summary["client_acc"],
+            summary["finished"],
+            time.perf_counter() - start,
+        )
+        if summary["finished"]:
+            log_final(tracker, result, summary["global_model"], ray.get(coordinator.client_models.remote()))
+            status = "FINISHED"
+        else:
+            status = "KILLED"
+        return result
+    except KeyboardInterrupt:
+        status = "KILLED"
+        print(f"\ninterrupted: resume with  fedray run --resume {tracker.run_id}", flush=True)
+        raise
+    finally:
+        tracker.end(status)
+        if coordinator is not None:
+            try:
+                ray.get(coordinator.shutdown.remote(), timeout=30)
+            except Exception:  # the coordinator may already be gone; Ray reaps its actors with it
+                pass
+            ray.kill(coordinator)
+
+
+def log_final(tracker: RunTracker, result: Result, global_model, client_models) -> None:
+    """Per-client final accuracies, the final global model and every client's model."""
+    frame = pd.DataFrame(
+        [{"client": cid, "accuracy": acc} for cid, acc in sorted(result.client_acc.items())],
+        columns=["client", "accuracy"],
+    )
+    tracker.log_table(frame, "client_accuracy.csv")
+    if global_model is not None:
+        tracker.log_torch(global_model, "global_model.pt")
+    tracker.log_torch(client_models, "client_models.pt")
+    best = {f"best/{k.split('/', 1)[1]}": result.best(k) for k in ("acc/personal_mean", "acc/global")}
+    tracker.log_metrics({k: v for k, v in best.items() if v is not None}, step=len(result.history))
+
+
+def resume_experiment(run_id: str, **kwargs: Any) -> Result:
+    """Continue an interrupted run from its last checkpoint, to the same final numbers."""
+    cfg = load_config(checkpoint_dir_of(run_id) / "config.yaml")
+    return run_experiment(cfg, resume_run_id=run_id, **kwargs)

@@ -1,0 +1,157 @@
+"""MLflow tracking: the only module that talks to MLflow.
+
+Default store: ``sqlite:///<cwd>/mlflow.db`` with artifacts in ``<cwd>/mlartifacts``; overridden by
+``MLFLOW_TRACKING_URI`` or ``tracking.uri``. One experiment per config name; per-round metrics use
+the stable names of DESIGN.md with ``step = rounds completed``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedray.platform.config import ExperimentConfig, flatten
+
+TAG_CHECKPOINT = "fedray.checkpoint_dir"
+
+
+def tracking_uri(cfg: ExperimentConfig | None = None) -> str:
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or (cfg.tracking.uri if cfg else None)
+    return uri or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def _artifact_root(uri: str) -> str | None:
+    """Local stores keep artifacts beside the database; a tracking server decides for itself."""
+    if uri.startswith("sqlite:///") or uri.startswith("file:") or "://" not in uri:
+        base = Path(uri.removeprefix("sqlite:///")).parent if uri.startswith("sqlite:///") else Path.cwd()
+        return (base / "mlartifacts").resolve().as_uri()
+    return None
+
+
+def partition_label(cfg: ExperimentConfig) -> str:
+    p = cfg.data.partition
+    label = {
+        "iid": "iid",
+        "dirichlet": f"dir{p.alpha:g}",
+        "shards": f"shards{p.classes_per_client}",
+        "shamsian": f"pat{p.classes_per_client}",
+        "file": "file",
+    }[p.kind]
+    return f"lt{p.long_tail_rho:g}-{label}" if p.long_tail_rho else label
+
+
+def run_name(cfg: ExperimentConfig) -> str:
+    return f"{cfg.algorithm}-{cfg.data.dataset}-{partition_label(cfg)}-s{cfg.seed}"
+
+
+def run_tags(cfg: ExperimentConfig) -> dict[str, str]:
+    return {
+        "algorithm": cfg.algorithm,
+        "dataset": cfg.data.dataset,
+        "partition": partition_label(cfg),
+        "model_group": cfg.model.group,
+        "seed": str(cfg.seed),
+    }
+
+
+class RunTracker:
+    """One MLflow run, created or re-opened (resume), logged through an explicit client."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        run_id: str | None = None,
+        parent_run_id: str | None = None,
+        extra_tags: dict[str, str] | None = None,
+    ) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.uri = tracking_uri(cfg)
+        self.client = MlflowClient(tracking_uri=self.uri)
+        if run_id is not None:
+            self.run_id = run_id
+            self.client.update_run(run_id, status="RUNNING")
+            self.experiment_id = self.client.get_run(run_id).info.experiment_id
+            return
+        self.experiment_id = experiment_id(self.client, cfg.tracking.experiment or cfg.name, self.uri)
+        tags = {**run_tags(cfg), **(extra_tags or {})}
+        if parent_run_id:
+            tags["mlflow.parentRunId"] = parent_run_id
+        run = self.client.create_run(self.experiment_id, run_name=run_name(cfg), tags=tags)
+        self.run_id = run.info.run_id
+
+    # ---- params, metrics, artifacts
+    def log_params(self, cfg: ExperimentConfig) -> None:
+        from mlflow.entities import Param
+
+        params = [Param(k, str(v)) for k, v in flatten(cfg.to_dict()).items()]
+        for i in range(0, len(params), 100):  # MLflow's batch limit
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
+        for i in range(0, len(batch), 1000):
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(self.run_id, k, v)
+
+    def log_file(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_text(self, text: str, name: str) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / name
+            path.write_text(text)
+            self.log_file(path)
+
+    def log_config(self, cfg: ExperimentConfig) -> None:
+        self.log_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), "config.yaml")
+
+    def log_table(self, frame, name: str) -> None:
+        self.log_text(frame.to_csv(index=False), name)
+
+    def log_torch(self, obj: Any, name: str) -> None:
+        import torch
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / name
+            torch.save(obj, path)
+            self.log_file(path, "models")
+
+    def end(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def experiment_id(client, name: str, uri: str) -> str:
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    return client.create_experiment(name, artifact_location=_artifact_root(uri))
+
+
+def checkpoint_dir_of(run_id: str, uri: str | None = None) -> Path:
+    """The checkpoint folder a run recorded, for ``fedray run --resume RUN_ID``."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from fedray.platform.config import ConfigError
+
+    uri = uri or tracking_uri()
+    try:
+        run = MlflowClient(tracking_uri=uri).get_run(run_id)
+    except MlflowException:
+        raise ConfigError(f"--resume {run_id}: no such run in the MLflow store {uri}") from None
+    path = run.data.tags.get(TAG_CHECKPOINT)
+    if not path or not (Path(path) / "checkpoint.pt").is_file():
+        raise ConfigError(f"--resume {run_id}: the run has no checkpoint to resume from (looked in {path})")
+    return Path(path)

@@ -1,0 +1,44 @@
+"""Shared fixtures: one local Ray for the session, and a throwaway MLflow store per test."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    """A real sqlite MLflow store in a temporary directory, used through MLFLOW_TRACKING_URI."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)
+    return uri
+
+
+def tiny_overrides(**extra):
+    """A few seconds of real federated training on the synthetic set."""
+    base = {
+        "data.dataset": "synthetic",
+        "data.num_clients": 4,
+        "data.synthetic_samples": 600,
+        "data.partition.kind": "dirichlet",
+        "data.partition.alpha": 1.0,
+        "data.partition.min_samples": 20,
+        "model.group": "cnn_small",
+        "rounds": 3,
+        "train.local_epochs": 1,
+        "train.batch_size": 32,
+        "progress": False,
+        "ray.max_actors": 2,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]

@@ -1,0 +1,65 @@
+"""Bad input fails with one clear line, before any Ray or training starts."""
+
+import pytest
+
+from fedray.platform.cli import main
+from fedray.platform.config import ConfigError, load_config
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["algorithm=fedmagic"], "algorithm='fedmagic': unknown algorithm"),
+        (["data.partition.alpha=0"], "data.partition.alpha=0"),
+        (["data.partition.alpha=-1"], "must be > 0"),
+        (["train.fraction=1.5"], "train.fraction=1.5"),
+        (["rounds=0"], "rounds=0"),
+        (["data.dataset=imagenet22k"], "data.dataset='imagenet22k': unknown dataset"),
+        (["model.group=transformer9000"], "model.group='transformer9000'"),
+        (["train.lr=abc"], "train.lr='abc': expected a number"),
+        (["data.partition.kind=random"], "data.partition.kind='random': allowed values"),
+        (["fedprox.mu=-1", "algorithm=fedprox"], "fedprox.mu=-1.0"),
+        (["trian.lr=0.1"], "unknown config key 'trian'"),
+        (["algorithm=fedavg", "model.group=fedssa_cnns"], "heterogeneous"),
+        (["data.split.test=0.5"], "data.split: train+val+test"),
+    ],
+)
+def test_bad_config_value_is_one_line_error(overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert needle in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["data.partition.kind=shards", "data.partition.classes_per_client=11"], "classes_per_client=11"),
+        (["data.dataset=cifar10", "data.root=/nonexistent/cifar"], "data.root"),
+        (["data.dataset=cifar10"], "data.root"),
+        (["data.dataset=imagefolder", "data.root=/nonexistent/tree"], "data.root"),
+        (["algorithm=nope"], "unknown algorithm"),
+        (["train.fraction=2"], "train.fraction=2"),
+    ],
+)
+def test_cli_reports_one_line_and_starts_no_ray(overrides, needle, capsys, tmp_path, monkeypatch):
+    import ray
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", *overrides]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err, err
+    assert len(err.splitlines()) == 1
+    assert not ray.is_initialized()
+    assert not (tmp_path / "mlflow.db").exists()  # nothing heavy started, not even the store
+
+
+def test_missing_config_file_is_clear(capsys):
+    assert main(["run", "configs/does-not-exist.yaml"]) == 2
+    assert "does-not-exist.yaml' does not exist" in capsys.readouterr().err
+
+
+def test_algorithm_section_and_override_reach_the_algorithm_config():
+    cfg = load_config("configs/quickstart.yaml", ["algorithm=fedprox", "fedprox.mu=0.25", "rounds=3"])
+    assert cfg.algo.mu == 0.25 and cfg.rounds == 3
+    assert cfg.to_dict()["fedprox"] == {"mu": 0.25}

@@ -1,0 +1,27 @@
+"""platform/ must never shadow the standard library for a process started at the repository root."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_python_started_at_root_imports_torch_and_stdlib_platform():
+    code = "import platform, torch; print(platform.system(), torch.__version__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] in {"Linux", "Darwin", "Windows"}
+
+
+def test_top_level_code_folders_have_no_init():
+    for folder in ("platform", "algorithms", "sweeps", "dashboards"):
+        assert not (ROOT / folder / "__init__.py").exists(), folder
+
+
+def test_package_maps_the_folders():
+    import fedray.algorithms
+    import fedray.platform.config
+
+    assert Path(fedray.platform.config.__file__).parent == ROOT / "platform"
+    assert ROOT / "algorithms" in {Path(p) for p in fedray.algorithms.__path__}
