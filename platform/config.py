@@ -52,6 +52,7 @@ class DataConfig:
     root: str | None = None  # where torchvision / image-folder datasets live
     download: bool = False  # torchvision sets: download only when the user asks
     num_clients: int = 10
+    train_subset: int | None = None  # use a stratified random subset of the training pool (benchmarks)
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     split: SplitConfig = field(default_factory=SplitConfig)
     # synthetic set only: how big and how hard
@@ -281,13 +282,17 @@ def _check(ok: bool, message: str) -> None:
 def validate(cfg: ExperimentConfig) -> None:
     """Cheap checks that need no data and no Ray. Data-dependent checks live in the data module."""
     from fedray.platform.data.datasets import known_datasets
-    from fedray.platform.models import known_models
+    from fedray.platform.models import is_known_model
 
     d, p, s, t = cfg.data, cfg.data.partition, cfg.data.split, cfg.train
     _check(cfg.rounds >= 1, f"rounds={cfg.rounds}: must be >= 1")
     _check(cfg.eval_every >= 1, f"eval_every={cfg.eval_every}: must be >= 1")
     _check(cfg.checkpoint_every >= 0, f"checkpoint_every={cfg.checkpoint_every}: must be >= 0 (0 = never)")
     _check(d.num_clients >= 1, f"data.num_clients={d.num_clients}: must be >= 1")
+    _check(
+        d.train_subset is None or d.train_subset >= d.num_clients,
+        f"data.train_subset={d.train_subset}: must be >= data.num_clients or null",
+    )
     _check(
         d.dataset in known_datasets(),
         f"data.dataset={d.dataset!r}: unknown dataset; known: {', '.join(known_datasets())}",
@@ -316,8 +321,8 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay}: must be >= 0")
     _check(t.grad_clip is None or t.grad_clip > 0, f"train.grad_clip={t.grad_clip}: must be > 0 or null")
     _check(
-        cfg.model.group in known_models(),
-        f"model.group={cfg.model.group!r}: unknown model or group; known: {', '.join(known_models())}",
+        is_known_model(cfg.model.group),
+        f"model.group={cfg.model.group!r}: unknown model or group; see README 'Configuration' for the zoo",
     )
     r = cfg.ray
     _check(r.num_cpus_per_client > 0, f"ray.num_cpus_per_client={r.num_cpus_per_client}: must be > 0")

@@ -1,0 +1,108 @@
+"""The model contract shared by every zoo architecture: a feature extractor plus a linear head.
+
+Every model is ``head(features(x))`` with ``head = Linear(feature_dim, num_classes)``. Algorithms that
+share or personalise only the classifier (FedSSA's "header", LG-FedAvg, FedGH, FedL2G) address it through
+:func:`head_param_names`; prototype algorithms (FedProto, FedSC, FedL2G-feat) use
+:meth:`FedModel.forward_with_features` to get logits and the d-dim representation in one pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class FeaturePool(nn.Module):
+    """``nn.AdaptiveAvgPool1d(k)`` over a flat ``[B, D]`` feature vector -> ``[B, k]``.
+
+    FedL2G (spec fedl2g.md §3, resolution 9) brings every heterogeneous extractor to K = 512 this way:
+    average pooling over the channel axis, no parameters. For ``D = m * k`` it is the mean of each run of
+    ``m`` consecutive values; for ``D == k`` the identity; for ``k = m * D`` each value repeated ``m`` times.
+    Those two cases are computed directly (deterministic on GPU, unlike the adaptive-pool backward).
+    """
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.flatten(1)
+        d = x.shape[1]
+        if d == self.k:
+            return x
+        if d % self.k == 0:
+            return x.reshape(x.shape[0], self.k, d // self.k).mean(-1)
+        if self.k % d == 0:
+            return x.repeat_interleave(self.k // d, dim=1)
+        return F.adaptive_avg_pool1d(x.unsqueeze(1), self.k).squeeze(1)
+
+    def extra_repr(self) -> str:
+        return f"k={self.k}"
+
+
+class FedModel(nn.Module):
+    """A zoo model: ``features`` (x -> ``[B, feature_dim]``) followed by ``head = Linear(feature_dim, C)``.
+
+    ``arch`` is the zoo name it was built from (e.g. ``"fedssa_cnn1"`` or ``"resnet50:imagenet@512"``);
+    ``in_channels``, ``image_size`` and ``num_classes`` are kept so a peer model can be rebuilt.
+    """
+
+    def __init__(
+        self,
+        features: nn.Module,
+        feature_dim: int,
+        num_classes: int,
+        *,
+        arch: str,
+        in_channels: int,
+        image_size: int,
+    ) -> None:
+        super().__init__()
+        self.features = features
+        self.head = nn.Linear(feature_dim, num_classes)
+        self.feature_dim = feature_dim
+        self.num_classes = num_classes
+        self.arch = arch
+        self.in_channels = in_channels
+        self.image_size = image_size
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.features(x))
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        return self.features(x)
+
+    def forward_with_features(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Logits and representation from a single pass (same dropout mask / BN batch for both)."""
+        z = self.features(x)
+        return self.head(z), z
+
+    def extra_repr(self) -> str:
+        return f"arch={self.arch!r}, feature_dim={self.feature_dim}, num_classes={self.num_classes}"
+
+
+def head_param_names(model: FedModel) -> list[str]:
+    """The ``state_dict`` keys of the model's head: ``["head.weight", "head.bias"]``."""
+    return [f"head.{name}" for name, _ in model.head.named_parameters()]
+
+
+def num_params(model: nn.Module, trainable_only: bool = False) -> int:
+    """Number of parameters (all, or only those with ``requires_grad``)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def conv_out(size: int, kernel: int, stride: int = 1, padding: int = 0) -> int:
+    """Spatial size after a conv / pool layer (floor mode)."""
+    return (size + 2 * padding - kernel) // stride + 1
+
+
+@torch.no_grad()
+def init_like_torchvision_resnet(module: nn.Module) -> None:
+    """Kaiming-normal (fan_out) convs, BN weight 1 / bias 0 — torchvision's ResNet init."""
+    for m in module.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
+            nn.init.constant_(m.weight, 1)
+            nn.init.constant_(m.bias, 0)

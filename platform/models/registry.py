@@ -1,0 +1,195 @@
+"""Architecture registry, model groups and the model-name grammar.
+
+A model name is ``base[:style][@K | @linK]``:
+
+- ``base``: a registered architecture (``@register_model("name")``), e.g. ``resnet18``.
+- ``:style``: for architectures with a small-image and an ImageNet variant (ResNets, VGG):
+  ``:cifar`` = adapted to small inputs, ``:imagenet`` = the original torchvision layout. Without it the
+  choice is automatic: ``cifar`` when ``image_size <= 64``, else ``imagenet``.
+- ``@K``: FedL2G's ``nn.AdaptiveAvgPool1d(K)`` over the penultimate vector (no parameters), so
+  ``feature_dim = K`` (spec fedl2g.md §3).
+- ``@linK``: a learned ``Linear(d, K)`` instead (FedSC's MobileNetV2 1280 -> 512, spec fedsc.md §7.13).
+
+A group is a list of model names; client ``i`` gets ``group[i % len(group)]``. Any single model name is a
+homogeneous group of itself, and a comma-separated list of names is an ad-hoc group.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from fedray.platform.config import ConfigError
+from fedray.platform.models.base import FeaturePool, FedModel
+
+# builder(in_channels, image_size[, style=...]) -> (feature extractor, feature_dim)
+Builder = Callable[..., tuple[nn.Module, int]]
+STYLES = ("cifar", "imagenet")
+SMALL_IMAGE_MAX = 64  # automatic style: "cifar" up to this size, "imagenet" above
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    name: str
+    builder: Builder
+    min_size: int = 1  # smallest square input the architecture accepts
+    styles: tuple[str, ...] = ()  # supported ':style' modifiers; empty = no variants
+    # min_size per style where it differs
+    style_min_size: dict[str, int] = field(default_factory=dict)
+    # re-initialise the head like the original model does (default: PyTorch's Linear init)
+    head_init: Callable[[nn.Linear], None] | None = None
+    doc: str = ""
+
+
+_ARCHS: dict[str, ArchSpec] = {}
+_GROUPS: dict[str, list[str]] = {}
+_NAME = re.compile(r"^(?P<base>[a-z0-9_]+)(?::(?P<style>[a-z]+))?(?:@(?P<lin>lin)?(?P<k>[0-9]+))?$")
+
+
+def register_model(
+    name: str,
+    *,
+    min_size: int = 1,
+    styles: tuple[str, ...] = (),
+    style_min_size: dict[str, int] | None = None,
+    head_init: Callable[[nn.Linear], None] | None = None,
+) -> Callable[[Builder], Builder]:
+    """Decorator: register ``fn(in_channels, image_size[, style]) -> (features, feature_dim)``."""
+
+    def decorate(fn: Builder) -> Builder:
+        if name in _ARCHS or name in _GROUPS:
+            raise ValueError(f"model {name!r} is registered twice")
+        if not _NAME.match(name) or ":" in name or "@" in name:
+            raise ValueError(f"bad model name {name!r}: use lower-case letters, digits and '_'")
+        doc = (fn.__doc__ or "").strip().splitlines()
+        _ARCHS[name] = ArchSpec(
+            name, fn, min_size, tuple(styles), dict(style_min_size or {}), head_init, doc[0] if doc else ""
+        )
+        return fn
+
+    return decorate
+
+
+def register_group(name: str, members: list[str]) -> None:
+    """Register a named model group (validated lazily, when first used)."""
+    if name in _ARCHS or name in _GROUPS:
+        raise ValueError(f"model group {name!r} is registered twice")
+    _GROUPS[name] = list(members)
+
+
+@dataclass(frozen=True)
+class ParsedName:
+    base: str
+    style: str | None  # None = automatic
+    k: int | None  # pooled / projected feature dim
+    learned: bool  # "@linK" rather than "@K"
+
+    def spec(self) -> ArchSpec:
+        return _ARCHS[self.base]
+
+
+def parse_model_name(name: str) -> ParsedName:
+    """Split ``base[:style][@K|@linK]`` and check each part; raise ``ConfigError`` naming the problem."""
+    m = _NAME.match(name.strip()) if isinstance(name, str) else None
+    if m is None or m["base"] not in _ARCHS:
+        if m is not None and m["base"] in _GROUPS:
+            raise ConfigError(f"model {name!r} is a group; build its members (see arch_for_client)")
+        raise ConfigError(f"unknown model {name!r}; known: {', '.join(known_models())}")
+    spec = _ARCHS[m["base"]]
+    style = m["style"]
+    if style is not None and style not in spec.styles:
+        allowed = ", ".join(f"':{s}'" for s in spec.styles) or "none"
+        raise ConfigError(f"model {name!r}: {spec.name} has no ':{style}' variant (allowed: {allowed})")
+    k = int(m["k"]) if m["k"] is not None else None
+    if k is not None and k < 1:
+        raise ConfigError(f"model {name!r}: the feature size after '@' must be >= 1")
+    return ParsedName(spec.name, style, k, bool(m["lin"]))
+
+
+def is_known_model(name: str) -> bool:
+    """True for any valid model name, group name, or comma-separated list of model names."""
+    try:
+        model_group(name)
+    except ConfigError:
+        return False
+    return True
+
+
+def known_models() -> list[str]:
+    """Registered architectures, then groups, then the (modified) names used inside groups."""
+    members = sorted({m for ms in _GROUPS.values() for m in ms} - set(_ARCHS))
+    return sorted(_ARCHS) + sorted(_GROUPS) + members
+
+
+def model_group(name: str) -> list[str]:
+    """Group name -> its member names; a model name -> ``[name]``; ``"a,b,c"`` -> ``["a", "b", "c"]``."""
+    if name in _GROUPS:
+        members = list(_GROUPS[name])
+    elif isinstance(name, str) and "," in name:
+        members = [part.strip() for part in name.split(",") if part.strip()]
+    else:
+        members = [name]
+    if not members:
+        raise ConfigError(f"model group {name!r} is empty")
+    for member in members:
+        parse_model_name(member)
+    return members
+
+
+def arch_for_client(group: str, client_id: int) -> str:
+    """The architecture of client ``client_id``: ``group[client_id % len(group)]``."""
+    members = model_group(group)
+    return members[client_id % len(members)]
+
+
+def resolve_style(spec: ArchSpec, style: str | None, image_size: int) -> str | None:
+    if not spec.styles:
+        return None
+    if style is None:
+        style = "cifar" if image_size <= SMALL_IMAGE_MAX else "imagenet"
+        if style not in spec.styles:
+            style = spec.styles[0]
+    return style
+
+
+def min_image_size(name: str, image_size: int | None = None) -> int:
+    """Smallest square input the named model accepts (the style may depend on ``image_size``)."""
+    parsed = parse_model_name(name)
+    spec = parsed.spec()
+    style = resolve_style(spec, parsed.style, image_size if image_size is not None else 32)
+    return spec.style_min_size.get(style or "", spec.min_size)
+
+
+def build_model(arch: str, in_channels: int, image_size: int, num_classes: int) -> FedModel:
+    """Build a fresh, randomly initialised zoo model (never pretrained) for square inputs.
+
+    Uses the global torch RNG, so seed before calling for reproducible inits.
+    """
+    parsed = parse_model_name(arch)
+    spec = parsed.spec()
+    for what, value in (
+        ("in_channels", in_channels),
+        ("image_size", image_size),
+        ("num_classes", num_classes),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"model {arch!r}: {what} must be a positive integer, got {value!r}")
+    style = resolve_style(spec, parsed.style, image_size)
+    need = spec.style_min_size.get(style or "", spec.min_size)
+    if image_size < need:
+        raise ConfigError(
+            f"model {arch!r} needs images of at least {need}x{need} pixels, the data has "
+            f"{image_size}x{image_size}; pick a model for small images (e.g. cnn_small, small_hetero)"
+        )
+    kwargs = {"style": style} if style is not None else {}
+    features, dim = spec.builder(in_channels, image_size, **kwargs)
+    if parsed.k is not None:
+        tail: nn.Module = nn.Linear(dim, parsed.k) if parsed.learned else FeaturePool(parsed.k)
+        features, dim = nn.Sequential(features, tail), parsed.k
+    model = FedModel(features, dim, num_classes, arch=arch, in_channels=in_channels, image_size=image_size)
+    if spec.head_init is not None and parsed.k is None:
+        spec.head_init(model.head)
+    return model
