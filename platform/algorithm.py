@@ -183,7 +183,9 @@ class ClientModule(L.LightningModule):
             self._optimizer_state = self.trainer.optimizers[0].state_dict()
 
     def train_dataloader(self):
-        return batch_loader(self.training_data(), self.ctx.cfg.train.batch_size, shuffle=True, seed=self.data_seed())
+        return batch_loader(
+            self.training_data(), self.ctx.cfg.train.batch_size, shuffle=True, seed=self.data_seed()
+        )
 
     def training_data(self) -> ArrayDataset:
         """The samples local training iterates over (FedL2G holds a quiz batch out)."""
@@ -194,7 +196,9 @@ class ClientModule(L.LightningModule):
 
     # ---- per-fit statistics (cheaper than self.log, and they travel back with the uplink)
     def record(self, name: str, value: torch.Tensor | float) -> None:
-        self._stats.setdefault(name, []).append(float(value.detach()) if torch.is_tensor(value) else float(value))
+        self._stats.setdefault(name, []).append(
+            float(value.detach()) if torch.is_tensor(value) else float(value)
+        )
 
     def pop_stats(self) -> dict[str, float]:
         out = {k: float(np.mean(v)) for k, v in self._stats.items() if v}
@@ -218,10 +222,14 @@ class _Batches(torch.utils.data.Dataset):
         return self.x[idx], self.y[idx]
 
 
-def batch_loader(data: ArrayDataset, batch_size: int, *, shuffle: bool, seed: int = 0, drop_last: bool = False):
+def batch_loader(
+    data: ArrayDataset, batch_size: int, *, shuffle: bool, seed: int = 0, drop_last: bool = False
+):
     from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 
     ds = _Batches(data)
-    base = RandomSampler(ds, generator=torch.Generator().manual_seed(seed)) if shuffle else SequentialSampler(ds)
+    base = (
+        RandomSampler(ds, generator=torch.Generator().manual_seed(seed)) if shuffle else SequentialSampler(ds)
+    )
     sampler = BatchSampler(base, batch_size=batch_size, drop_last=drop_last)
     return DataLoader(ds, sampler=sampler, batch_size=None)

@@ -29,19 +29,29 @@ def _run(args: argparse.Namespace) -> int:
     row = result.summary_row()
     best = result.best("acc/personal_mean")
     row["best personal %"] = None if best is None else round(100 * best, 2)
-    print_table(summary_table([row], title=f"{result.config.name}: {result.config.algorithm}, {len(result.history)} rounds"))
-    print(f"MLflow run id: {result.run_id}   (make ui, experiment {result.config.tracking.experiment or result.config.name!r})")
+    print_table(
+        summary_table(
+            [row], title=f"{result.config.name}: {result.config.algorithm}, {len(result.history)} rounds"
+        )
+    )
+    print(
+        f"MLflow run id: {result.run_id}   (make ui, experiment {result.config.tracking.experiment or result.config.name!r})"
+    )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedray", description="Federated-learning experiments on Lightning + Ray + MLflow")
+    parser = argparse.ArgumentParser(
+        prog="fedray", description="Federated-learning experiments on Lightning + Ray + MLflow"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run one federated experiment")
     run.add_argument("config", nargs="?", help="experiment YAML (default: built-in defaults)")
     run.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rounds=30 fedprox.mu=0.1")
-    run.add_argument("--resume", metavar="RUN_ID", help="continue an interrupted run from its last checkpoint")
+    run.add_argument(
+        "--resume", metavar="RUN_ID", help="continue an interrupted run from its last checkpoint"
+    )
     run.set_defaults(func=_run)
     return parser
 

@@ -124,7 +124,10 @@ class ClientHost:
                 self.modules[cid]._optimizer_state = state["optimizer"]
 
     def models(self, cids: list[int]) -> dict[int, dict[str, torch.Tensor]]:
-        return {cid: {k: v.detach().cpu().clone() for k, v in self.modules[cid].model.state_dict().items()} for cid in cids}
+        return {
+            cid: {k: v.detach().cpu().clone() for k, v in self.modules[cid].model.state_dict().items()}
+            for cid in cids
+        }
 
 
 @ray.remote

@@ -298,13 +298,17 @@ def validate(cfg: ExperimentConfig) -> None:
         f"data.dataset={d.dataset!r}: unknown dataset; known: {', '.join(known_datasets())}",
     )
     _check(p.alpha > 0, f"data.partition.alpha={p.alpha}: the Dirichlet concentration must be > 0")
-    _check(p.classes_per_client >= 1, f"data.partition.classes_per_client={p.classes_per_client}: must be >= 1")
+    _check(
+        p.classes_per_client >= 1, f"data.partition.classes_per_client={p.classes_per_client}: must be >= 1"
+    )
     _check(p.min_samples >= 0, f"data.partition.min_samples={p.min_samples}: must be >= 0")
     _check(
         p.long_tail_rho is None or p.long_tail_rho >= 1,
         f"data.partition.long_tail_rho={p.long_tail_rho}: the imbalance ratio max/min must be >= 1",
     )
-    _check(p.kind != "file" or bool(p.path), "data.partition.kind=file needs data.partition.path=<split.json>")
+    _check(
+        p.kind != "file" or bool(p.path), "data.partition.kind=file needs data.partition.path=<split.json>"
+    )
     for name in ("train", "val", "test"):
         ratio = getattr(s, name)
         _check(0 <= ratio <= 1, f"data.split.{name}={ratio}: a ratio must lie in [0, 1]")
@@ -335,7 +339,7 @@ def validate(cfg: ExperimentConfig) -> None:
 
 def clients_per_round(cfg: ExperimentConfig) -> int:
     """K = max(1, round(C * N)): the number of clients sampled each round."""
-    return max(1, int(round(cfg.train.fraction * cfg.data.num_clients)))
+    return max(1, round(cfg.train.fraction * cfg.data.num_clients))
 
 
 def save_yaml(cfg: ExperimentConfig, path: str | Path) -> None:

@@ -54,7 +54,7 @@ class RoundLoop:
         cfg: ExperimentConfig,
         meta: dict[str, Any],
         shard_refs: list,
-        global_test_ref,
+        global_test: ArrayDataset,
         checkpoint_dir: str,
         num_actors: int,
         placement_group=None,
@@ -71,7 +71,6 @@ class RoundLoop:
         ctx = ServerContext(cfg, n, meta["num_classes"], archs, lambda cid: make_client_model(cfg, cid, meta))
         torch.manual_seed(derive_seed(cfg.seed, 4))
         self.server = spec.server_cls(ctx)
-        global_test: ArrayDataset = ray.get(global_test_ref)
         self.global_test = (normalize(global_test.x, meta["mean"], meta["std"]), global_test.y)
 
         self.actors = self._start_actors(num_actors, placement_group)
@@ -91,7 +90,9 @@ class RoundLoop:
 
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group)
         threads = max(1, int(r.num_cpus_per_client))
-        return [ClientActor.options(**options).remote(self.cfg, self.meta, threads) for _ in range(num_actors)]
+        return [
+            ClientActor.options(**options).remote(self.cfg, self.meta, threads) for _ in range(num_actors)
+        ]
 
     # ------------------------------------------------------------------------------------ events
     def emit(self, kind: str, **data: Any) -> None:
@@ -152,7 +153,9 @@ class RoundLoop:
             uplinks[cid] = uplink
             for name, value in client_stats.items():
                 stats[name].append(value)
-            self.emit("client_done", round=rnd + 1, client=cid, done=len(uplinks) + len(failed), total=len(selected))
+            self.emit(
+                "client_done", round=rnd + 1, client=cid, done=len(uplinks) + len(failed), total=len(selected)
+            )
 
         up_bytes = sum(payload_nbytes(u) for u in uplinks.values())
         self.server.aggregate(rnd, dict(sorted(uplinks.items())))
@@ -186,13 +189,16 @@ class RoundLoop:
         correct = np.array([r[1] for r in rows], dtype=np.float64)
         total = np.array([r[2] for r in rows], dtype=np.float64)
         acc = np.divide(correct, total, out=np.zeros_like(correct), where=total > 0)
-        self.last_client_acc = {r[0]: float(a) for r, a in zip(rows, acc)}
-        out = {
-            "acc/personal_mean": float(acc[total > 0].mean()),
-            "acc/personal_std": float(acc[total > 0].std()),
-            "acc/personal_weighted": float(correct.sum() / max(total.sum(), 1)),
-            "loss/personal": float(sum(r[3] for r in rows) / max(total.sum(), 1)),
-        }
+        tested = total > 0  # a split with test ratio 0 leaves clients without a local test set
+        self.last_client_acc = {r[0]: float(a) for r, a, t in zip(rows, acc, tested) if t}
+        out = {}
+        if tested.any():
+            out = {
+                "acc/personal_mean": float(acc[tested].mean()),
+                "acc/personal_std": float(acc[tested].std()),
+                "acc/personal_weighted": float(correct.sum() / total.sum()),
+                "loss/personal": float(sum(r[3] for r in rows) / total.sum()),
+            }
         model = self.server.global_model()
         if model is not None:
             c, t, loss = evaluate_model(model, *self.global_test, "cpu")

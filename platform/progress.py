@@ -21,7 +21,9 @@ def fmt_acc(value: float | None) -> str:
 
 
 class Progress:
-    def __init__(self, total_rounds: int, title: str, enabled: bool = True, console: Console | None = None) -> None:
+    def __init__(
+        self, total_rounds: int, title: str, enabled: bool = True, console: Console | None = None
+    ) -> None:
         self.total = total_rounds
         self.title = title
         self.enabled = enabled
@@ -56,9 +58,13 @@ class Progress:
             return
         kind = event["type"]
         if kind == "client_done" and self._bar is not None:
-            self._bar.update(self._task, status=f"round {event['round']}: clients {event['done']}/{event['total']}")
+            self._bar.update(
+                self._task, status=f"round {event['round']}: clients {event['done']}/{event['total']}"
+            )
         elif kind == "client_failed":
-            self.console.print(f"[red]round {event['round']}: client {event['client']} failed: {event['error']}")
+            self.console.print(
+                f"[red]round {event['round']}: client {event['client']} failed: {event['error']}"
+            )
         elif kind == "round_end":
             self._round_end(event["round"], event["metrics"])
 

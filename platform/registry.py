@@ -44,7 +44,9 @@ def register(name: str, *, server: type, client: type):
         key = name.lower()
         existing = _REGISTRY.get(key)
         if existing is not None and existing.module != config_cls.__module__:
-            raise ValueError(f"algorithm {key!r} registered twice ({existing.module}, {config_cls.__module__})")
+            raise ValueError(
+                f"algorithm {key!r} registered twice ({existing.module}, {config_cls.__module__})"
+            )
         _REGISTRY[key] = AlgorithmSpec(key, server, client, config_cls, config_cls.__module__)
         return config_cls
 

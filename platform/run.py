@@ -8,6 +8,7 @@ last checkpoint, logging into the same MLflow run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -56,7 +57,11 @@ class Result:
     def summary_row(self) -> dict[str, Any]:
         f = self.final
         std = f["acc/personal_std"]
-        pers = None if f["acc/personal_mean"] is None else f"{100 * f['acc/personal_mean']:.2f} ± {100 * (std or 0):.2f}"
+        pers = (
+            None
+            if f["acc/personal_mean"] is None
+            else f"{100 * f['acc/personal_mean']:.2f} ± {100 * (std or 0):.2f}"
+        )
         return {
             "algorithm": self.config.algorithm,
             "personal acc %": pers,
@@ -157,7 +162,13 @@ def run_experiment(
         shard_refs = [ray.put(shard) for shard in fed.shards]
         size = num_actors or pool_size(cfg, ray.available_resources() or ray.cluster_resources())
         coordinator = Coordinator.remote(
-            cfg, federation_meta(fed), shard_refs, ray.put(fed.global_test), str(ckpt_dir), size, placement_group
+            cfg,
+            federation_meta(fed),
+            shard_refs,
+            ray.put(fed.global_test),
+            str(ckpt_dir),
+            size,
+            placement_group,
         )
         if resume_run_id is not None:
             ray.get(coordinator.load_checkpoint.remote())
@@ -195,10 +206,8 @@ def run_experiment(
     finally:
         tracker.end(status)
         if coordinator is not None:
-            try:
+            with contextlib.suppress(Exception):  # it may already be gone; Ray reaps its actors then
                 ray.get(coordinator.shutdown.remote(), timeout=30)
-            except Exception:  # the coordinator may already be gone; Ray reaps its actors with it
-                pass
             ray.kill(coordinator)
 
 

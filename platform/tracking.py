@@ -20,6 +20,14 @@ from fedray.platform.config import ExperimentConfig, flatten
 TAG_CHECKPOINT = "fedray.checkpoint_dir"
 
 
+def quiet_mlflow() -> None:
+    """MLflow announces database migrations at INFO; a run's output is for the run."""
+    import logging
+
+    for name in ("mlflow", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def tracking_uri(cfg: ExperimentConfig | None = None) -> str:
     uri = os.environ.get("MLFLOW_TRACKING_URI") or (cfg.tracking.uri if cfg else None)
     return uri or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
@@ -71,6 +79,7 @@ class RunTracker:
     ) -> None:
         from mlflow.tracking import MlflowClient
 
+        quiet_mlflow()
         self.uri = tracking_uri(cfg)
         self.client = MlflowClient(tracking_uri=self.uri)
         if run_id is not None:

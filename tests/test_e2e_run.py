@@ -3,11 +3,11 @@
 import math
 
 import pytest
+from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 
 from fedray.platform.config import load_config
 from fedray.platform.run import resume_experiment, run_experiment
-from conftest import tiny_overrides
 
 
 @pytest.mark.usefixtures("ray_session")

@@ -1,0 +1,177 @@
+"""fedray against a plain single-process PyTorch loop doing the same FedAvg training.
+
+Real CIFAR-10 (the JPEGs in ../shared/data), 10,000 training images, 20 clients, Dirichlet(0.5),
+the FedAvg CNN, 1 local epoch, batch 50, 10 rounds, every client every round. Both sides train on the
+identical partition with the same optimizer; the plain loop uses all cores in one process, fedray
+uses one ClientActor per core. Prints wall times, the ratio fedray/plain, peak memory and the final
+global accuracies.
+
+    make bench                      # or: python benchmarks/bench_fedavg_cifar.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+import torch.nn.functional as F
+
+from fedray.algorithms.fedavg import weighted_average
+from fedray.platform.algorithm import batch_loader
+from fedray.platform.client import evaluate_model
+from fedray.platform.config import load_config
+from fedray.platform.data import normalize
+from fedray.platform.models import build_model
+from fedray.platform.run import ensure_ray, prepare_federation, run_experiment
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCHIVE = ROOT.parent / "shared" / "data" / "cifar10-jpeg.tar.gz"
+
+
+def cifar_root(path: str | None) -> Path:
+    """The unpacked JPEG tree; unpacks the shared archive once into ~/.cache/fedray (never the repo)."""
+    if path:
+        return Path(path).expanduser()
+    target = Path.home() / ".cache" / "fedray" / "cifar10-jpeg"
+    if not (target / "train").is_dir():
+        if not ARCHIVE.is_file():
+            raise SystemExit(f"no CIFAR-10 JPEGs: pass --data DIR or provide {ARCHIVE}")
+        target.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(ARCHIVE) as tar:
+            tar.extractall(target, filter="data")
+        inner = [p for p in target.iterdir() if p.is_dir() and (p / "train").is_dir()]
+        if inner and not (target / "train").is_dir():
+            for child in inner[0].iterdir():
+                child.rename(target / child.name)
+    return target
+
+
+class PeakMemory:
+    """Samples the resident memory of this process plus every Ray worker process (``ray::*``)."""
+
+    def __init__(self, include_ray: bool) -> None:
+        self.include_ray = include_ray
+        self.peak = 0
+        self._stop = threading.Event()
+
+    def _sample(self) -> int:
+        total = psutil.Process().memory_info().rss
+        if self.include_ray:
+            for proc in psutil.process_iter(["name", "cmdline"]):
+                try:
+                    cmd = " ".join(proc.info["cmdline"] or [])
+                    if cmd.startswith("ray::") or (proc.info["name"] or "").startswith("ray::"):
+                        total += proc.memory_info().rss
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+        return total
+
+    def __enter__(self) -> PeakMemory:
+        def loop() -> None:
+            while not self._stop.wait(0.2):
+                self.peak = max(self.peak, self._sample())
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def plain_fedavg(cfg, fed) -> float:
+    """The same FedAvg, written as the single-process loop a researcher would write by hand."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    meta = (fed.in_channels, fed.image_size, fed.num_classes)
+    torch.manual_seed(cfg.seed)
+    global_model = build_model(cfg.model.group, *meta)
+    local = build_model(cfg.model.group, *meta)
+    shards = [(normalize(s.train.x, fed.mean, fed.std), s.train.y) for s in fed.shards]
+    t = cfg.train
+    for rnd in range(cfg.rounds):
+        states, weights = [], []
+        for cid, (x, y) in enumerate(shards):
+            local.load_state_dict(global_model.state_dict())
+            opt = torch.optim.SGD(
+                local.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
+            )
+            data = type(fed.shards[cid].train)(x, y)
+            for _ in range(t.local_epochs):
+                for xb, yb in batch_loader(data, t.batch_size, shuffle=True, seed=rnd * 1000 + cid):
+                    opt.zero_grad()
+                    F.cross_entropy(local(xb), yb).backward()
+                    opt.step()
+            states.append({k: v.clone() for k, v in local.state_dict().items()})
+            weights.append(len(y))
+        global_model.load_state_dict(weighted_average(states, weights))
+    x_test = normalize(fed.global_test.x, fed.mean, fed.std)
+    correct, total, _ = evaluate_model(global_model, x_test, fed.global_test.y, "cpu")
+    return correct / total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", help="unpacked CIFAR-10 JPEG tree (train/<class>, test/<class>)")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--clients", type=int, default=20)
+    parser.add_argument("--train-samples", type=int, default=10_000)
+    args = parser.parse_args()
+
+    root = cifar_root(args.data)
+    overrides = [
+        "name=bench",
+        "data.dataset=imagefolder",
+        f"data.root={root}",
+        f"data.num_clients={args.clients}",
+        f"data.train_subset={args.train_samples}",
+        "data.partition.kind=dirichlet",
+        "data.partition.alpha=0.5",
+        "data.split.train=1.0",
+        "data.split.test=0.0",
+        "model.group=fedavg_cnn",
+        f"rounds={args.rounds}",
+        f"eval_every={args.rounds}",
+        "checkpoint_every=0",
+        "train.local_epochs=1",
+        "train.batch_size=50",
+        "train.lr=0.01",
+        "train.momentum=0.9",
+        "progress=false",
+    ]
+    cfg = load_config(None, overrides)
+    t0 = time.perf_counter()
+    fed = prepare_federation(cfg)  # decodes once, then the tensor cache is warm for fedray too
+    print(
+        f"data: {sum(len(s.train) for s in fed.shards)} training images over {len(fed.shards)} clients, "
+        f"{len(fed.global_test)} test images (prepared in {time.perf_counter() - t0:.1f}s)"
+    )
+    ensure_ray(cfg)
+
+    with PeakMemory(include_ray=True) as mem_fedray:
+        t0 = time.perf_counter()
+        result = run_experiment(cfg)
+        fedray_s = time.perf_counter() - t0
+    with PeakMemory(include_ray=False) as mem_plain:
+        t0 = time.perf_counter()
+        plain_acc = plain_fedavg(cfg, fed)
+        plain_s = time.perf_counter() - t0
+
+    gib = 2**30
+    print()
+    print(f"{'':<10}{'wall s':>10}{'peak mem GiB':>15}{'global acc %':>15}")
+    print(
+        f"{'fedray':<10}{fedray_s:>10.1f}{mem_fedray.peak / gib:>15.2f}{100 * result.final['acc/global']:>15.2f}"
+    )
+    print(f"{'plain':<10}{plain_s:>10.1f}{mem_plain.peak / gib:>15.2f}{100 * plain_acc:>15.2f}")
+    print(f"ratio fedray/plain = {fedray_s / plain_s:.2f}   (MLflow run {result.run_id})")
+
+
+if __name__ == "__main__":
+    main()
