@@ -35,7 +35,7 @@ def tiny_overrides(**extra):
         "data.partition.min_samples": 20,
         "model.group": "cnn_small",
         "rounds": 3,
-        "train.local_epochs": 1,
+        "train.local_epochs": 3,
         "train.batch_size": 32,
         "progress": False,
         "ray.max_actors": 2,

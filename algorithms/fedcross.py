@@ -1,0 +1,280 @@
+"""FedCross: Hu et al., "FedCross: Towards Accurate Federated Learning via Multi-Model Cross-Aggregation"
+(ICDE 2024, arXiv:2210.08285). Spec: specs/fedcross.md; paper Sec. III and Alg. 1.
+
+The server keeps K middleware models ``W = [w^0 .. w^{K-1}]`` (K = clients per round). Each round it
+shuffles them onto the K sampled clients, each client trains its model and uploads ``v^i``, and every
+uploaded model is fused with one collaborator chosen from the uploaded set ``V`` (Sec. III-B2)
+
+.. math::  w_{r+1}^i = \\alpha\\, v_{r+1}^i + (1 - \\alpha)\\, v_{r+1}^{co(i)},   \\alpha \\in [0.5, 1)
+
+with ``co(i) != i`` picked by CoModelSel (Sec. III-B1):
+
+- in-order:  ``co(i) = (i + (r mod (K-1) + 1)) mod K``  (0-based i; keeps ``sum_i w^i = sum_i v^i``, Eq. 2)
+- highest / lowest similarity:  ``co(i) = argmax / argmin_{j != i} cos(v^i, v^j)``
+
+The global model ``w_g = 1/K sum_i w^i`` (Sec. III-B3) is used for evaluation only; it is never sent
+for training. Training acceleration (Sec. III-D, no equations in the paper; spec §1.5 formulas):
+
+- propeller models (PM): ``w^i = a v^i + (1-a)/P sum_{o=1..P} v^{(i+o) mod K}``, ``a = 1/(P+1)``
+- dynamic alpha (DA): ``alpha_r = 0.5 + (alpha - 0.5) (r - r_0) / R_DA`` for ``r_0 <= r < r_0 + R_DA``
+
+Spec choices:
+- [REC §1.2] in-order uses 0-based model indices i = 0..K-1 (1-based i with ``% K`` could return 0).
+- [REC §1.2, §6.2] similarity is the standard cosine ``<x,y> / (|x| |y|)`` (the paper prints ``|x| + |y|``,
+  a typo for "classic cosine"), over all float state entries of the uploaded models, flattened, float64.
+- [REC §6.3] several models may share a collaborator; ties go to the lowest index.
+- [REC §6.4] BN running statistics are fused by the same alpha rule; integer buffers are copied from self.
+- [REC §6.1] all K models start from one random init (``same_init: true``); false = K independent inits.
+- [REC §6.13] the shuffle is a random permutation assigning the K models to the K sampled clients,
+  drawn from (seed, round) so a resumed run shuffles identically.
+- [REC §1.5] PM: P = ``propeller_num`` = 4 in-order propellers ``(i+o) mod K, o = 1..P``, self weight 1/(P+1).
+- [REC §1.5] DA: linear ramp from 0.5 to ``alpha`` over ``dynamic_alpha_rounds`` rounds starting at
+  ``dynamic_alpha_start_round`` (PM-DA as in Fig. 9: PM for rounds 0..49, DA for 50..99).
+- [REC §6.5] local training is the base client's (fresh SGD from ``train.*`` each round, no momentum kept).
+
+Other choices: ``alpha = 1.0`` is accepted (the paper's range is [0.5, 1)), since it is the identity
+fusion tests rely on. A client that fails mid-round leaves its middleware model as it was dispatched
+(``v^i = w_r^i``), and the fusion still reads the full set V.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from fedray.algorithms.fedavg import require_homogeneous
+from fedray.platform.algorithm import ClientModule, Payload, Server, ServerContext, cpu_state, derive_seed
+from fedray.platform.config import ConfigError, ExperimentConfig, clients_per_round
+from fedray.platform.registry import register
+
+Selection = Literal["in_order", "highest_similarity", "lowest_similarity"]
+
+SHUFFLE_STREAM = 5  # derive_seed tag of the per-round model -> client permutation
+DA_ALPHA_START = 0.5  # dynamic alpha starts here (Sec. III-D: "from 0.5 to a specific threshold")
+
+
+# --------------------------------------------------------------------------------------------- math
+
+
+def flatten_states(states: list[Mapping[str, Tensor]]) -> Tensor:
+    """Stack the floating-point entries of K state dicts into one float64 matrix.
+
+    Shape: ``[K, P]``, P = total number of float elements (parameters and float buffers), entries in
+    the key order of ``states[0]``. Integer buffers (``num_batches_tracked``) are left out.
+    """
+    keys = [k for k, v in states[0].items() if v.is_floating_point()]
+    return torch.stack([torch.cat([s[k].detach().reshape(-1).double() for k in keys]) for s in states])
+
+
+def unflatten_state(flat: Tensor, template: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Inverse of :func:`flatten_states` for one row: ``flat [P]`` -> a state dict shaped like ``template``.
+
+    Float entries take their values from ``flat`` (cast back to the template's dtype); integer entries
+    are copied from ``template`` (spec §6.4: counters come from self).
+    """
+    out, offset = {}, 0
+    for key, ref in template.items():
+        if ref.is_floating_point():
+            n = ref.numel()
+            out[key] = flat[offset : offset + n].reshape(ref.shape).to(ref.dtype, copy=True)
+            offset += n
+        else:
+            out[key] = ref.detach().clone()
+    if offset != flat.numel():
+        raise ValueError(f"flat vector has {flat.numel()} elements, the template's float entries {offset}")
+    return out
+
+
+def cosine_similarity_matrix(v: Tensor) -> Tensor:
+    """Pairwise cosine similarity ``S[i, j] = <v_i, v_j> / (|v_i| |v_j|)`` (Sec. III-B1, spec §1.2).
+
+    Shape: ``v [K, P]`` -> ``[K, K]``. Computed from the Gram matrix in float64; a zero row has
+    similarity 0 to everything.
+    """
+    v = v.double()
+    gram = v @ v.T
+    norms = gram.diagonal().clamp_min(0).sqrt()
+    return gram / torch.outer(norms, norms).clamp_min(torch.finfo(torch.float64).tiny)
+
+
+def in_order_collaborators(num_models: int, rnd: int) -> Tensor:
+    """In-order CoModelSel: ``co(i) = (i + (rnd mod (K-1) + 1)) mod K`` for 0-based i (Sec. III-B1).
+
+    Shape: ``[K]`` (long). The offset runs through 1..K-1, so over K-1 consecutive rounds every model
+    is paired with each of the others exactly once, and ``co`` is a permutation (mean-preserving).
+    """
+    offset = rnd % (num_models - 1) + 1
+    return (torch.arange(num_models) + offset) % num_models
+
+
+def select_collaborators(v: Tensor, rnd: int, strategy: Selection) -> Tensor:
+    """CoModelSel for every uploaded model at once (Sec. III-B1, Alg. 1 line 13).
+
+    Shape: ``v [K, P]`` -> ``co [K]`` (long), ``co[i] != i``. ``lowest_similarity`` = argmin and
+    ``highest_similarity`` = argmax of the cosine over ``j != i``; ties go to the lowest index.
+    """
+    k = v.shape[0]
+    if k < 2:
+        raise ValueError(f"cross-aggregation needs at least 2 models, got {k}")
+    if strategy == "in_order":
+        return in_order_collaborators(k, rnd)
+    sim = cosine_similarity_matrix(v)
+    self_mask = torch.eye(k, dtype=torch.bool)
+    if strategy == "lowest_similarity":
+        return sim.masked_fill(self_mask, float("inf")).argmin(dim=1)
+    if strategy == "highest_similarity":
+        return sim.masked_fill(self_mask, float("-inf")).argmax(dim=1)
+    raise ValueError(f"unknown selection strategy {strategy!r}")
+
+
+def cross_aggregate(v: Tensor, co: Tensor, alpha: float) -> Tensor:
+    """CrossAggr: ``w_i = alpha * v_i + (1 - alpha) * v_{co[i]}`` (Sec. III-B2, Eq. 1).
+
+    Shape: ``v [K, P]``, ``co [K]`` -> ``[K, P]``. Reads only the uploaded snapshot ``v``.
+    """
+    return alpha * v + (1 - alpha) * v[co]
+
+
+def propeller_aggregate(v: Tensor, num_propellers: int, self_weight: float | None = None) -> Tensor:
+    """Propeller-model fusion (Sec. III-D; formula of spec §1.5, the paper gives none).
+
+    ``w_i = a * v_i + (1 - a) / P * sum_{o=1..P} v_{(i+o) mod K}`` with in-order propellers and
+    ``a = 1 / (P + 1)`` by default (a uniform mean of the model and its P propellers).
+    Shape: ``v [K, P_params]`` -> ``[K, P_params]``; needs ``1 <= P <= K - 1``.
+    """
+    k = v.shape[0]
+    if not 1 <= num_propellers <= k - 1:
+        raise ValueError(f"num_propellers={num_propellers}: must be in 1..K-1 = 1..{k - 1}")
+    a = 1.0 / (num_propellers + 1) if self_weight is None else self_weight
+    idx = (torch.arange(k)[:, None] + torch.arange(1, num_propellers + 1)[None, :]) % k  # [K, P]
+    return a * v + (1 - a) / num_propellers * v[idx].sum(dim=1)
+
+
+def dynamic_alpha(rnd: int, alpha: float, start_round: int, ramp_rounds: int) -> float:
+    """Dynamic alpha (Sec. III-D; linear ramp of spec §1.5): 0.5 -> ``alpha`` over ``ramp_rounds``.
+
+    ``alpha_r = 0.5 + (alpha - 0.5) * (r - r_0) / R`` for ``r_0 <= r < r_0 + R``, else ``alpha``
+    (also when ``R = 0``, i.e. DA is off).
+    """
+    if ramp_rounds > 0 and start_round <= rnd < start_round + ramp_rounds:
+        return DA_ALPHA_START + (alpha - DA_ALPHA_START) * (rnd - start_round) / ramp_rounds
+    return alpha
+
+
+# --------------------------------------------------------------------------------------------- server
+
+
+class FedCrossServer(Server):
+    """Keeps the K middleware models (state dicts), the round's model -> client assignment, and the
+    global model (their uniform mean), which is only evaluated."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        super().__init__(ctx)
+        self.num_models = self.hp.num_middleware or clients_per_round(ctx.cfg)
+        self.model = ctx.make_model(0)  # holds the global model; built once
+        if self.hp.same_init:
+            init = cpu_state(self.model)
+            self.middleware = [{k: v.clone() for k, v in init.items()} for _ in range(self.num_models)]
+        else:
+            self.middleware = [cpu_state(ctx.make_model(i)) for i in range(self.num_models)]
+        self.assignment: dict[int, int] = {}  # client id -> index of the middleware model it got
+        self.collaborators: list[int] = []  # last round's co(i), for inspection
+        self._update_global()
+
+    def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
+        if len(selected) != self.num_models:
+            raise ValueError(f"{len(selected)} clients sampled for {self.num_models} middleware models")
+        gen = torch.Generator().manual_seed(derive_seed(self.ctx.cfg.seed, rnd, SHUFFLE_STREAM))
+        order = torch.randperm(self.num_models, generator=gen).tolist()  # model i -> selected[order[i]]
+        self.assignment = {selected[j]: i for i, j in enumerate(order)}
+        # a distinct payload object per client: each carries a different model
+        return {cid: {"model": dict(self.middleware[i])} for cid, i in self.assignment.items()}
+
+    def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
+        if not uplinks:  # every client failed: nothing was trained, nothing to fuse
+            return
+        uploaded = list(self.middleware)  # a model whose client failed stays as dispatched
+        for cid, uplink in uplinks.items():
+            uploaded[self.assignment[cid]] = uplink["model"]
+        v = flatten_states(uploaded)  # the snapshot V: every fusion reads it, none reads a fused model
+        self.middleware = [unflatten_state(w, own) for w, own in zip(self.fuse(rnd, v), uploaded)]
+        self._update_global()
+
+    def fuse(self, rnd: int, v: Tensor) -> Tensor:
+        """This round's fusion of the uploaded set: PM while it is on, else CrossAggr with alpha_r."""
+        hp = self.hp
+        if rnd < hp.propeller_rounds:
+            self.collaborators = []
+            return propeller_aggregate(v, hp.propeller_num)
+        co = select_collaborators(v, rnd, hp.selection)
+        self.collaborators = co.tolist()
+        alpha = dynamic_alpha(rnd, hp.alpha, hp.dynamic_alpha_start_round, hp.dynamic_alpha_rounds)
+        return cross_aggregate(v, co, alpha)
+
+    def _update_global(self) -> None:
+        """GlobalModelGen: ``w_g = 1/K sum_i w^i`` (Sec. III-B3), uniform, over the fused models."""
+        mean = flatten_states(self.middleware).mean(dim=0)
+        self.model.load_state_dict(unflatten_state(mean, self.middleware[0]))
+
+    def global_model(self) -> nn.Module:
+        return self.model
+
+
+# --------------------------------------------------------------------------------------------- client
+
+
+class FedCrossClient(ClientModule):
+    """Trains the middleware model it received with plain cross-entropy and uploads it (Alg. 1 line 8).
+
+    Aggregation is uniform, so no sample count goes up.
+    """
+
+    def upload(self) -> Payload:
+        return {"model": cpu_state(self.model)}
+
+
+# --------------------------------------------------------------------------------------------- config
+
+
+@register("fedcross", server=FedCrossServer, client=FedCrossClient)
+@dataclass
+class FedCrossConfig:
+    alpha: float = 0.99  # cross-aggregation self weight (paper default; range [0.5, 1))
+    selection: Selection = "lowest_similarity"  # CoModelSel; the paper's main experiments use lowest
+    num_middleware: int | None = None  # K; null = clients per round (the paper's K is both)
+    same_init: bool = True  # all K models copy one random init
+    propeller_rounds: int = 0  # PM acceleration for rounds 0..propeller_rounds-1 (paper: 100); 0 = off
+    propeller_num: int = 4  # P propeller models per middleware model
+    dynamic_alpha_rounds: int = 0  # DA ramp length (paper: 100; 50 in PM-DA); 0 = off
+    dynamic_alpha_start_round: int = 0  # first DA round (PM-DA: = propeller_rounds)
+
+    def validate(self, cfg: ExperimentConfig) -> None:
+        require_homogeneous(cfg)
+        k = clients_per_round(cfg)
+        if not 0.5 <= self.alpha <= 1.0:
+            raise ConfigError(f"fedcross.alpha={self.alpha}: must be in [0.5, 1.0] (paper default 0.99)")
+        if k < 2:
+            raise ConfigError(
+                f"train.fraction={cfg.train.fraction}: FedCross needs >= 2 clients per round to "
+                f"cross-aggregate, got {k} of data.num_clients={cfg.data.num_clients}"
+            )
+        if self.num_middleware is not None and self.num_middleware != k:
+            raise ConfigError(
+                f"fedcross.num_middleware={self.num_middleware}: must equal the clients sampled per round "
+                f"({k} = train.fraction * data.num_clients), or null"
+            )
+        for name in ("propeller_rounds", "dynamic_alpha_rounds", "dynamic_alpha_start_round"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"fedcross.{name}={getattr(self, name)}: must be >= 0 (0 = off)")
+        if self.propeller_rounds > 0 and not 1 <= self.propeller_num <= k - 1:
+            raise ConfigError(f"fedcross.propeller_num={self.propeller_num}: must be in 1..K-1 = 1..{k - 1}")
+        start, pm = self.dynamic_alpha_start_round, self.propeller_rounds
+        if pm > 0 and self.dynamic_alpha_rounds > 0 and start < pm:
+            raise ConfigError(
+                f"fedcross.dynamic_alpha_start_round={start}: overlaps the propeller rounds 0..{pm - 1}; "
+                f"set it >= {pm} (PM first, then DA)"
+            )

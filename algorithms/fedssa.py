@@ -1,0 +1,152 @@
+"""FedSSA: Yi et al., "FedSSA: Semantic Similarity-based Aggregation for Efficient Model-Heterogeneous
+Personalized Federated Learning" (IJCAI 2024, arXiv:2312.09006). Spec: specs/fedssa.md.
+
+Each client k has its own extractor and the shared linear header ``head``, split by class into rows
+``theta_k^s = [W_s | b_s]`` (``d+1`` values). ``S_k`` = the classes in k's train data (fixed for the run).
+Clients upload only their seen rows; the server averages each class over this round's uploaders K_s^t
+that saw it (Eq. 3, unweighted); a class nobody uploaded keeps its previous global rows:
+
+.. math::  \\theta^{t,s} = \\frac{1}{|K_s^t|} \\sum_{k \\in K_s^t} \\theta_k^{t,s}
+
+Before training, a selected client fuses the global rows into its seen rows (Eq. 4, not a convex mix)
+and keeps its unseen rows:
+
+.. math::  \\hat\\theta_k^{t,s} = \\theta^{t-1,s} + \\mu_t \\theta_k^{t-1,s},\\ s \\in S_k
+
+.. math::  \\mu_t = \\mu_0 \\cos(\\pi t / (2 T_{stable})) \\text{ if } t \\le T_{stable}, \\text{ else } 0
+
+then trains the whole model with plain cross-entropy (Eq. 6; inherited ``training_step``).
+
+Spec choices:
+- Header = ``head`` weight rows + bias, d+1 values per class (§7.1).
+- The global header starts from a random Linear init drawn by the server from the run seed (§7.5/7.6).
+- Downlink carries only the S_k rows (§7.4); the first one is the whole header (S_k not yet known).
+- Uplink = seen rows + their int64 class indices (Sec. 4.1), not Sec. 4.3's zero-padded full header.
+- Aggregation over this round's uploaders (Alg. 1); ``aggregate_all_latest`` = [code]'s variant (§7.3).
+- That variant averages the latest rows of every client heard from so far; never-heard clients count nothing.
+- Defaults mu0 = 0.5, T_stable = 45 from [code] (§7.7); mu0 = 0 allowed (Table 5 B ablation: mu = 0).
+- Personalised evaluation: no global model; each client is tested with its own model (§4, §7.10).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fedray.algorithms.lgfedavg import LGFedAvgServer, header_rows, load_header_rows
+from fedray.platform.algorithm import ClientModule, Payload
+from fedray.platform.config import ConfigError, ExperimentConfig
+from fedray.platform.registry import register
+
+# ------------------------------------------------------------------------------------------- math
+
+
+def mu_schedule(t: int, mu0: float, t_stable: int) -> float:
+    """Eq. 4's local-header weight: ``mu0 * cos(pi t / (2 T_stable))`` for ``t <= T_stable``, else 0."""
+    return mu0 * math.cos(math.pi * t / (2 * t_stable)) if t <= t_stable else 0.0
+
+
+def fuse_header(global_rows: Tensor, local_rows: Tensor, seen: Tensor, mu: float) -> Tensor:
+    """Eq. 4: ``global + mu * local`` on seen rows; unseen rows are the local ones, bit for bit.
+
+    Shape: ``global_rows, local_rows [C, d+1]``, ``seen [C]`` bool -> ``[C, d+1]``. Global values on
+    unseen rows are ignored.
+    """
+    return torch.where(seen[:, None], global_rows + mu * local_rows, local_rows)
+
+
+def classwise_mean(headers: Tensor, seen: Tensor, previous: Tensor) -> Tensor:
+    """Eq. 3: unweighted mean of each class's rows over the clients that saw it; ``previous`` where none.
+
+    Shape: ``headers [K, C, d+1]``, ``seen [K, C]`` bool, ``previous [C, d+1]`` -> ``[C, d+1]``. Values
+    of ``headers`` where ``seen`` is False are ignored.
+    """
+    count = seen.sum(0)[:, None]  # [C, 1]
+    total = torch.where(seen[..., None], headers, 0).sum(0)
+    return torch.where(count > 0, total / count.clamp(min=1), previous)
+
+
+def scatter_rows(rows: list[Tensor], classes: list[Tensor], num_classes: int) -> tuple[Tensor, Tensor]:
+    """Dense ``headers [K, C, d+1]`` and ``seen [K, C]`` from K clients' seen rows ``[|S_k|, d+1]`` and
+    class indices ``[|S_k|]``, with one indexed write."""
+    who = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(c) for c in classes]))
+    cls = torch.cat(classes)
+    headers = rows[0].new_zeros(len(rows), num_classes, rows[0].shape[1])
+    headers[who, cls] = torch.cat(rows)
+    seen = torch.zeros(len(rows), num_classes, dtype=torch.bool)
+    seen[who, cls] = True
+    return headers, seen
+
+
+# ------------------------------------------------------------------------------------------- server half
+
+
+class FedSSAServer(LGFedAvgServer):
+    """Keeps the global header ``[C, d+1]`` (random init) and each client's seen classes once known."""
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.seen_classes: dict[int, Tensor] = {}  # client id -> S_k as sorted class indices
+        if self.hp.aggregate_all_latest:  # [code] variant: every client's latest uploaded rows
+            self.latest = self.header.new_zeros(ctx.num_clients, *self.header.shape)
+            self.latest_seen = torch.zeros(ctx.num_clients, ctx.num_classes, dtype=torch.bool)
+
+    def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
+        first = {"header": self.header.clone()}  # S_k not known yet: whole header, put in the store once
+        return {
+            cid: {"seen_rows": self.header[self.seen_classes[cid]]} if cid in self.seen_classes else first
+            for cid in selected
+        }
+
+    def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
+        if not uplinks:
+            return
+        classes = [u["classes"] for u in uplinks.values()]
+        self.seen_classes.update(zip(uplinks, classes))
+        headers, seen = scatter_rows([u["rows"] for u in uplinks.values()], classes, self.ctx.num_classes)
+        if self.hp.aggregate_all_latest:
+            cids = torch.tensor(list(uplinks))
+            self.latest[cids], self.latest_seen[cids] = headers, seen
+            headers, seen = self.latest, self.latest_seen
+        self.header = classwise_mean(headers, seen, self.header)
+
+
+# ------------------------------------------------------------------------------------------- client half
+
+
+class FedSSAClient(ClientModule):
+    """Fuses the global seen rows into its header (Eq. 4), trains with plain CE, uploads seen rows."""
+
+    def __init__(self, model, ctx) -> None:
+        super().__init__(model, ctx)
+        self.seen = ctx.class_counts > 0  # [C] S_k as a mask, fixed for the run
+        self.seen_idx = self.seen.nonzero().squeeze(1)  # [|S_k|] sorted class indices
+
+    def receive(self, rnd: int, payload: Payload) -> None:
+        super().receive(rnd, payload)
+        local = header_rows(self.model)
+        rows = payload["seen_rows"] if "seen_rows" in payload else payload["header"][self.seen_idx]
+        global_rows = local.index_copy(0, self.seen_idx, rows)  # [C, d+1]; unseen rows unused by the fuse
+        mu = mu_schedule(rnd, self.hp.mu0, self.hp.t_stable)
+        load_header_rows(self.model, fuse_header(global_rows, local, self.seen, mu))
+        self.record("fedssa/mu", mu)
+
+    def upload(self) -> Payload:
+        return {"rows": header_rows(self.model)[self.seen_idx], "classes": self.seen_idx.clone()}
+
+
+@register("fedssa", server=FedSSAServer, client=FedSSAClient)
+@dataclass
+class FedSSAConfig:
+    mu0: float = 0.5  # [code] default; the paper tunes it in (0, 1]
+    t_stable: int = 45  # [code] homogeneous runs (2 for heterogeneous); spec §7.7
+    aggregate_all_latest: bool = False  # True: [code]'s mean over all clients' latest rows (spec §7.3)
+
+    def validate(self, cfg: ExperimentConfig) -> None:
+        if not 0 <= self.mu0 <= 1:
+            raise ConfigError(f"fedssa.mu0={self.mu0}: must lie in [0, 1] (0 = no stabilisation)")
+        if self.t_stable < 1:
+            raise ConfigError(f"fedssa.t_stable={self.t_stable}: must be >= 1 round")

@@ -1,0 +1,111 @@
+"""LG-FedAvg: Liang et al., "Think Locally, Act Globally: Federated Learning with Local and Global
+Representations" (arXiv:2001.01523), in the form the FedSSA and FedL2G papers use as a baseline
+(spec fedssa.md §6, fedl2g.md §5).
+
+Every client keeps its own (possibly heterogeneous) feature extractor; only the linear header
+``head = Linear(d, C)`` is shared. Written as one ``[C, d+1]`` tensor of rows ``[W_c | b_c]``, the server
+FedAvg-averages this round's uploaders, weighted by their train sizes ``n_k``,
+
+.. math::  \\theta^{t} = \\sum_{k \\in K^t} \\frac{n_k}{\\sum_{j \\in K^t} n_j} \\theta_k^{t}
+
+and each selected client replaces its whole local header with ``\\theta^{t-1}`` before training (the
+extractor is left alone). Plain cross-entropy on the whole model (base ``ClientModule``).
+
+Spec choices:
+- The global header starts from PyTorch's Linear init U(-1/sqrt(d), 1/sqrt(d)), drawn once by the server
+  from the run seed (fedssa.md §7.5/7.6), so every client trains on the same header at round 0.
+- Personalised evaluation: no global model; each client is tested with its own extractor and the header it
+  last trained (fedssa.md §4).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fedray.platform.algorithm import ClientModule, Payload, Server, derive_seed
+from fedray.platform.models import FedModel
+from fedray.platform.registry import register
+
+# ------------------------------------------------------------------------------------------- header math
+
+
+def header_rows(model: FedModel) -> Tensor:
+    """The model's header as rows ``[W | b]``: a detached CPU copy, shape ``[C, d+1]``."""
+    head = model.head
+    return torch.cat([head.weight, head.bias[:, None]], dim=1).detach().to("cpu", copy=True)
+
+
+@torch.no_grad()
+def load_header_rows(model: FedModel, rows: Tensor) -> None:
+    """Write rows ``[C, d+1]`` into ``model.head`` (weight ``[C, d]``, bias ``[C]``), in place."""
+    d = model.head.in_features
+    if tuple(rows.shape) != (model.head.out_features, d + 1):
+        raise ValueError(
+            f"header of shape {tuple(rows.shape)} does not fit head Linear({d}, {model.head.out_features}): "
+            "every architecture of the model group must share feature_dim"
+        )
+    model.head.weight.copy_(rows[:, :d])
+    model.head.bias.copy_(rows[:, d])
+
+
+def init_header(num_classes: int, feature_dim: int, seed: int) -> Tensor:
+    """A random header ``[C, d+1]`` with PyTorch's ``nn.Linear`` init: U(-1/sqrt(d), 1/sqrt(d)) for all."""
+    g = torch.Generator().manual_seed(seed)
+    bound = 1.0 / math.sqrt(feature_dim)
+    return (torch.rand(num_classes, feature_dim + 1, generator=g) * 2 - 1) * bound
+
+
+def average_headers(headers: Tensor, weights: Tensor) -> Tensor:
+    """FedAvg of headers: ``sum_k (n_k / sum_j n_j) theta_k`` (the equation in the module docstring).
+
+    Shape: ``headers [K, C, d+1]``, ``weights [K]`` (sample counts ``n_k``) -> ``[C, d+1]``.
+    """
+    w = weights.to(torch.float64)
+    return torch.tensordot(w / w.sum(), headers.to(torch.float64), dims=1).to(headers.dtype)
+
+
+# ------------------------------------------------------------------------------------------- server half
+
+
+class LGFedAvgServer(Server):
+    """Holds the global header ``[C, d+1]``; sends it whole, FedAvg-averages the uploaded headers."""
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        d = ctx.make_model(0).head.in_features
+        self.header = init_header(ctx.num_classes, d, derive_seed(ctx.cfg.seed, 4, 1))
+
+    def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
+        down = {"header": self.header.clone()}  # one object for all: put in the object store once
+        return {cid: down for cid in selected}
+
+    def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
+        if not uplinks:
+            return
+        headers = torch.stack([u["header"] for u in uplinks.values()])
+        weights = torch.tensor([float(u["num_samples"]) for u in uplinks.values()])
+        self.header = average_headers(headers, weights)
+
+
+# ------------------------------------------------------------------------------------------- client half
+
+
+class LGFedAvgClient(ClientModule):
+    """Replaces its header with the global one, trains the whole model, uploads the header."""
+
+    def receive(self, rnd: int, payload: Payload) -> None:
+        super().receive(rnd, payload)
+        load_header_rows(self.model, payload["header"])
+
+    def upload(self) -> Payload:
+        return {"header": header_rows(self.model), "num_samples": self.ctx.num_train}
+
+
+@register("lgfedavg", server=LGFedAvgServer, client=LGFedAvgClient)
+@dataclass
+class LGFedAvgConfig:
+    """No hyperparameters beyond ``train.*``: the header is the model's ``head``."""
