@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
@@ -243,6 +243,11 @@ class FedCrossClient(ClientModule):
 @register("fedcross", server=FedCrossServer, client=FedCrossClient)
 @dataclass
 class FedCrossConfig:
+    ROUND_FIELDS: ClassVar[tuple[str, ...]] = (
+        "propeller_rounds",
+        "dynamic_alpha_rounds",
+        "dynamic_alpha_start_round",
+    )  # scaled by --scale
     alpha: float = 0.99  # cross-aggregation self weight (paper default; range [0.5, 1))
     selection: Selection = "lowest_similarity"  # CoModelSel; the paper's main experiments use lowest
     num_middleware: int | None = None  # K; null = clients per round (the paper's K is both)

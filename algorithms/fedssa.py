@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -141,6 +142,7 @@ class FedSSAClient(ClientModule):
 @register("fedssa", server=FedSSAServer, client=FedSSAClient)
 @dataclass
 class FedSSAConfig:
+    ROUND_FIELDS: ClassVar[tuple[str, ...]] = ("t_stable",)  # scaled by --scale
     mu0: float = 0.5  # [code] default; the paper tunes it in (0, 1]
     t_stable: int = 45  # [code] homogeneous runs (2 for heterogeneous); spec §7.7
     aggregate_all_latest: bool = False  # True: [code]'s mean over all clients' latest rows (spec §7.3)

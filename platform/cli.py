@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fedray.platform.config import ConfigError, load_config
+from fedray.platform.config import ConfigError, load_config, scale
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -25,6 +25,8 @@ def _run(args: argparse.Namespace) -> int:
         if config and "=" in config:  # `fedray run rounds=5`: overrides only, default config
             config, overrides = None, [config, *overrides]
         cfg = load_config(config, overrides)
+        if args.scale is not None:
+            cfg = scale(cfg, args.scale)
         result = run_experiment(cfg)
     row = result.summary_row()
     best = result.best("acc/personal_mean")
@@ -40,6 +42,16 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from fedray.platform.compare import load_comparison, run_comparison
+    from fedray.platform.progress import print_table, summary_table
+
+    load_comparison(args.config, args.overrides)  # every entry validated before the first run starts
+    rows = run_comparison(args.config, args.overrides)
+    print_table(summary_table(rows, title=f"compare: {args.config}"))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedray", description="Federated-learning experiments on Lightning + Ray + MLflow"
@@ -52,7 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--resume", metavar="RUN_ID", help="continue an interrupted run from its last checkpoint"
     )
+    run.add_argument(
+        "--scale", type=float, help="shrink rounds and clients by this factor (paper configs on a CPU)"
+    )
     run.set_defaults(func=_run)
+
+    compare = sub.add_parser("compare", help="several algorithms on the same partition and seeds, one table")
+    compare.add_argument("config", help="compare YAML, e.g. configs/compare_digits.yaml")
+    compare.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
+    compare.set_defaults(func=_compare)
     return parser
 
 

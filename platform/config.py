@@ -356,3 +356,26 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[dotted] = value
     return out
+
+
+def scale(cfg: ExperimentConfig, factor: float) -> ExperimentConfig:
+    """Shrink a paper setting for a CPU: rounds, clients and the algorithm's round counts times ``factor``.
+
+    Algorithm configs name their round-valued fields in a ``ROUND_FIELDS`` class attribute (e.g.
+    FedL2G's ``warmup_rounds``) so a warm-up keeps its share of the run. Data size is untouched:
+    add ``data.train_subset=N`` for that.
+    """
+    if not 0 < factor <= 1:
+        raise ConfigError(f"--scale {factor}: must be in (0, 1]")
+    out = dataclasses.replace(cfg)
+    out.rounds = max(1, round(cfg.rounds * factor))
+    out.data = dataclasses.replace(cfg.data, num_clients=max(2, round(cfg.data.num_clients * factor)))
+    out.eval_every = min(cfg.eval_every, out.rounds)
+    if cfg.algo is not None:
+        changes = {
+            name: max(0, round(getattr(cfg.algo, name) * factor))
+            for name in getattr(cfg.algo, "ROUND_FIELDS", ())
+        }
+        out.algo = dataclasses.replace(cfg.algo, **changes)
+    validate(out)
+    return out
