@@ -1,0 +1,234 @@
+"""FedL2G: Zhang et al., "FedL2G: Learning to Guide Local Training in Heterogeneous Federated
+Learning" (arXiv:2410.06490; code github.com/TsingZ0/FedL2G). Spec: specs/fedl2g.md.
+
+The server learns guiding vectors ``G = {v^y}`` (``C x M``: feature space, M = K, for FedL2G-f; logit
+space, M = C, for FedL2G-l). Client i holds out a fixed quiz batch ``D^q`` and trains on the rest,
+``D^s``, with cross-entropy plus an MSE pull toward its class's guiding vector (Eq. 4):
+
+.. math::  L_S(\\theta, G) = \\frac{1}{|S|}\\sum_{(x,y) \\in S} \\ell_{ce}(f(x;\\theta), y)
+           + \\frac{1}{M}\\lVert z(x;\\theta) - v^y \\rVert^2
+
+Then a pseudo SGD step on one random study batch ``B^s`` (Eq. 5) and the gradient of the quiz CE
+through that step with respect to G (Eq. 6):
+
+.. math::  \\theta'(G) = \\theta - \\eta_c \\nabla_\\theta L_{B^s}(\\theta, G), \\qquad
+           \\pi_i = \\nabla_G \\, \\frac{1}{|D^q|}\\sum_{(x,y) \\in D^q} \\ell_{ce}(f(x;\\theta'(G)), y)
+
+Only rows of classes in ``B^s`` are non-zero; those go up. The server averages each class over the
+clients that sent it and takes a plain SGD step (Algorithm 1, line 17): ``G <- G - eta_s * pi``.
+During the first ``warmup_rounds`` rounds clients skip local training (steps 1, 3-7 only).
+
+Spec choices:
+- pi is exact autograd through the pseudo step (double backward), not Eq. 9 literally (§6.1).
+- Quiz = the first ``quiz_size`` train samples, fixed, never trained on; B^s re-drawn each round (§6.3).
+  A client with fewer than 2*quiz_size train samples holds out half of them instead.
+- G starts N(0, 1) (nn.Embedding's init, §6.4); server SGD has no momentum; server_clip=100 ([code], §6.4).
+- Per-class mean over the clients that sent the class, not weighted by n_i; unsent classes get 0 (§6.2, 6.8).
+- Pseudo step and quiz run in train mode (batch statistics); BN running-stat updates are discarded (§6.7).
+- Warm-up rounds are still evaluated by the platform (the spec would log none, §6.6): models are at init.
+- Personalised: no global model; each client is tested with its own model (§3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from fedray.algorithms.fedproto import shared_feature_dim
+from fedray.platform.algorithm import ClientModule, Payload, Server, ServerContext, derive_seed
+from fedray.platform.config import ConfigError, ExperimentConfig
+from fedray.platform.data import ArrayDataset
+from fedray.platform.models import FedModel
+from fedray.platform.registry import register
+
+Variant = Literal["f", "l"]
+DEFAULT_SERVER_LR = {"f": 100.0, "l": 0.1}  # paper Sec. 4 / Tab. 4: eta_s per variant
+
+# ------------------------------------------------------------------------------------------- math
+
+
+def guide_loss(z: Tensor, G: Tensor, y: Tensor) -> Tensor:
+    """Eq. 4's guiding term ``l_g``: MSE between ``z`` and each sample's guiding vector, mean over B*M.
+
+    Shape: ``z [B, M]``, ``G [C, M]``, ``y [B]`` -> scalar.
+    """
+    return F.mse_loss(z, G[y])
+
+
+def functional_forward(model: FedModel, state: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(logits [B, C], z [B, d])`` of ``model`` run with the tensors in ``state`` (full state-dict
+    names; missing ones are the model's own)."""
+    def part(prefix: str) -> dict[str, Tensor]:
+        return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+    z = functional_call(model.features, part("features."), (x,))
+    return functional_call(model.head, part("head."), (z,)), z
+
+
+def meta_gradient(
+    model: FedModel,
+    params: dict[str, Tensor],
+    G: Tensor,
+    study_batch: tuple[Tensor, Tensor],
+    quiz_batch: tuple[Tensor, Tensor],
+    lr: float,
+    variant: Variant = "f",
+) -> Tensor:
+    """Eqs. 5-6: the gradient of the quiz CE w.r.t. G through one pseudo SGD step on the study batch.
+
+    ``params``: the parameters theta stepped (e.g. ``dict(model.named_parameters())``); they are not
+    modified. The model runs in whatever mode it is in; buffers are cloned, so BatchNorm's
+    running-stat updates are discarded. ``variant``: guide the features (``"f"``) or the logits
+    (``"l"``). Shape: ``G [C, M]``, ``study_batch = (x [B, ...], y [B])``, ``quiz_batch =
+    (x [Q, ...], y [Q])`` -> ``pi [C, M]``, zero outside the classes of the study batch.
+    """
+    G = G.detach().requires_grad_(True)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    theta = {k: v if v.requires_grad else v.detach().requires_grad_(True) for k, v in params.items()}
+    (xs, ys), (xq, yq) = study_batch, quiz_batch
+
+    logits, z = functional_forward(model, {**theta, **buffers}, xs)
+    study_loss = F.cross_entropy(logits, ys) + guide_loss(z if variant == "f" else logits, G, ys)
+    grads = torch.autograd.grad(study_loss, list(theta.values()), create_graph=True, allow_unused=True)
+    stepped = {k: p if g is None else p - lr * g for (k, p), g in zip(theta.items(), grads)}  # Eq. 5
+
+    quiz_logits, _ = functional_forward(model, {**stepped, **buffers}, xq)
+    (pi,) = torch.autograd.grad(F.cross_entropy(quiz_logits, yq), G, allow_unused=True)  # Eq. 6
+    return torch.zeros_like(G) if pi is None else pi.detach()
+
+
+def nonzero_rows(pi: Tensor) -> tuple[Tensor, Tensor]:
+    """Algorithm 1, line 15: the classes whose row of ``pi`` is non-zero, and those rows.
+
+    Shape: ``pi [C, M]`` -> ``classes [k]`` int64 (ascending), ``rows [k, M]``.
+    """
+    classes = pi.ne(0).any(1).nonzero().squeeze(1)
+    return classes, pi[classes]
+
+
+def average_rows(uploads: list[tuple[Tensor, Tensor]], num_classes: int) -> tuple[Tensor, Tensor]:
+    """Algorithm 1, line 16: per-class mean of the uploaded rows over the clients that sent the class.
+
+    Shape: ``uploads = [(classes [k_i], rows [k_i, M])]`` -> ``mean [C, M]`` (zero rows for classes
+    nobody sent), ``count [C]`` int64 senders per class.
+    """
+    classes = torch.cat([c for c, _ in uploads])
+    rows = torch.cat([r for _, r in uploads])
+    count = torch.bincount(classes, minlength=num_classes)
+    total = rows.new_zeros(num_classes, rows.shape[1]).index_add_(0, classes, rows)
+    return total / count.clamp(min=1).unsqueeze(1).to(rows.dtype), count
+
+
+# ------------------------------------------------------------------------------------------- server half
+
+
+class FedL2GServer(Server):
+    """Holds G as an ``nn.Embedding(C, M)`` and updates it with a stock SGD step on the mean pi."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        super().__init__(ctx)
+        dim = shared_feature_dim(ctx) if self.hp.variant == "f" else ctx.num_classes
+        self.guide = nn.Embedding(ctx.num_classes, dim)
+        with torch.no_grad():  # N(0, 1) as nn.Embedding, from its own seed (independent of model inits)
+            gen = torch.Generator().manual_seed(derive_seed(ctx.cfg.seed, 11))
+            self.guide.weight.copy_(torch.randn(ctx.num_classes, dim, generator=gen))
+        self.optimizer = torch.optim.SGD(self.guide.parameters(), lr=self.hp.eta_s)
+
+    def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
+        down = {"guide": self.guide.weight.detach().clone()}  # one object: into the object store once
+        return {cid: down for cid in selected}
+
+    def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
+        uploads = [(u["classes"], u["rows"]) for u in uplinks.values() if len(u["classes"])]
+        if not uploads:
+            return
+        mean, _ = average_rows(uploads, self.ctx.num_classes)
+        self.optimizer.zero_grad()
+        self.guide.weight.grad = mean.to(self.guide.weight.dtype)
+        if self.hp.server_clip is not None:
+            nn.utils.clip_grad_norm_(self.guide.parameters(), self.hp.server_clip)
+        self.optimizer.step()  # G <- G - eta_s * pi  (Algorithm 1, line 17)
+
+
+# ------------------------------------------------------------------------------------------- client half
+
+
+class FedL2GClient(ClientModule):
+    """Trains on the study set with CE + guide (Eq. 4); uploads the non-zero rows of pi (Eqs. 5-6)."""
+
+    def __init__(self, model: FedModel, ctx) -> None:
+        super().__init__(model, ctx)
+        n_quiz = min(self.hp.quiz_size, ctx.num_train // 2)
+        self.quiz = ctx.train.subset(range(n_quiz))  # fixed for the run, never trained on
+        self.study = ctx.train.subset(range(n_quiz, ctx.num_train))
+        self.register_buffer("guide", torch.zeros(0), persistent=False)  # G, from every downlink
+
+    def training_data(self) -> ArrayDataset:
+        return self.study
+
+    def local_epochs(self, rnd: int) -> int:
+        return 0 if rnd < self.hp.warmup_rounds else super().local_epochs(rnd)
+
+    def receive(self, rnd: int, payload: Payload) -> None:
+        self.rnd = rnd
+        self.guide = payload["guide"].to(self.guide.device)
+
+    def guided(self, logits: Tensor, z: Tensor) -> Tensor:
+        return z if self.hp.variant == "f" else logits
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        logits, z = self.model.forward_with_features(x)
+        ce = F.cross_entropy(logits, y)
+        guide = guide_loss(self.guided(logits, z), self.guide, y)
+        self.record("loss/train", ce)
+        self.record("loss/guide", guide)
+        return ce + guide
+
+    def upload(self) -> Payload:
+        device = self.guide.device
+        gen = torch.Generator().manual_seed(derive_seed(self.ctx.cfg.seed, self.rnd, self.ctx.client_id, 7))
+        idx = torch.randperm(len(self.study), generator=gen)[: self.hp.study_batch]
+        study = (self.study.x[idx].to(device), self.study.y[idx].to(device))
+        quiz = (self.quiz.x.to(device), self.quiz.y.to(device))
+        was_training = self.model.training
+        self.model.train()  # batch statistics for the pseudo step and the quiz (spec §6.7)
+        pi = meta_gradient(
+            self.model, dict(self.model.named_parameters()), self.guide, study, quiz,
+            self.ctx.cfg.train.lr, self.hp.variant,
+        )
+        self.model.train(was_training)
+        classes, rows = nonzero_rows(pi.cpu())
+        self.record("fedl2g/rows_sent", len(classes))
+        return {"classes": classes, "rows": rows}
+
+
+@register("fedl2g", server=FedL2GServer, client=FedL2GClient)
+@dataclass
+class FedL2GConfig:
+    variant: Variant = "f"  # "f": guide features (M = K); "l": guide logits (M = C)
+    server_lr: float | None = None  # eta_s; null = the paper's default for the variant: 100 (f), 0.1 (l)
+    server_clip: float | None = 100.0  # max norm of the averaged pi before the server step; null = none
+    warmup_rounds: int = 50  # T': rounds without local training
+    quiz_size: int = 10  # |D^q|: one batch
+    study_batch: int = 10  # |B^s| of the pseudo step
+
+    @property
+    def eta_s(self) -> float:
+        return DEFAULT_SERVER_LR[self.variant] if self.server_lr is None else self.server_lr
+
+    def validate(self, cfg: ExperimentConfig) -> None:
+        if self.server_lr is not None and self.server_lr <= 0:
+            raise ConfigError(f"fedl2g.server_lr={self.server_lr}: must be > 0 (null = the paper default)")
+        if self.server_clip is not None and self.server_clip <= 0:
+            raise ConfigError(f"fedl2g.server_clip={self.server_clip}: must be > 0 (or null for no clipping)")
+        if self.warmup_rounds < 0:
+            raise ConfigError(f"fedl2g.warmup_rounds={self.warmup_rounds}: must be >= 0")
+        for key in ("quiz_size", "study_batch"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"fedl2g.{key}={getattr(self, key)}: must be >= 1")

@@ -1,0 +1,198 @@
+"""FedProto: Tan et al., "FedProto: Federated Prototype Learning across Heterogeneous Clients"
+(AAAI 2022, arXiv:2105.00243).
+
+Clients share class prototypes instead of weights, so every client may run its own architecture
+(only the representation size ``d`` must agree). Client i's prototype of class j is the mean
+representation of its class-j samples (Eq. 4 of the paper); the server averages each class over the
+clients that hold it, weighting by their sample counts (Eq. 6):
+
+.. math::  C_i^{(j)} = \\frac{1}{|D_{i,j}|} \\sum_{(x,y) \\in D_{i,j}} h_i(x), \\qquad
+           \\bar C^{(j)} = \\sum_{i \\in N_j} \\frac{|D_{i,j}|}{\\sum_{k \\in N_j} |D_{k,j}|} C_i^{(j)}
+
+and clients train with cross-entropy plus a pull toward the global prototype of each sample's class
+(Eq. 5), for classes that have one:
+
+.. math::  L_i = \\ell_{ce}(f_i(x), y) + \\lambda \\, \\mathrm{MSE}(h_i(x), \\bar C^{(y)})
+
+Personalised: no global model; each client is tested with its own model on its own test split.
+FedDistill (``feddistill.py``) is this algorithm in the logit space and reuses every function here.
+
+Spec choices (no FedProto spec; where the paper is silent, HtFLlib's ``clientproto``/``serverproto``,
+which FedL2G's baselines use, is followed):
+- Eq. 6 weights normalised per class (the paper's extra 1/|N_j| would shrink prototypes);
+  ``fedproto.weighted=false`` gives the official code's / HtFLlib's plain mean over holders.
+- Guide loss = MSE over all B*d entries, samples of classes without a global prototype add 0 (HtFLlib).
+- Prototypes are computed after local training in one eval-mode, no-grad pass over the train split (HtFLlib).
+- The global prototypes are rebuilt each round from that round's uploads only (official code, HtFLlib).
+- Accuracy is the local model's own head (the platform's evaluation), not nearest-prototype inference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fedray.platform.algorithm import ClientModule, Payload, Server, ServerContext, batch_loader
+from fedray.platform.config import ConfigError, ExperimentConfig
+from fedray.platform.registry import register
+
+# ------------------------------------------------------------------------------------------- math
+
+
+def class_prototypes(z: Tensor, y: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
+    """Eq. 4: per-class mean of the representations, and the per-class sample counts.
+
+    Shape: ``z [B, d]``, ``y [B]`` int64 -> ``protos [C, d]`` (zero rows for absent classes),
+    ``counts [C]`` int64.
+    """
+    counts = torch.bincount(y, minlength=num_classes)
+    sums = z.new_zeros(num_classes, z.shape[1]).index_add_(0, y, z)
+    return sums / counts.clamp(min=1).unsqueeze(1).to(z.dtype), counts
+
+
+def aggregate_prototypes(protos: Tensor, counts: Tensor, weighted: bool = True) -> tuple[Tensor, Tensor]:
+    """Eq. 6: per-class average of K clients' prototypes over the clients holding the class.
+
+    ``weighted``: weight client i by ``counts[i, c]`` (normalised over the holders of c); otherwise a
+    plain mean over the holders. Shape: ``protos [K, C, d]``, ``counts [K, C]`` -> ``global [C, d]``
+    (zero rows where nobody holds the class), ``mask [C]`` bool (True where some client holds it).
+    Values of ``protos`` where ``counts`` is 0 are ignored.
+    """
+    held = counts > 0
+    w = torch.where(held, counts, 0) if weighted else held
+    w = w.to(protos.dtype)  # [K, C]
+    total = w.sum(0)  # [C]
+    out = torch.einsum("kc,kcd->cd", w, torch.where(held[..., None], protos, 0))
+    return out / total.clamp(min=1e-12).unsqueeze(1), total > 0
+
+
+def prototype_loss(z: Tensor, targets: Tensor, mask: Tensor, y: Tensor) -> Tensor:
+    """Eq. 5's regulariser: ``mean over B*d of (z - targets[y])^2``; rows with ``mask[y]`` False add 0.
+
+    Shape: ``z [B, d]``, ``targets [C, d]``, ``mask [C]`` bool, ``y [B]`` -> scalar.
+    """
+    keep = mask[y].unsqueeze(1).to(z.dtype)  # [B, 1]
+    return ((z - targets[y]) ** 2 * keep).sum() / z.numel()
+
+
+def stack_uploads(
+    classes: list[Tensor], protos: list[Tensor], counts: list[Tensor], num_classes: int
+) -> tuple[Tensor, Tensor]:
+    """Dense ``protos [K, C, d]`` and ``counts [K, C]`` from K clients' held classes ``[k_i]``, rows
+    ``[k_i, d]`` and counts ``[k_i]``, with one indexed write."""
+    who = torch.repeat_interleave(torch.arange(len(classes)), torch.tensor([len(c) for c in classes]))
+    cls = torch.cat(classes)
+    dense = protos[0].new_zeros(len(classes), num_classes, protos[0].shape[1])
+    dense[who, cls] = torch.cat(protos)
+    dense_counts = torch.zeros(len(classes), num_classes, dtype=torch.int64)
+    dense_counts[who, cls] = torch.cat(counts).to(torch.int64)
+    return dense, dense_counts
+
+
+def shared_feature_dim(ctx: ServerContext) -> int:
+    """The representation size ``d`` every client's model shares; ConfigError when they differ.
+
+    Models are built on the meta device (no memory, no init cost), one per distinct architecture.
+    """
+    first = {arch: cid for cid, arch in reversed(list(enumerate(ctx.client_archs)))}
+    with torch.device("meta"):
+        dims = {arch: ctx.make_model(cid).feature_dim for arch, cid in first.items()}
+    if len(set(dims.values())) > 1:
+        found = ", ".join(f"{a}: {d}" for a, d in dims.items())
+        raise ConfigError(
+            f"model.group={ctx.cfg.model.group!r}: algorithm={ctx.cfg.algorithm} needs one feature size "
+            f"across the group, got {found}; pool the members to one size (name@K)"
+        )
+    return next(iter(dims.values()))
+
+
+# ------------------------------------------------------------------------------------------- server half
+
+
+class FedProtoServer(Server):
+    """Keeps the global prototypes ``[C, d]`` and their mask ``[C]``; none before the first uploads."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        super().__init__(ctx)
+        self.dim = self.representation_dim(ctx)
+        self.protos: Tensor | None = None
+        self.mask: Tensor | None = None
+
+    def representation_dim(self, ctx: ServerContext) -> int:
+        return shared_feature_dim(ctx)
+
+    def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
+        down = {} if self.protos is None else {"protos": self.protos.clone(), "mask": self.mask.clone()}
+        return {cid: down for cid in selected}
+
+    def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
+        if not uplinks:
+            return
+        ups = list(uplinks.values())
+        protos, counts = stack_uploads(
+            [u["classes"] for u in ups], [u["protos"] for u in ups], [u["counts"] for u in ups],
+            self.ctx.num_classes,
+        )
+        self.protos, self.mask = aggregate_prototypes(protos, counts, self.hp.weighted)
+
+
+# ------------------------------------------------------------------------------------------- client half
+
+
+class FedProtoClient(ClientModule):
+    """CE + lam * prototype pull (Eq. 5); uploads the prototypes of the classes it holds (Eq. 4)."""
+
+    def __init__(self, model, ctx) -> None:
+        super().__init__(model, ctx)
+        # buffers so Lightning moves them with the model; rebuilt from every downlink, not checkpointed
+        self.register_buffer("targets", torch.zeros(0), persistent=False)
+        self.register_buffer("has_target", torch.zeros(0, dtype=torch.bool), persistent=False)
+
+    def guided(self, logits: Tensor, z: Tensor) -> Tensor:
+        """The representation that prototypes live in: features (FedProto)."""
+        return z
+
+    def receive(self, rnd: int, payload: Payload) -> None:
+        self.rnd = rnd
+        if "protos" in payload:
+            self.targets = payload["protos"].to(self.targets.device)
+            self.has_target = payload["mask"].to(self.has_target.device)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        logits, z = self.model.forward_with_features(x)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        self.record("loss/train", loss)
+        if self.has_target.numel() == 0:  # round 0: no global prototypes yet
+            return loss
+        reg = prototype_loss(self.guided(logits, z), self.targets, self.has_target, y)
+        self.record("loss/proto", reg)
+        return loss + self.hp.lam * reg
+
+    @torch.no_grad()
+    def upload(self) -> Payload:
+        was_training = self.model.training
+        self.model.eval()
+        device = next(self.model.parameters()).device
+        reps, labels = [], []
+        for x, y in batch_loader(self.training_data(), 1024, shuffle=False):
+            logits, z = self.model.forward_with_features(x.to(device))
+            reps.append(self.guided(logits, z).float().cpu())
+            labels.append(y)
+        self.model.train(was_training)
+        protos, counts = class_prototypes(torch.cat(reps), torch.cat(labels), self.ctx.num_classes)
+        held = counts > 0
+        return {"classes": held.nonzero().squeeze(1), "protos": protos[held], "counts": counts[held]}
+
+
+@register("fedproto", server=FedProtoServer, client=FedProtoClient)
+@dataclass
+class FedProtoConfig:
+    lam: float = 1.0  # lambda of Eq. 5
+    weighted: bool = True  # Eq. 6 sample-count weights; false = plain mean over holders (official code)
+
+    def validate(self, cfg: ExperimentConfig) -> None:
+        if self.lam < 0:
+            raise ConfigError(f"{cfg.algorithm}.lam={self.lam}: must be >= 0")

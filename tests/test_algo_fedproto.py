@@ -1,0 +1,142 @@
+"""FedProto math and halves, checked against hand computations; no Ray, no Lightning trainer."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+
+from fedray.algorithms.fedproto import (
+    FedProtoClient,
+    FedProtoServer,
+    aggregate_prototypes,
+    class_prototypes,
+    prototype_loss,
+    shared_feature_dim,
+    stack_uploads,
+)
+from fedray.platform.algorithm import ClientContext, ServerContext
+from fedray.platform.config import ConfigError, load_config
+from fedray.platform.data import ArrayDataset
+from fedray.platform.models import FedModel, arch_for_client, build_model
+
+# two clients, four classes, d = 1:  A holds class 0 (1 sample, proto 1) and class 2 (3 samples, proto 4);
+# B holds class 0 (3 samples, proto 3) and class 1 (2 samples, proto 7); nobody holds class 3.
+PROTOS = torch.tensor([[[1.0], [0.0], [4.0], [0.0]], [[3.0], [7.0], [99.0], [0.0]]])  # B's 99: count 0
+COUNTS = torch.tensor([[1, 0, 3, 0], [3, 2, 0, 0]])
+
+
+def uplink(classes: list[int], protos: list[float], counts: list[int]) -> dict[str, torch.Tensor]:
+    """A client's upload: only the classes it holds travel."""
+    return {
+        "classes": torch.tensor(classes),
+        "protos": torch.tensor(protos)[:, None],
+        "counts": torch.tensor(counts),
+    }
+
+
+
+UPLINK_A = uplink([0, 2], [1.0, 4.0], [1, 3])
+UPLINK_B = uplink([0, 1], [3.0, 7.0], [3, 2])  # the same two clients as uplinks
+
+
+def float_data(x: torch.Tensor, y: torch.Tensor) -> ArrayDataset:
+    """A train split as the client sees it: normalised float images."""
+    return ArrayDataset(x, y)
+
+
+# x flattened (d = 4): class 0 = [1,2,3,4], [3,2,1,0] -> mean [2,2,2,2];
+#                      class 2 = [0,0,0,8], [2,2,2,0] -> mean [1,1,1,4]
+X = torch.tensor([[1.0, 2, 3, 4], [3, 2, 1, 0], [0, 0, 0, 8], [2, 2, 2, 0]]).view(4, 1, 2, 2)
+Y = torch.tensor([0, 0, 2, 2])
+
+
+def flatten_model() -> FedModel:
+    """features = Flatten (so prototypes are class means of the raw inputs), head = a known Linear(4, 3)."""
+    model = FedModel(nn.Flatten(), 4, 3, arch="flat", in_channels=1, image_size=2)
+    with torch.no_grad():
+        model.head.weight.copy_(torch.tensor([[1.0, 0, 0, 0], [0, 1, 0, 0], [1, 1, 1, 1]]))
+        model.head.bias.copy_(torch.tensor([0.0, 1.0, 0.0]))
+    return model
+
+
+def make_client(cls, algorithm: str, *overrides: str) -> FedProtoClient:
+    cfg = load_config(None, [f"algorithm={algorithm}", *overrides])
+    return cls(flatten_model(), ClientContext(0, cfg, 3, float_data(X, Y), torch.bincount(Y, minlength=3)))
+
+
+def test_class_prototypes_by_hand():
+    # class 0: ([1,0] + [3,2]) / 2 = [2,1]; class 1: none -> 0; class 2: [5,5]
+    z = torch.tensor([[1.0, 0.0], [3.0, 2.0], [5.0, 5.0]])
+    protos, counts = class_prototypes(z, torch.tensor([0, 0, 2]), 3)
+    assert_close(protos, torch.tensor([[2.0, 1.0], [0.0, 0.0], [5.0, 5.0]]))
+    assert counts.tolist() == [2, 0, 1]
+
+
+def test_aggregate_prototypes_weighted_by_counts():
+    # class 0: (1*1 + 3*3) / 4 = 2.5; class 1: 7; class 2: 4 (B's row ignored, count 0); class 3: nobody -> 0
+    out, mask = aggregate_prototypes(PROTOS, COUNTS, weighted=True)
+    assert_close(out, torch.tensor([[2.5], [7.0], [4.0], [0.0]]))
+    assert mask.tolist() == [True, True, True, False]
+
+
+def test_aggregate_prototypes_plain_mean_over_holders():
+    # class 0: (1 + 3) / 2 = 2; the rest as above
+    out, mask = aggregate_prototypes(PROTOS, COUNTS, weighted=False)
+    assert_close(out, torch.tensor([[2.0], [7.0], [4.0], [0.0]]))
+    assert mask.tolist() == [True, True, True, False]
+
+
+def test_prototype_loss_by_hand():
+    # sample 0 (class 0): (1-0)^2 + (1-0)^2 = 2; sample 1 (class 1, no global prototype): 0 -> 2 / (B*d = 4)
+    z = torch.tensor([[1.0, 1.0], [2.0, 0.0]])
+    targets = torch.tensor([[0.0, 0.0], [5.0, 5.0]])
+    loss = prototype_loss(z, targets, torch.tensor([True, False]), torch.tensor([0, 1]))
+    assert_close(loss, torch.tensor(0.5))
+
+
+def test_stack_uploads_scatters_rows_into_dense_tensors():
+    ups = [UPLINK_A, UPLINK_B]
+    protos, counts = stack_uploads(*([u[k] for u in ups] for k in ("classes", "protos", "counts")), 4)
+    assert_close(counts, COUNTS)
+    assert_close(protos[0], PROTOS[0])
+    assert_close(protos[1, :2], PROTOS[1, :2])
+
+
+def test_server_aggregates_uploads_and_sends_prototypes():
+    cfg = load_config(None, ["algorithm=fedproto", "model.group=small_hetero"])
+    archs = [arch_for_client("small_hetero", cid) for cid in range(3)]
+    server = FedProtoServer(ServerContext(cfg, 3, 4, archs, lambda cid: build_model(archs[cid], 1, 8, 4)))
+    assert server.dim == 128
+    assert server.configure(0, [0, 1]) == {0: {}, 1: {}}  # nothing before the first uploads
+    server.aggregate(0, {0: UPLINK_A, 4: UPLINK_B})
+    down = server.configure(1, [2])[2]
+    assert_close(down["protos"], torch.tensor([[2.5], [7.0], [4.0], [0.0]]))
+    assert down["mask"].tolist() == [True, True, True, False]
+
+
+def test_shared_feature_dim_rejects_mixed_sizes():
+    cfg = load_config(None, ["algorithm=fedproto"])  # archs below are what counts
+    archs = ["cnn_small", "cnn_small_wide"]
+    ctx = ServerContext(cfg, 2, 10, archs, lambda cid: build_model(archs[cid], 1, 8, 10))
+    with pytest.raises(ConfigError, match="one feature size"):
+        shared_feature_dim(ctx)
+
+
+def test_client_uploads_class_means_of_its_representations():
+    client = make_client(FedProtoClient, "fedproto")
+    up = client.upload()
+    assert up["classes"].tolist() == [0, 2]
+    assert_close(up["protos"], torch.tensor([[2.0, 2, 2, 2], [1, 1, 1, 4]]))
+    assert up["counts"].tolist() == [2, 2]
+
+
+def test_training_step_adds_lam_times_the_prototype_pull():
+    client = make_client(FedProtoClient, "fedproto", "fedproto.lam=0.5")
+    x, y = X[:2], Y[:2]  # class 0 twice; z = [1,2,3,4], [3,2,1,0]
+    plain = F.cross_entropy(client.model(x), y)
+    assert_close(client.training_step((x, y), 0), plain)  # round 0: no prototypes yet
+    targets = torch.tensor([[2.0, 2, 2, 2], [0, 0, 0, 0], [0, 0, 0, 0]])
+    client.receive(1, {"protos": targets, "mask": torch.tensor([True, False, False])})
+    # (z - [2,2,2,2])^2 = [1,0,1,4] + [1,0,1,4] -> 12 / 8 = 1.5; times lam 0.5 = 0.75
+    assert_close(client.training_step((x, y), 0), plain + 0.75)
