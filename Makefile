@@ -7,7 +7,7 @@ ALGO ?=
 ARGS ?=
 PORT ?= 5000
 
-.PHONY: install run test test-slow lint bench ui clean
+.PHONY: install run compare sweep test test-slow lint bench ui clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,12 @@ install: $(VENV)/.installed
 
 run: install  ## the quickstart (or CONFIG=...), e.g. make run ALGO=fedprox ARGS="rounds=50"
 	$(BIN)/fedray run $(CONFIG) $(if $(ALGO),algorithm=$(ALGO)) $(ARGS)
+
+compare: install  ## every algorithm on the same digits partition, one table (COMPARE=... for another file)
+	$(BIN)/fedray compare $(or $(COMPARE),configs/compare_digits.yaml) $(ARGS)
+
+sweep: install  ## Ray Tune sweep, e.g. make sweep ALGO=fedcross [CONFIG=...] [ARGS="--samples 8 rounds=30"]
+	$(BIN)/fedray sweep --algo $(or $(ALGO),fedcross) --config $(CONFIG) $(ARGS)
 
 lint: install
 	$(BIN)/ruff check .

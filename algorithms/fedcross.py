@@ -250,15 +250,26 @@ class FedCrossConfig:
     )  # scaled by --scale
     alpha: float = 0.99  # cross-aggregation self weight (paper default; range [0.5, 1))
     selection: Selection = "lowest_similarity"  # CoModelSel; the paper's main experiments use lowest
-    num_middleware: int | None = None  # K; null = clients per round (the paper's K is both)
+    num_middleware: int | None = (
+        None  # K; null = train.fraction * N. Set, it also fixes the clients per round
+    )
     same_init: bool = True  # all K models copy one random init
     propeller_rounds: int = 0  # PM acceleration for rounds 0..propeller_rounds-1 (paper: 100); 0 = off
     propeller_num: int = 4  # P propeller models per middleware model
     dynamic_alpha_rounds: int = 0  # DA ramp length (paper: 100; 50 in PM-DA); 0 = off
     dynamic_alpha_start_round: int = 0  # first DA round (PM-DA: = propeller_rounds)
 
+    def participants(self) -> int | None:
+        """The paper's K is both the middleware count and the clients per round: setting one sets both."""
+        return self.num_middleware
+
     def validate(self, cfg: ExperimentConfig) -> None:
         require_homogeneous(cfg)
+        if self.num_middleware is not None and not 2 <= self.num_middleware <= cfg.data.num_clients:
+            raise ConfigError(
+                f"fedcross.num_middleware={self.num_middleware}: must be in 2..data.num_clients="
+                f"{cfg.data.num_clients} (or null = train.fraction * data.num_clients)"
+            )
         k = clients_per_round(cfg)
         if not 0.5 <= self.alpha <= 1.0:
             raise ConfigError(f"fedcross.alpha={self.alpha}: must be in [0.5, 1.0] (paper default 0.99)")
@@ -266,11 +277,6 @@ class FedCrossConfig:
             raise ConfigError(
                 f"train.fraction={cfg.train.fraction}: FedCross needs >= 2 clients per round to "
                 f"cross-aggregate, got {k} of data.num_clients={cfg.data.num_clients}"
-            )
-        if self.num_middleware is not None and self.num_middleware != k:
-            raise ConfigError(
-                f"fedcross.num_middleware={self.num_middleware}: must equal the clients sampled per round "
-                f"({k} = train.fraction * data.num_clients), or null"
             )
         for name in ("propeller_rounds", "dynamic_alpha_rounds", "dynamic_alpha_start_round"):
             if getattr(self, name) < 0:

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from fedray.platform.config import ConfigError, load_config, scale
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -52,6 +55,32 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    from fedray.platform.progress import print_table, summary_table
+    from fedray.sweeps.tune_sweep import run_sweep
+
+    config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
+    result = run_sweep(
+        args.algo,
+        config_path=str(config) if config else None,
+        space_file=args.space,
+        samples=args.samples,
+        overrides=args.overrides,
+        resume=args.resume,
+        name=args.name,
+    )
+    rows = [{k: _short(v) for k, v in row.items()} for row in result.trials.to_dict("records")]
+    print_table(summary_table(rows, title=f"sweep {result.path.name}: {len(rows)} trials"))
+    best = ", ".join(f"{k}={v}" for k, v in rows[0].items() if "." in k) if rows else "-"
+    print(f"best trial: {best}")
+    print(f"MLflow parent run: {result.parent_run_id} (best_config.yaml and trials.csv are its artifacts)")
+    return 0
+
+
+def _short(value):
+    return round(value, 4) if isinstance(value, float) else value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedray", description="Federated-learning experiments on Lightning + Ray + MLflow"
@@ -73,6 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("config", help="compare YAML, e.g. configs/compare_digits.yaml")
     compare.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
     compare.set_defaults(func=_compare)
+
+    sweep = sub.add_parser("sweep", help="Ray Tune sweep of one algorithm, every trial in MLflow")
+    sweep.add_argument("--algo", required=True, help="algorithm to tune, e.g. fedcross")
+    sweep.add_argument("--space", help="search space YAML (default: sweeps/spaces/<algo>.yaml)")
+    sweep.add_argument("--samples", type=int, help="override the space's samples")
+    sweep.add_argument("--config", help="experiment YAML (default: configs/quickstart.yaml)")
+    sweep.add_argument("--name", help="sweep name (default: sweep-<algo>-<config name>)")
+    sweep.add_argument("--resume", action="store_true", help="continue an interrupted sweep")
+    sweep.add_argument("overrides", nargs="*", help="key=value overrides for every trial")
+    sweep.set_defaults(func=_sweep)
     return parser
 
 

@@ -338,8 +338,14 @@ def validate(cfg: ExperimentConfig) -> None:
 
 
 def clients_per_round(cfg: ExperimentConfig) -> int:
-    """K = max(1, round(C * N)): the number of clients sampled each round."""
-    return max(1, round(cfg.train.fraction * cfg.data.num_clients))
+    """K = max(1, round(C * N)): the number of clients sampled each round.
+
+    An algorithm whose own hyperparameter fixes K (FedCross's ``num_middleware``) says so through a
+    ``participants()`` method on its config, which wins over ``train.fraction`` when it returns a number.
+    """
+    fixed = getattr(cfg.algo, "participants", None)
+    k = fixed() if fixed is not None else None
+    return k if k is not None else max(1, round(cfg.train.fraction * cfg.data.num_clients))
 
 
 def save_yaml(cfg: ExperimentConfig, path: str | Path) -> None:

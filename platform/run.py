@@ -161,7 +161,12 @@ def run_experiment(
         ensure_ray(cfg)
         shard_refs = [ray.put(shard) for shard in fed.shards]
         size = num_actors or pool_size(cfg, ray.available_resources() or ray.cluster_resources())
-        coordinator = Coordinator.remote(
+        options = {}
+        if placement_group is not None:  # a Tune trial: the coordinator lives in the trial's reservation
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group)
+        coordinator = Coordinator.options(**options).remote(
             cfg,
             federation_meta(fed),
             shard_refs,

@@ -20,7 +20,7 @@ from fedray.algorithms.fedcross import (
     unflatten_state,
 )
 from fedray.platform.algorithm import ServerContext
-from fedray.platform.config import ConfigError, load_config
+from fedray.platform.config import ConfigError, clients_per_round, load_config
 from fedray.platform.models import FedModel
 
 # v0 = (1, 0), v1 = (1, 1), v2 = (10, 20):
@@ -345,7 +345,8 @@ def test_config_defaults_follow_the_paper():
     [
         (["fedcross.alpha=0.4"], "fedcross.alpha=0.4"),
         (["fedcross.alpha=1.2"], "fedcross.alpha=1.2"),
-        (["fedcross.num_middleware=4"], "fedcross.num_middleware=4"),
+        (["fedcross.num_middleware=7"], "fedcross.num_middleware=7"),  # more models than clients
+        (["fedcross.num_middleware=1"], "fedcross.num_middleware=1"),
         (["train.fraction=0.1"], "train.fraction=0.1"),  # K = 1
         (["fedcross.selection=random"], "fedcross.selection"),
         (["model.group=small_hetero"], "model.group"),
@@ -378,3 +379,13 @@ def test_valid_acceleration_configs_load():
             "fedcross.dynamic_alpha_start_round=50",
         ],
     )
+
+
+def test_num_middleware_fixes_the_clients_per_round():
+    """The paper's K is both the number of middleware models and of sampled clients."""
+    cfg = load_config(None, ["algorithm=fedcross", "data.num_clients=10", "train.fraction=0.5"])
+    assert clients_per_round(cfg) == 5
+    cfg = load_config(
+        None, ["algorithm=fedcross", "data.num_clients=10", "train.fraction=0.5", "fedcross.num_middleware=3"]
+    )
+    assert clients_per_round(cfg) == 3

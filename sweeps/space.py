@@ -1,0 +1,182 @@
+"""Search spaces: one readable YAML per algorithm, checked before Tune starts.
+
+A space file::
+
+    search: grid            # grid | random | optuna
+    samples: 1              # grid: repeats of the grid; random/optuna: number of trials
+    metric: acc/global      # what the sweep maximises (or minimises, with mode: min)
+    mode: max
+    scheduler: asha         # asha | none: ASHA stops weak trials early on the round axis
+    grace_rounds: 3         # ASHA: every trial runs at least this many rounds
+    params:                 # any dotted config key -> one distribution
+      fedcross.alpha: {grid: [0.9, 0.95, 0.99]}
+      fedcross.selection: {choice: [in_order, lowest_similarity]}
+      train.lr: {loguniform: [0.01, 0.1]}
+      train.local_epochs: {randint: [1, 3]}     # inclusive bounds
+
+Distributions: ``grid`` (every value, with grid search), ``choice``, ``uniform``, ``loguniform``,
+``randint`` (inclusive), ``quniform`` ([low, high, step]).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from fedray.platform.config import ConfigError, build_config, load_yaml, merge, parse_overrides
+
+SPACES_DIR = Path(__file__).resolve().parent / "spaces"
+KINDS = ("grid", "choice", "uniform", "loguniform", "randint", "quniform")
+
+
+@dataclass
+class Param:
+    key: str
+    kind: str
+    values: list[Any]
+
+    def sample(self, rng: random.Random) -> Any:
+        """One value drawn as Tune would draw it (used to check points without Ray)."""
+        if self.kind in ("grid", "choice"):
+            return rng.choice(self.values)
+        low, high = self.values[0], self.values[1]
+        if self.kind == "uniform":
+            return rng.uniform(low, high)
+        if self.kind == "loguniform":
+            import math
+
+            return math.exp(rng.uniform(math.log(low), math.log(high)))
+        if self.kind == "randint":
+            return rng.randint(low, high)
+        step = self.values[2]
+        return round(rng.uniform(low, high) / step) * step
+
+    def tune_domain(self, search: str) -> Any:
+        from ray import tune
+
+        if self.kind == "grid":
+            # Optuna cannot enumerate a grid; it samples the same values instead
+            return tune.choice(self.values) if search == "optuna" else tune.grid_search(self.values)
+        if self.kind == "choice":
+            return tune.choice(self.values)
+        if self.kind == "uniform":
+            return tune.uniform(*self.values)
+        if self.kind == "loguniform":
+            return tune.loguniform(*self.values)
+        if self.kind == "randint":
+            return tune.randint(self.values[0], self.values[1] + 1)  # Tune's upper bound is exclusive
+        return tune.quniform(*self.values)
+
+
+@dataclass
+class SearchSpace:
+    path: str
+    params: list[Param]
+    search: Literal["grid", "random", "optuna"] = "grid"
+    samples: int = 1
+    metric: str = "acc/personal_mean"
+    mode: Literal["max", "min"] = "max"
+    scheduler: Literal["asha", "none"] = "asha"
+    grace_rounds: int = 3
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def grid_points(self) -> list[dict[str, Any]]:
+        """Every grid combination (non-grid params left out): what grid search enumerates."""
+        grid = [p for p in self.params if p.kind == "grid"]
+        return [
+            dict(zip([p.key for p in grid], combo)) for combo in itertools.product(*[p.values for p in grid])
+        ]
+
+    def sample_points(self, n: int, seed: int = 0) -> list[dict[str, Any]]:
+        """``n`` points drawn from the space (grid params drawn too), for validation without Ray."""
+        rng = random.Random(seed)
+        return [{p.key: p.sample(rng) for p in self.params} for _ in range(n)]
+
+    def num_trials(self) -> int:
+        """Tune repeats the whole grid ``samples`` times, whatever the search algorithm."""
+        return max(1, len(self.grid_points())) * self.samples
+
+
+def _parse_param(path: str, key: str, spec: Any) -> Param:
+    where = f"{path}: params.{key}"
+    if isinstance(spec, list):  # shorthand: a bare list is a grid
+        spec = {"grid": spec}
+    if not isinstance(spec, dict) or len(spec) != 1:
+        raise ConfigError(
+            f"{where}: expected one distribution, e.g. {{grid: [0.1, 0.5]}}; kinds: {', '.join(KINDS)}"
+        )
+    ((kind, values),) = spec.items()
+    if kind not in KINDS:
+        raise ConfigError(f"{where}: unknown distribution {kind!r}; kinds: {', '.join(KINDS)}")
+    if not isinstance(values, list) or not values:
+        raise ConfigError(f"{where}: {kind} needs a non-empty list of values")
+    if kind in ("uniform", "loguniform", "randint") and (len(values) != 2 or values[0] > values[1]):
+        raise ConfigError(f"{where}: {kind} needs [low, high] with low <= high, got {values}")
+    if kind == "quniform" and len(values) != 3:
+        raise ConfigError(f"{where}: quniform needs [low, high, step], got {values}")
+    if kind == "loguniform" and values[0] <= 0:
+        raise ConfigError(f"{where}: loguniform needs low > 0, got {values}")
+    return Param(key, kind, list(values))
+
+
+def space_path(algorithm: str, path: str | Path | None = None) -> Path:
+    if path is not None:
+        return Path(path)
+    found = SPACES_DIR / f"{algorithm}.yaml"
+    if not found.is_file():
+        known = ", ".join(sorted(p.stem for p in SPACES_DIR.glob("*.yaml")))
+        raise ConfigError(f"--algo {algorithm}: no search space {found}; write one or pick one of: {known}")
+    return found
+
+
+def load_space(path: str | Path) -> SearchSpace:
+    raw = load_yaml(path)
+    allowed = {"search", "samples", "metric", "mode", "scheduler", "grace_rounds", "params"}
+    unknown = set(raw) - allowed
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; allowed: {', '.join(sorted(allowed))}")
+    params_raw = raw.get("params") or {}
+    if not isinstance(params_raw, dict) or not params_raw:
+        raise ConfigError(f"{path}: 'params' must map at least one config key to a distribution")
+    space = SearchSpace(
+        path=str(path),
+        params=[_parse_param(str(path), key, spec) for key, spec in params_raw.items()],
+        search=raw.get("search", "grid"),
+        samples=int(raw.get("samples", 1)),
+        metric=raw.get("metric", "acc/personal_mean"),
+        mode=raw.get("mode", "max"),
+        scheduler=raw.get("scheduler", "asha"),
+        grace_rounds=int(raw.get("grace_rounds", 3)),
+    )
+    checks = [
+        (
+            space.search in ("grid", "random", "optuna"),
+            f"search={space.search!r}: allowed grid, random, optuna",
+        ),
+        (space.mode in ("max", "min"), f"mode={space.mode!r}: allowed max, min"),
+        (space.scheduler in ("asha", "none"), f"scheduler={space.scheduler!r}: allowed asha, none"),
+        (space.samples >= 1, f"samples={space.samples}: must be >= 1"),
+        (space.grace_rounds >= 1, f"grace_rounds={space.grace_rounds}: must be >= 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(f"{path}: {message}")
+    return space
+
+
+def trial_config(base: dict[str, Any], point: dict[str, Any]):
+    """The experiment config of one trial: the base config with the sampled values on top."""
+    return build_config(merge(base, parse_overrides([f"{k}={v}" for k, v in point.items()])))
+
+
+def check_space(space: SearchSpace, base: dict[str, Any], n: int = 8) -> None:
+    """Fail before Tune starts if a key is unknown or a value invalid for the experiment config."""
+    points = space.grid_points()[:n] + space.sample_points(n)
+    for point in points:
+        try:
+            trial_config(base, point)
+        except ConfigError as err:
+            raise ConfigError(f"{space.path}: {err}") from None

@@ -1,0 +1,304 @@
+"""Ray Tune sweeps: every trial is a full federated run through ``run_experiment``.
+
+A trial reserves its Coordinator and ClientActors through a placement group (an empty head bundle
+for the trial's driver, one bundle per ClientActor), so trials run side by side as far as the
+cluster allows and never oversubscribe it. Each round reaches Tune with ``tune.report`` and an ASHA
+scheduler stops weak trials early on the round axis. MLflow gets one parent run per sweep and one
+nested child run per trial.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pandas as pd
+import yaml
+from ray.tune import Callback
+
+from fedray.platform.config import (
+    ConfigError,
+    ExperimentConfig,
+    build_config,
+    load_yaml,
+    merge,
+    parse_overrides,
+)
+from fedray.sweeps.space import SearchSpace, check_space, load_space, space_path, trial_config
+
+SWEEP_STATE = "fedray_sweep.json"  # parent run id and settings, for --resume
+
+
+@dataclass
+class SweepResult:
+    parent_run_id: str
+    trials: pd.DataFrame  # one row per trial: params, final metric, rounds run, status, run id
+    best_config: dict[str, Any]
+    path: Path
+    max_concurrent: int = 0  # most trials that ran side by side
+
+
+# --------------------------------------------------------------------------------------------- resources
+
+
+def trial_resources(cfg: ExperimentConfig):
+    """Placement group of one trial: nothing for its driver, one bundle per ClientActor."""
+    from ray import tune
+
+    bundle = {"CPU": cfg.ray.num_cpus_per_client}
+    if cfg.ray.num_gpus_per_client > 0:
+        bundle["GPU"] = cfg.ray.num_gpus_per_client
+    actors = max(1, min(cfg.ray.max_actors or 1, cfg.data.num_clients))
+    return tune.PlacementGroupFactory([{}] + [dict(bundle) for _ in range(actors)], strategy="PACK")
+
+
+# --------------------------------------------------------------------------------------------- trial
+
+
+def run_trial(point: dict[str, Any], base: dict[str, Any], parent_run_id: str, sweep_id: str) -> None:
+    """The Tune trainable: one federated run with the sampled values, reporting every round."""
+    import ray
+    from ray import tune
+
+    from fedray.platform.run import run_experiment
+
+    cfg = trial_config(base, point)
+    pg = ray.util.get_current_placement_group()
+    actors = max(1, len(pg.bundle_specs) - 1) if pg is not None else None
+    tags = {"sweep_id": sweep_id, "trial_id": tune.get_context().get_trial_id() or ""}
+
+    def report(rnd: int, metrics: dict[str, float]) -> None:
+        tune.report({"round": rnd, **{k.replace("/", "_"): v for k, v in metrics.items()}})
+
+    run_experiment(
+        cfg, parent_run_id=parent_run_id, tags=tags, on_round=report, placement_group=pg, num_actors=actors
+    )
+
+
+# --------------------------------------------------------------------------------------------- sweep
+
+
+def prepare_base(config_path: str | None, algorithm: str, overrides: list[str]) -> dict[str, Any]:
+    """The base experiment every trial starts from, with paths made absolute (trials run elsewhere)."""
+    from fedray.platform.tracking import tracking_uri
+
+    raw = load_yaml(config_path) if config_path else {}
+    raw = merge(raw, parse_overrides([f"algorithm={algorithm}", *overrides]))
+    cfg = build_config(raw)  # one-line errors for the base, before Tune
+    raw = merge(
+        raw,
+        {
+            "progress": False,
+            "output_dir": str(Path(cfg.output_dir).resolve()),
+            "tracking": {"uri": tracking_uri(cfg)},
+        },
+    )
+    if cfg.data.root:
+        raw = merge(raw, {"data": {"root": str(Path(cfg.data.root).expanduser().resolve())}})
+    return raw
+
+
+def _search_alg(space: SearchSpace, seed: int):
+    if space.search != "optuna":
+        return None
+    try:
+        from ray.tune.search.optuna import OptunaSearch
+    except ImportError:
+        raise ConfigError("search=optuna needs the optuna package: pip install optuna") from None
+    return OptunaSearch(seed=seed)
+
+
+def _scheduler(space: SearchSpace, rounds: int):
+    if space.scheduler == "none" or rounds <= space.grace_rounds:
+        return None
+    from ray.tune.schedulers import ASHAScheduler
+
+    return ASHAScheduler(time_attr="round", max_t=rounds, grace_period=space.grace_rounds, reduction_factor=2)
+
+
+def run_sweep(
+    algorithm: str,
+    *,
+    config_path: str | None = None,
+    space_file: str | None = None,
+    samples: int | None = None,
+    overrides: list[str] | None = None,
+    resume: bool = False,
+    name: str | None = None,
+    max_concurrent: int | None = None,
+    _stop_after_trials: int | None = None,
+) -> SweepResult:
+    """Run (or ``resume``) a sweep of ``algorithm`` and return its trial table and best config."""
+    from ray import tune
+
+    from fedray.platform.run import ensure_ray
+    from fedray.platform.tracking import RunTracker
+
+    base = prepare_base(config_path, algorithm, overrides or [])
+    space = load_space(space_path(algorithm, space_file))
+    if samples is not None:
+        space.samples = samples
+    check_space(space, base)  # unknown keys, empty choices, invalid values: before Tune starts
+    base_cfg = build_config(base)
+    name = name or f"sweep-{algorithm}-{base_cfg.name}"
+    storage = Path(base_cfg.output_dir) / "sweeps"
+    path = storage / name
+    state_file = path / SWEEP_STATE
+    metric = space.metric.replace("/", "_")
+
+    ensure_ray(base_cfg)
+    if resume:
+        if not tune.Tuner.can_restore(str(path)) or not state_file.is_file():
+            raise ConfigError(f"--resume: no sweep to resume at {path}")
+        state = json.loads(state_file.read_text())
+        parent = RunTracker(base_cfg, run_id=state["parent_run_id"])
+    else:
+        parent_cfg = build_config(merge(base, {"name": base_cfg.tracking.experiment or base_cfg.name}))
+        parent = RunTracker(parent_cfg, extra_tags={"fedray.kind": "sweep", "sweep_id": name})
+        parent.client.set_tag(parent.run_id, "mlflow.runName", name)
+        parent.log_text(Path(space.path).read_text(), "search_space.yaml")
+        parent.log_text(yaml.safe_dump(base, sort_keys=False), "base_config.yaml")
+        path.mkdir(parents=True, exist_ok=True)
+
+    trainable = tune.with_resources(
+        tune.with_parameters(run_trial, base=base, parent_run_id=parent.run_id, sweep_id=name),
+        resources=trial_resources(base_cfg),
+    )
+    lines = _TrialLines(space.metric)
+    callbacks = [lines] + ([_InterruptAfterTrials(_stop_after_trials)] if _stop_after_trials else [])
+    if resume:
+        tuner = tune.Tuner.restore(str(path), trainable, resume_errored=True)
+    else:
+        param_space = {p.key: p.tune_domain(space.search) for p in space.params}
+        tuner = tune.Tuner(
+            trainable,
+            param_space=param_space,
+            tune_config=tune.TuneConfig(
+                metric=metric,
+                mode=space.mode,
+                num_samples=space.samples,
+                scheduler=_scheduler(space, base_cfg.rounds),
+                search_alg=_search_alg(space, base_cfg.seed),
+                max_concurrent_trials=max_concurrent,
+            ),
+            run_config=tune.RunConfig(
+                name=name, storage_path=str(storage.resolve()), callbacks=callbacks, verbose=0
+            ),
+        )
+        state_file.write_text(json.dumps({"parent_run_id": parent.run_id, "algorithm": algorithm}))
+    status = "FAILED"
+    try:
+        grid = tuner.fit()
+        # Ctrl-C makes Tune save its state and return early: unfinished trials mean "interrupted"
+        finished = sum(1 for r in grid if (r.metrics or {}).get("done") or r.error)
+        status = "FINISHED" if finished >= space.num_trials() else "KILLED"
+        if status == "KILLED":
+            print(f"sweep interrupted: resume with  fedray sweep --algo {algorithm} --resume (same arguments)")
+    finally:
+        parent.end(status)
+    result = summarize(grid, space, parent, path, base)
+    result.max_concurrent = lines.max_running
+    return result
+
+
+class _TrialLines(Callback):
+    """One line per started and finished trial (Tune's own tables are too wide to read)."""
+
+    def __init__(self, metric: str) -> None:
+        self.metric = metric.replace("/", "_")
+        self.running = 0
+        self.max_running = 0
+
+    def on_trial_start(self, iteration, trials, trial, **info) -> None:
+        self.running += 1
+        self.max_running = max(self.max_running, self.running)
+        point = ", ".join(f"{k}={v}" for k, v in trial.config.items())
+        print(f"trial {trial.trial_id} started ({self.running} running): {point}", flush=True)
+
+    def _ended(self, trial, how: str) -> None:
+        self.running = max(0, self.running - 1)
+        last = trial.last_result or {}
+        value = last.get(self.metric)
+        shown = "-" if value is None else f"{value:.4f}"
+        print(
+            f"trial {trial.trial_id} {how} after {last.get('round', 0)} rounds: {self.metric}={shown}",
+            flush=True,
+        )
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        self._ended(trial, "finished")
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        self._ended(trial, "FAILED")
+
+
+class _InterruptAfterTrials(Callback):
+    """Sends this process a Ctrl-C once ``n`` trials have finished: the user's interruption, automated
+    for the resume test. Tune saves the sweep's state and stops, exactly as on a real Ctrl-C."""
+
+    _armed: ClassVar[set[str]] = set()  # Tune pickles callbacks into the sweep state: fire once only
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.finished = 0
+        self.token = os.urandom(8).hex()
+        self._armed.add(self.token)
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        self.finished += 1
+        if self.finished >= self.n and self.token in self._armed:
+            self._armed.discard(self.token)
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def summarize(grid, space: SearchSpace, parent, path: Path, base: dict[str, Any]) -> SweepResult:
+    """Trial table, best config (logged on the parent), and stray child runs closed as KILLED."""
+    metric = space.metric.replace("/", "_")
+    rows = []
+    for result in grid:
+        point = {k: v for k, v in (result.config or {}).items()}
+        metrics = result.metrics or {}
+        rows.append(
+            {
+                **point,
+                space.metric: metrics.get(metric),
+                "rounds": metrics.get("round"),
+                "status": "error" if result.error else "ok",
+                "trial": metrics.get("trial_id") or os.path.basename(result.path or ""),
+            }
+        )
+    table = pd.DataFrame(rows)
+    if not table.empty and table[space.metric].notna().any():
+        table = table.sort_values(space.metric, ascending=space.mode == "min", na_position="last")
+    best_point = {}
+    if not table.empty and table[space.metric].notna().any():
+        best_point = {p.key: table.iloc[0][p.key] for p in space.params if p.key in table.columns}
+    best_config = trial_config(base, best_point).to_dict() if best_point else {}
+    parent.log_text(yaml.safe_dump(best_config, sort_keys=False), "best_config.yaml")
+    parent.log_table(table, "trials.csv")
+    _close_stopped_children(parent)
+    return SweepResult(parent.run_id, table, best_config, path)
+
+
+def _close_stopped_children(parent) -> None:
+    """Trials that ASHA stopped were killed mid-run; mark their MLflow runs KILLED, not RUNNING."""
+    runs = parent.client.search_runs(
+        [parent.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'",
+        max_results=10_000,
+    )
+    for run in runs:
+        if run.info.status == "RUNNING":
+            parent.client.set_tag(run.info.run_id, "fedray.stopped_early", "true")
+            parent.client.set_terminated(run.info.run_id, status="KILLED")
+
+
+def format_number(value: Any) -> Any:
+    if isinstance(value, float) and not math.isnan(value):
+        return round(value, 4)
+    return value

@@ -1,0 +1,129 @@
+"""Ray Tune sweeps: space files checked without Ray; a real 4-trial sweep; interrupt and resume."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import tiny_overrides
+from mlflow.tracking import MlflowClient
+
+from fedray.platform.config import ConfigError, load_yaml
+from fedray.sweeps.space import SPACES_DIR, check_space, load_space, trial_config
+from fedray.sweeps.tune_sweep import prepare_base, run_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+SPACE_FILES = sorted(SPACES_DIR.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SPACE_FILES, ids=[p.stem for p in SPACE_FILES])
+def test_shipped_space_parses_and_every_point_builds_a_config(path):
+    space = load_space(path)
+    base = load_yaml(ROOT / "configs" / "quickstart.yaml")
+    base["algorithm"] = path.stem
+    for point in space.grid_points() + space.sample_points(20):
+        cfg = trial_config(base, point)
+        for key, value in point.items():
+            section, name = key.split(".")
+            got = getattr(cfg.algo if section == cfg.algorithm else getattr(cfg, section), name)
+            assert got == value or got == pytest.approx(value), key
+
+
+def test_required_hyperparameters_are_in_the_spaces():
+    keys = {p.stem: {param.key for param in load_space(p).params} for p in SPACE_FILES}
+    assert {"fedssa.mu0", "fedssa.t_stable"} <= keys["fedssa"]
+    assert {"fedcross.alpha", "fedcross.selection", "fedcross.num_middleware"} <= keys["fedcross"]
+    assert {"fedl2g.server_lr", "fedl2g.variant"} <= keys["fedl2g"]
+    assert {"fedsc.tau", "fedsc.neighbors"} <= keys["fedsc"]
+    assert "fedprox.mu" in keys["fedprox"]
+    for algo in ("fedssa", "fedcross", "fedl2g", "fedsc", "fedprox"):
+        assert {"train.lr", "train.local_epochs"} <= keys[algo], algo
+
+
+@pytest.mark.parametrize(
+    ("params", "needle"),
+    [
+        ({"fedprox.muu": {"grid": [0.1]}}, "unknown config key 'fedprox.muu'"),
+        ({"fedprox.mu": {"choice": []}}, "choice needs a non-empty list"),
+        ({"fedprox.mu": {"grid": [-1.0]}}, "fedprox.mu=-1.0"),
+        ({"fedprox.mu": {"gaussian": [0, 1]}}, "unknown distribution 'gaussian'"),
+        ({"train.lr": {"loguniform": [0.1, 0.01]}}, "low <= high"),
+    ],
+)
+def test_invalid_space_fails_before_tune_starts(tmp_path, params, needle, monkeypatch):
+    import ray
+
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"search": "grid", "params": params}))
+    was_running = ray.is_initialized()
+    with pytest.raises(ConfigError) as err:
+        run_sweep("fedprox", space_file=str(path), overrides=tiny_overrides())
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    assert ray.is_initialized() == was_running  # no Ray started for a bad space
+    assert not (tmp_path / ".fedray").exists()
+
+
+def _tiny_space(tmp_path, mus=(0.0, 0.01, 0.1, 1.0)):
+    path = tmp_path / "space.yaml"
+    space = {
+        "search": "grid",
+        "scheduler": "none",
+        "metric": "acc/global",
+        "params": {"fedprox.mu": list(mus)},
+    }
+    path.write_text(yaml.safe_dump(space))
+    return str(path)
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_four_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store):
+    result = run_sweep("fedprox", space_file=_tiny_space(tmp_path), overrides=tiny_overrides(rounds=2))
+
+    assert len(result.trials) == 4 and set(result.trials["status"]) == {"ok"}
+    client = MlflowClient(mlflow_store)
+    parent = client.get_run(result.parent_run_id)
+    assert parent.data.tags["fedray.kind"] == "sweep" and parent.info.status == "FINISHED"
+    children = client.search_runs(
+        [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'"
+    )
+    assert len(children) == 4
+    assert sorted(float(c.data.params["fedprox.mu"]) for c in children) == [0.0, 0.01, 0.1, 1.0]
+    for child in children:
+        assert child.data.tags["sweep_id"] == result.path.name
+        assert [m.step for m in client.get_metric_history(child.info.run_id, "acc/global")] == [1, 2]
+    artifacts = {a.path for a in client.list_artifacts(result.parent_run_id)}
+    assert {"best_config.yaml", "trials.csv", "search_space.yaml"} <= artifacts
+    best = result.trials.iloc[0]
+    assert best["acc/global"] == max(result.trials["acc/global"])
+    assert result.best_config["fedprox"]["mu"] == pytest.approx(best["fedprox.mu"])
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path, mlflow_store):
+    space = _tiny_space(tmp_path, mus=(0.0, 0.1, 1.0))
+    overrides = tiny_overrides(rounds=1)
+    first = run_sweep(
+        "fedprox", space_file=space, overrides=overrides, max_concurrent=1, _stop_after_trials=1
+    )
+    assert 1 <= (first.trials["rounds"] == 1).sum() < 3
+    assert MlflowClient(mlflow_store).get_run(first.parent_run_id).info.status == "KILLED"
+
+    resumed = run_sweep("fedprox", space_file=space, overrides=overrides, resume=True)
+    assert len(resumed.trials) == 3 and (resumed.trials["rounds"] == 1).all()
+    client = MlflowClient(mlflow_store)
+    children = client.search_runs(
+        [client.get_run(first.parent_run_id).info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{first.parent_run_id}'",
+    )
+    mus = sorted(float(c.data.params["fedprox.mu"]) for c in children)
+    assert mus == [0.0, 0.1, 1.0]  # each trial ran exactly once: the finished one was not redone
+    assert resumed.parent_run_id == first.parent_run_id
+
+
+def test_prepare_base_makes_paths_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    base = prepare_base(None, "fedavg", ["data.root=rel/data"])
+    assert Path(base["output_dir"]).is_absolute() and Path(base["data"]["root"]).is_absolute()
+    assert base["tracking"]["uri"].startswith("sqlite:///") or "://" in base["tracking"]["uri"]
+    with pytest.raises(ConfigError):
+        check_space(load_space(SPACE_FILES[0]), {"algorithm": "fedavg", "rounds": 0})
