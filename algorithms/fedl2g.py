@@ -32,7 +32,7 @@ Spec choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -211,6 +211,7 @@ class FedL2GClient(ClientModule):
 @register("fedl2g", server=FedL2GServer, client=FedL2GClient)
 @dataclass
 class FedL2GConfig:
+    ROUND_FIELDS: ClassVar[tuple[str, ...]] = ("warmup_rounds",)  # scaled by --scale
     variant: Variant = "f"  # "f": guide features (M = K); "l": guide logits (M = C)
     server_lr: float | None = None  # eta_s; null = the paper's default for the variant: 100 (f), 0.1 (l)
     server_clip: float | None = 100.0  # max norm of the averaged pi before the server step; null = none

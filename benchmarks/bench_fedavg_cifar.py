@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tarfile
 import threading
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from fedray.platform.algorithm import batch_loader
 from fedray.platform.client import evaluate_model
 from fedray.platform.config import load_config
 from fedray.platform.data import normalize
+from fedray.platform.data.archive import unpack_image_archive
 from fedray.platform.models import build_model
 from fedray.platform.run import ensure_ray, prepare_federation, run_experiment
 
@@ -35,21 +35,10 @@ ARCHIVE = ROOT.parent / "shared" / "data" / "cifar10-jpeg.tar.gz"
 
 
 def cifar_root(path: str | None) -> Path:
-    """The unpacked JPEG tree; unpacks the shared archive once into ~/.cache/fedray (never the repo)."""
+    """The unpacked JPEG tree; the shared archive is unpacked once into ~/.cache/fedray (never the repo)."""
     if path:
         return Path(path).expanduser()
-    target = Path.home() / ".cache" / "fedray" / "cifar10-jpeg"
-    if not (target / "train").is_dir():
-        if not ARCHIVE.is_file():
-            raise SystemExit(f"no CIFAR-10 JPEGs: pass --data DIR or provide {ARCHIVE}")
-        target.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(ARCHIVE) as tar:
-            tar.extractall(target, filter="data")
-        inner = [p for p in target.iterdir() if p.is_dir() and (p / "train").is_dir()]
-        if inner and not (target / "train").is_dir():
-            for child in inner[0].iterdir():
-                child.rename(target / child.name)
-    return target
+    return unpack_image_archive(ARCHIVE, Path.home() / ".cache" / "fedray" / "cifar10-jpeg")
 
 
 class PeakMemory:
