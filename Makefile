@@ -6,8 +6,10 @@ CONFIG ?= configs/quickstart.yaml
 ALGO ?=
 ARGS ?=
 PORT ?= 5000
+EXP ?=
+OUT ?=
 
-.PHONY: install run compare sweep test test-slow lint bench ui clean
+.PHONY: install run compare sweep report test test-slow lint bench ui clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +28,10 @@ compare: install  ## every algorithm on the same digits partition, one table (CO
 sweep: install  ## Ray Tune sweep, e.g. make sweep ALGO=fedcross [CONFIG=...] [ARGS="--samples 8 rounds=30"]
 	$(BIN)/fedray sweep --algo $(or $(ALGO),fedcross) --config $(CONFIG) $(ARGS)
 
+report: install  ## HTML report of an MLflow experiment: make report EXP=quickstart [OUT=dir] [ARGS="--target 0.9"]
+	@test -n "$(EXP)" || { echo 'usage: make report EXP=<experiment> [OUT=dir] [ARGS="--target 0.9"]' >&2; exit 2; }
+	$(BIN)/fedray report "$(EXP)" $(if $(OUT),--out "$(OUT)") $(ARGS)
+
 lint: install
 	$(BIN)/ruff check .
 
@@ -42,4 +48,4 @@ ui: install  ## the MLflow UI on the project's store
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --port $(PORT)
 
 clean:
-	rm -rf .fedray mlartifacts mlflow.db .pytest_cache .ruff_cache
+	rm -rf .fedray mlartifacts mlflow.db reports .pytest_cache .ruff_cache

@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(func=_run)
 
+    from fedray.dashboards.report import add_report_parser
+
+    add_report_parser(sub)
+
     compare = sub.add_parser("compare", help="several algorithms on the same partition and seeds, one table")
     compare.add_argument("config", help="compare YAML, e.g. configs/compare_digits.yaml")
     compare.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")

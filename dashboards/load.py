@@ -1,0 +1,254 @@
+"""MLflow -> pandas: the runs of one experiment, their per-round histories and their artifacts.
+
+Reading goes through ``MlflowClient`` only, so a report works on a local sqlite store and on a
+tracking server alike. The run frame uses the column names of ``mlflow.search_runs`` (``params.x``,
+``metrics.x``, ``tags.x``) so anyone who knows MLflow's pandas output can read it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from fedray.platform.config import ConfigError
+
+# Per-round metrics the report draws; other keys stay in the store.
+HISTORY_KEYS = (
+    "acc/personal_mean",
+    "acc/personal_std",
+    "acc/global",
+    "loss/train",
+    "comm/up_bytes_cum",
+    "comm/down_bytes_cum",
+    "time/round_s",
+)
+PRIMARY_METRIC = "acc/personal_mean"
+KIND_TAG = "fedray.kind"
+PARENT_TAG = "mlflow.parentRunId"
+
+
+@dataclass
+class ExperimentRuns:
+    """The finished fedray runs of one experiment, plus what was left out and why."""
+
+    experiment: str
+    experiment_id: str
+    tracking_uri: str
+    runs: (
+        pd.DataFrame
+    )  # one row per run used; columns run_id, run_name, group, seed, ..., params.*, metrics.*
+    skipped: pd.DataFrame = field(default_factory=pd.DataFrame)  # run_id, run_name, status, reason
+    parent_ids: list[str] = field(default_factory=list)  # runs that are parents of the used runs (sweeps)
+
+    def client(self):
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient(tracking_uri=self.tracking_uri)
+
+
+def resolve_tracking_uri(uri: str | None) -> str:
+    """The project's store unless told otherwise; a missing sqlite file is an error, not a new store."""
+    from fedray.platform.tracking import tracking_uri
+
+    uri = uri or tracking_uri()
+    if uri.startswith("sqlite:///"):
+        path = Path(uri.removeprefix("sqlite:///"))
+        if not path.is_file():
+            raise ConfigError(f"no MLflow store at {path} (tracking URI {uri}); run an experiment first")
+    return uri
+
+
+def load_runs(experiment: str, tracking_uri: str | None = None) -> ExperimentRuns:
+    """Every finished fedray run of ``experiment`` (by name) as one frame; fails clearly on none."""
+    from mlflow.tracking import MlflowClient
+
+    from fedray.platform.tracking import quiet_mlflow
+
+    quiet_mlflow()
+    uri = resolve_tracking_uri(tracking_uri)
+    client = MlflowClient(tracking_uri=uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        names = sorted(e.name for e in client.search_experiments())
+        known = ", ".join(repr(n) for n in names) or "none"
+        raise ConfigError(f"no MLflow experiment named {experiment!r} in {uri} (experiments there: {known})")
+    all_runs = _search_all(client, found.experiment_id)
+    runs = [r for r in all_runs if r.data.tags.get(KIND_TAG) != "report"]
+    parents = {r.data.tags.get(PARENT_TAG) for r in runs} - {None}
+
+    used, skipped = [], []
+    for run in runs:
+        if run.info.run_id in parents:
+            continue  # a sweep's parent: it carries the sweep, not a federation
+        reason = _skip_reason(run)
+        if reason:
+            skipped.append(
+                {
+                    "run_id": run.info.run_id,
+                    "run_name": run.info.run_name,
+                    "status": run.info.status,
+                    "reason": reason,
+                }
+            )
+        else:
+            used.append(_row(run))
+    if not used:
+        detail = (
+            f"{len(skipped)} runs there, none usable: " + _skip_summary(skipped) if skipped else "it is empty"
+        )
+        raise ConfigError(
+            f"experiment {experiment!r} in {uri} has no finished fedray runs to report ({detail})"
+        )
+    frame = pd.DataFrame(used).sort_values(["group", "seed_sort", "start_time"], kind="stable")
+    frame = frame.drop(columns="seed_sort").reset_index(drop=True)
+    used_parents = sorted(set(frame["parent_id"].dropna()) - {""})
+    return ExperimentRuns(
+        experiment,
+        found.experiment_id,
+        uri,
+        frame,
+        pd.DataFrame(skipped, columns=["run_id", "run_name", "status", "reason"]),
+        used_parents,
+    )
+
+
+def _search_all(client, experiment_id: str) -> list:
+    runs, token = [], None
+    while True:
+        page = client.search_runs([experiment_id], max_results=1000, page_token=token)
+        runs.extend(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def _skip_reason(run) -> str | None:
+    if run.info.status != "FINISHED":
+        return f"status {run.info.status}"
+    if "algorithm" not in run.data.tags:
+        return "no 'algorithm' tag (not a fedray run)"
+    if PRIMARY_METRIC not in run.data.metrics:
+        return f"no {PRIMARY_METRIC} metric"
+    return None
+
+
+def _skip_summary(skipped: list[dict[str, Any]]) -> str:
+    counts = pd.Series([s["reason"] for s in skipped]).value_counts()
+    return ", ".join(f"{n} with {reason}" for reason, n in counts.items())
+
+
+def _row(run) -> dict[str, Any]:
+    tags, info = run.data.tags, run.info
+    seed = tags.get("seed", run.data.params.get("seed", ""))
+    try:
+        seed_sort = int(seed)
+    except ValueError:
+        seed_sort = 0
+    end = info.end_time or info.start_time
+    row: dict[str, Any] = {
+        "run_id": info.run_id,
+        "run_name": info.run_name,
+        "status": info.status,
+        "group": tags.get("label") or tags["algorithm"],
+        "algorithm": tags["algorithm"],
+        "seed": seed,
+        "seed_sort": seed_sort,
+        "dataset": tags.get("dataset", ""),
+        "partition": tags.get("partition", ""),
+        "model_group": tags.get("model_group", ""),
+        "sweep_id": tags.get("sweep_id", ""),
+        "parent_id": tags.get(PARENT_TAG, ""),
+        "start_time": info.start_time,
+        "wall_s": (end - info.start_time) / 1000.0,
+    }
+    row.update({f"params.{k}": v for k, v in run.data.params.items()})
+    row.update({f"metrics.{k}": v for k, v in run.data.metrics.items()})
+    return row
+
+
+def load_history(
+    ex: ExperimentRuns, run_ids: list[str], keys: tuple[str, ...] = HISTORY_KEYS
+) -> pd.DataFrame:
+    """Per-round metrics, one row per (run_id, step), one column per metric key.
+
+    A resumed run may have logged a round twice (before and after the interruption): the later
+    value wins, as in MLflow's own "latest" view.
+    """
+    client = ex.client()
+    rows = []
+    for run_id in run_ids:
+        for key in keys:
+            for m in client.get_metric_history(run_id, key):
+                rows.append((run_id, m.step, m.timestamp, key, m.value))
+    if not rows:
+        return pd.DataFrame(columns=["run_id", "step", *keys])
+    long = pd.DataFrame(rows, columns=["run_id", "step", "timestamp", "key", "value"])
+    long = long.sort_values("timestamp", kind="stable").drop_duplicates(
+        ["run_id", "step", "key"], keep="last"
+    )
+    wide = long.pivot(index=["run_id", "step"], columns="key", values="value").reset_index()
+    wide.columns.name = None
+    for key in keys:
+        if key not in wide:
+            wide[key] = float("nan")
+    return wide.sort_values(["run_id", "step"]).reset_index(drop=True)
+
+
+def download(ex: ExperimentRuns, run_id: str, artifact: str, dst: Path) -> Path | None:
+    """One artifact of one run, or None when the run did not log it."""
+    import mlflow.artifacts
+    from mlflow.exceptions import MlflowException
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per small file is noise
+    dst.mkdir(parents=True, exist_ok=True)
+    try:
+        local = mlflow.artifacts.download_artifacts(
+            run_id=run_id, artifact_path=artifact, dst_path=str(dst), tracking_uri=ex.tracking_uri
+        )
+    except (MlflowException, OSError):
+        return None
+    path = Path(local)
+    return path if path.is_file() else None
+
+
+def load_client_accuracy(ex: ExperimentRuns, run_ids: list[str]) -> pd.DataFrame:
+    """``client_accuracy.csv`` of each run, stacked: run_id, client, accuracy."""
+    frames = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for run_id in run_ids:
+            path = download(ex, run_id, "client_accuracy.csv", Path(tmp) / run_id)
+            if path is not None:
+                frame = pd.read_csv(path)
+                frames.append(frame.assign(run_id=run_id)[["run_id", "client", "accuracy"]])
+    if not frames:
+        return pd.DataFrame(columns=["run_id", "client", "accuracy"])
+    return pd.concat(frames, ignore_index=True)
+
+
+def partition_signature(row: pd.Series) -> tuple:
+    """Runs with equal data params and seed trained on identical shards (the partition is a pure
+    function of the data config and the seed)."""
+    data = sorted((k, row[k]) for k in row.index if k.startswith("params.data.") and pd.notna(row[k]))
+    return (row["seed"], *data)
+
+
+def load_partitions(ex: ExperimentRuns, dst: Path) -> list[dict[str, Any]]:
+    """One partition picture per distinct partition the runs used, with the runs that used it."""
+    groups: dict[tuple, list[str]] = {}
+    for _, row in ex.runs.iterrows():
+        groups.setdefault(partition_signature(row), []).append(row["run_id"])
+    found = []
+    for i, run_ids in enumerate(groups.values()):
+        path = None
+        for run_id in run_ids:  # the first run that logged the picture
+            path = download(ex, run_id, "partition.png", dst / f"partition_{i}")
+            if path is not None:
+                break
+        if path is not None:
+            found.append({"path": path, "run_ids": run_ids})
+    return found
