@@ -34,16 +34,26 @@ class PartitionConfig:
     classes_per_client: int = 2  # shards / shamsian
     min_samples: int = 10  # Dirichlet: re-draw until every client has this many samples
     long_tail_rho: float | None = None  # imbalance ratio max/min applied to the train pool first
-    path: str | None = None  # kind=file: a split JSON made elsewhere
+    # kind=file: a split JSON (fedray-split-1, see fedray.platform.data.split_file) made elsewhere or
+    # written by another run; it defines the clients, their samples and the global test set
+    path: str | None = None
 
 
 @dataclass
 class SplitConfig:
-    """Per-client split of each client's share, by ratio (FedSSA 8:1:1, FedL2G 0.75/0.25)."""
+    """Per-client split of each client's share, by ratio (FedSSA 8:1:1, FedL2G 0.75/0.25).
+
+    ``convention`` picks the pool and where client tests come from (fedray.platform.data.federation):
+    ``per_client`` partitions the official train set and splits each share by the ratios (FedSSA
+    paper); ``merged`` partitions official train + test merged, then splits by ratio (PFLlib, FedL2G);
+    ``official_test`` partitions the train set, splits each share train/val by ratio (test must be 0)
+    and draws each client's test from the official test set with its class proportions (FedSSA code).
+    """
 
     train: float = 0.75
     val: float = 0.0
     test: float = 0.25
+    convention: Literal["per_client", "merged", "official_test"] = "per_client"
 
 
 @dataclass
@@ -261,6 +271,11 @@ def build_config(raw: dict[str, Any]) -> ExperimentConfig:
         raw.pop(name, None)
     cfg = build_dataclass(ExperimentConfig, raw)
     cfg.algo = build_dataclass(spec.config_cls, algo_values, prefix=algorithm)
+    if cfg.data.partition.kind == "file" and cfg.data.partition.path:
+        from fedray.platform.data import split_file_num_clients
+
+        # a split made elsewhere defines the clients; data.num_clients follows it
+        cfg.data.num_clients = split_file_num_clients(cfg.data.partition.path)
     validate(cfg)
     return cfg
 
@@ -316,6 +331,16 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(
         abs(s.train + s.val + s.test - 1) < 1e-6,
         f"data.split: train+val+test = {s.train + s.val + s.test:g}, must be 1",
+    )
+    _check(
+        s.convention != "merged" or s.test > 0,
+        f"data.split.test={s.test}: data.split.convention=merged merges the official test set into the "
+        "pool, so client tests are the only test data; set data.split.test > 0 (PFLlib: 0.25)",
+    )
+    _check(
+        s.convention != "official_test" or s.test == 0,
+        f"data.split.test={s.test}: data.split.convention=official_test draws client tests from the "
+        "official test set, so the ratios split train/val only; set data.split.test=0 (e.g. 0.8/0.2/0)",
     )
     _check(0 < t.fraction <= 1, f"train.fraction={t.fraction}: the participation fraction must be in (0, 1]")
     _check(t.local_epochs >= 0, f"train.local_epochs={t.local_epochs}: must be >= 0")

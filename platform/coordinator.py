@@ -35,6 +35,25 @@ def sample_clients(seed: int, rnd: int, num_clients: int, k: int) -> list[int]:
     return sorted(rng.choice(num_clients, size=k, replace=False).tolist())
 
 
+def personalized_accuracy(correct: np.ndarray, total: np.ndarray, loss_sum: np.ndarray) -> dict[str, float]:
+    """Each client's model on its own test split, reported the two ways the literature does.
+
+    ``acc/personal_mean``: the plain mean of per-client accuracies (FedSSA); ``acc/personal_weighted``:
+    total correct over total test samples (PFLlib, FedL2G). Clients without test data are left out;
+    with none at all there is nothing to report.
+    """
+    tested = total > 0
+    if not tested.any():
+        return {}
+    acc = correct[tested] / total[tested]
+    return {
+        "acc/personal_mean": float(acc.mean()),
+        "acc/personal_std": float(acc.std()),
+        "acc/personal_weighted": float(correct.sum() / total.sum()),
+        "loss/personal": float(loss_sum.sum() / total.sum()),
+    }
+
+
 def pool_size(cfg: ExperimentConfig, resources: dict[str, float]) -> int:
     """How many ClientActors fit the cluster: bounded by CPUs, GPUs (when asked for) and clients."""
     r = cfg.ray
@@ -75,6 +94,7 @@ class RoundLoop:
 
         self.actors = self._start_actors(num_actors, placement_group)
         self.actor_of = {cid: self.actors[cid % len(self.actors)] for cid in range(n)}
+        self.clients_of = {a: [cid for cid in range(n) if self.actor_of[cid] is a] for a in self.actors}
         ray.get([a.add_clients.remote(shard_refs[i :: len(self.actors)]) for i, a in enumerate(self.actors)])
 
         self.start_round = 0
@@ -181,24 +201,10 @@ class RoundLoop:
         """Every client on its own test split; the global model, if any, on the global test set."""
         payload = self.server.eval_payload()
         ref = None if payload is None else ray.put(payload)
-        by_actor = defaultdict(list)
-        for cid, actor in self.actor_of.items():
-            by_actor[actor].append(cid)
-        results = ray.get([actor.evaluate.remote(cids, ref) for actor, cids in by_actor.items()])
+        results = ray.get([actor.evaluate.remote(cids, ref) for actor, cids in self.clients_of.items()])
         rows = sorted(row for part in results for row in part)
-        correct = np.array([r[1] for r in rows], dtype=np.float64)
-        total = np.array([r[2] for r in rows], dtype=np.float64)
-        acc = np.divide(correct, total, out=np.zeros_like(correct), where=total > 0)
-        tested = total > 0  # a split with test ratio 0 leaves clients without a local test set
-        self.last_client_acc = {r[0]: float(a) for r, a, t in zip(rows, acc, tested) if t}
-        out = {}
-        if tested.any():
-            out = {
-                "acc/personal_mean": float(acc[tested].mean()),
-                "acc/personal_std": float(acc[tested].std()),
-                "acc/personal_weighted": float(correct.sum() / total.sum()),
-                "loss/personal": float(sum(r[3] for r in rows) / total.sum()),
-            }
+        self.last_client_acc = {cid: c / t for cid, c, t, _ in rows if t > 0}
+        out = personalized_accuracy(*(np.array([r[i] for r in rows], dtype=np.float64) for i in (1, 2, 3)))
         model = self.server.global_model()
         if model is not None:
             c, t, loss = evaluate_model(model, *self.global_test, "cpu")
@@ -210,10 +216,7 @@ class RoundLoop:
     def save_checkpoint(self, done: int) -> None:
         """Server state, every client's state and the loop's counters, written atomically."""
         client_states: dict[int, Any] = {}
-        by_actor = defaultdict(list)
-        for cid, actor in self.actor_of.items():
-            by_actor[actor].append(cid)
-        for part in ray.get([actor.get_state.remote(cids) for actor, cids in by_actor.items()]):
+        for part in ray.get([actor.get_state.remote(cids) for actor, cids in self.clients_of.items()]):
             client_states.update(part)
         state = {
             "round": done,
@@ -256,11 +259,8 @@ class RoundLoop:
         }
 
     def client_models(self) -> dict[int, dict[str, torch.Tensor]]:
-        by_actor = defaultdict(list)
-        for cid, actor in self.actor_of.items():
-            by_actor[actor].append(cid)
         out: dict[int, dict[str, torch.Tensor]] = {}
-        for part in ray.get([actor.models.remote(cids) for actor, cids in by_actor.items()]):
+        for part in ray.get([actor.models.remote(cids) for actor, cids in self.clients_of.items()]):
             out.update(part)
         return dict(sorted(out.items()))
 

@@ -21,11 +21,20 @@ from typing import Any
 import pandas as pd
 
 from fedray.platform.config import ExperimentConfig, load_config, save_yaml
-from fedray.platform.data import Federation, build_federation, check_data, histogram_heatmap, load_dataset
+from fedray.platform.data import (
+    Federation,
+    build_federation,
+    check_data,
+    histogram_heatmap,
+    load_dataset,
+    majority_baseline,
+    write_split,
+)
 from fedray.platform.progress import Progress, mb
 from fedray.platform.tracking import TAG_CHECKPOINT, RunTracker, checkpoint_dir_of
 
 FINAL_KEYS = ("acc/personal_mean", "acc/personal_std", "acc/personal_weighted", "acc/global")
+BEST_KEYS = ("acc/personal_mean", "acc/personal_weighted", "acc/global")
 
 
 @dataclass
@@ -50,6 +59,11 @@ class Result:
         values = [m[key] for m in self.history if key in m]
         return max(values) if values else None
 
+    def best_round(self, key: str) -> int | None:
+        """The round (1-based, as logged) of the best value; the first one on ties."""
+        rounds = [(m[key], -i) for i, m in enumerate(self.history, start=1) if key in m]
+        return -max(rounds)[1] if rounds else None
+
     @property
     def final(self) -> dict[str, float | None]:
         return {key: self.last(key) for key in FINAL_KEYS}
@@ -62,9 +76,11 @@ class Result:
             if f["acc/personal_mean"] is None
             else f"{100 * f['acc/personal_mean']:.2f} ± {100 * (std or 0):.2f}"
         )
+        baseline = self.extra.get("acc/majority_baseline")
         return {
             "algorithm": self.config.algorithm,
             "personal acc %": pers,
+            "majority baseline %": None if baseline is None else round(100 * baseline, 2),
             "global acc %": None if f["acc/global"] is None else round(100 * f["acc/global"], 2),
             "MB up": round(mb(self.last("comm/up_bytes_cum") or 0), 3),
             "MB down": round(mb(self.last("comm/down_bytes_cum") or 0), 3),
@@ -110,12 +126,23 @@ def ensure_ray(cfg: ExperimentConfig) -> None:
         ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), **kwargs)
 
 
-def log_partition(tracker: RunTracker, fed: Federation) -> None:
+def log_partition(tracker: RunTracker, fed: Federation, baseline: dict[str, float]) -> None:
+    """The class histogram (table and heatmap), the split itself (re-runnable elsewhere with
+    ``data.partition.kind=file``) and the majority-label reference accuracy."""
     tracker.log_table(fed.histogram_table(), "partition.csv")
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "partition.png"
-        histogram_heatmap(fed, path)
-        tracker.log_file(path)
+        histogram_heatmap(fed, Path(tmp) / "partition.png")
+        tracker.log_file(Path(tmp) / "partition.png")
+        write_split(fed, Path(tmp) / "split.json")
+        tracker.log_file(Path(tmp) / "split.json")
+    tracker.log_metrics(baseline, step=0)
+
+
+def baseline_metrics(fed: Federation) -> dict[str, float]:
+    """Each client predicting its most frequent training label: the reference every personalised
+    accuracy is read against under label skew. NaN when no client has test data."""
+    plain, weighted, _ = majority_baseline(fed)
+    return {"acc/majority_baseline": plain, "acc/majority_baseline_weighted": weighted}
 
 
 # --------------------------------------------------------------------------------------------- driver
@@ -142,6 +169,7 @@ def run_experiment(
     from fedray.platform.coordinator import Coordinator, pool_size
 
     fed = prepare_federation(cfg)  # config and data errors surface here, before Ray
+    baseline = baseline_metrics(fed)
     tracker = RunTracker(cfg, run_id=resume_run_id, parent_run_id=parent_run_id, extra_tags=tags)
     if resume_run_id is not None:
         ckpt_dir = checkpoint_dir_of(resume_run_id, tracker.uri)
@@ -152,7 +180,7 @@ def run_experiment(
         tracker.set_tags({TAG_CHECKPOINT: str(ckpt_dir)})
         tracker.log_params(cfg)
         tracker.log_config(cfg)
-        log_partition(tracker, fed)
+        log_partition(tracker, fed, baseline)
 
     start = time.perf_counter()
     status = "FAILED"
@@ -197,6 +225,7 @@ def run_experiment(
             summary["client_acc"],
             summary["finished"],
             time.perf_counter() - start,
+            extra=baseline,
         )
         if summary["finished"]:
             log_final(tracker, result, summary["global_model"], ray.get(coordinator.client_models.remote()))
@@ -226,8 +255,13 @@ def log_final(tracker: RunTracker, result: Result, global_model, client_models) 
     if global_model is not None:
         tracker.log_torch(global_model, "global_model.pt")
     tracker.log_torch(client_models, "client_models.pt")
-    best = {f"best/{k.split('/', 1)[1]}": result.best(k) for k in ("acc/personal_mean", "acc/global")}
-    tracker.log_metrics({k: v for k, v in best.items() if v is not None}, step=len(result.history))
+    final = {}
+    for key in BEST_KEYS:
+        name = key.split("/", 1)[1]
+        final[f"best/{name}"] = result.best(key)
+        final[f"best_round/{name}"] = result.best_round(key)
+        final[f"final/{name}"] = result.last(key)
+    tracker.log_metrics({k: v for k, v in final.items() if v is not None}, step=len(result.history))
 
 
 def resume_experiment(run_id: str, **kwargs: Any) -> Result:

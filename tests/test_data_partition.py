@@ -193,5 +193,5 @@ def test_partition_dispatch_applies_long_tail_then_partitions():
 
 
 def test_partition_kind_file_is_not_supported_yet():
-    with pytest.raises(ConfigError, match=r"data\.partition\.kind=file is not supported yet"):
+    with pytest.raises(ConfigError, match=r"data\.partition\.kind=file is not a partitioner"):
         partition(LABELS, PartitionConfig(kind="file", path="x.json"), 5, NUM_CLASSES, seed=0)

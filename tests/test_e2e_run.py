@@ -68,3 +68,31 @@ def test_resumed_run_equals_uninterrupted_run(mlflow_store):
             assert a[key] == b[key], key
     assert full.client_acc == resumed.client_acc
     assert MlflowClient(mlflow_store).get_run(stopped.run_id).info.status == "FINISHED"
+
+
+def without_timing(history):
+    return [{k: v for k, v in h.items() if not k.startswith("time/")} for h in history]
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_split_written_by_one_run_reproduces_it_in_another(mlflow_store, tmp_path):
+    overrides = tiny_overrides(rounds=2, **{"data.partition.alpha": 0.3})
+    first = run_experiment(load_config(None, overrides))
+    client = MlflowClient(mlflow_store)
+    split = client.download_artifacts(first.run_id, "split.json", str(tmp_path))
+
+    again = run_experiment(
+        load_config(None, [*overrides, "data.partition.kind=file", f"data.partition.path={split}"])
+    )
+    assert without_timing(again.history) == without_timing(first.history)
+    assert again.client_acc == first.client_acc
+    # the majority-label reference is logged once and shown beside the personalised numbers
+    for run in (first, again):
+        logged = client.get_run(run.run_id).data.metrics["acc/majority_baseline"]
+        assert logged == pytest.approx(run.extra["acc/majority_baseline"])
+        assert 0 < logged < 1
+        assert run.summary_row()["majority baseline %"] == round(100 * logged, 2)
+    metrics = client.get_run(first.run_id).data.metrics
+    assert metrics["best/personal_mean"] == max(h["acc/personal_mean"] for h in first.history)
+    assert metrics["final/personal_weighted"] == first.history[-1]["acc/personal_weighted"]
+    assert metrics["best_round/personal_mean"] in (1, 2)

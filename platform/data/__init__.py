@@ -1,4 +1,4 @@
-"""Data layer: datasets, partitioners, per-client splits and partition statistics.
+"""Data layer: datasets, partitioners, per-client splits, split files and partition statistics.
 
 Pure functions of (dataset, config, seed); no Ray and no Lightning here.
 """
@@ -13,7 +13,13 @@ from fedray.platform.data.datasets import (
     load_dataset,
     normalize,
 )
-from fedray.platform.data.federation import ClientShard, Federation, build_federation
+from fedray.platform.data.federation import (
+    ClientShard,
+    Federation,
+    build_federation,
+    federation_from_file,
+    federation_from_split,
+)
 from fedray.platform.data.partition import (
     apply_plan,
     dirichlet,
@@ -25,7 +31,13 @@ from fedray.platform.data.partition import (
     shards,
     stratified_split,
 )
-from fedray.platform.data.stats import histogram_heatmap
+from fedray.platform.data.split_file import (
+    federation_to_split,
+    read_split_file,
+    split_file_num_clients,
+    write_split,
+)
+from fedray.platform.data.stats import histogram_heatmap, majority_baseline
 
 __all__ = [
     "ArrayDataset",
@@ -38,15 +50,22 @@ __all__ = [
     "check_data",
     "dataset_info",
     "dirichlet",
+    "federation_from_file",
+    "federation_from_split",
+    "federation_to_split",
     "histogram_heatmap",
     "iid",
     "known_datasets",
     "load_dataset",
     "long_tail",
+    "majority_baseline",
     "normalize",
     "partition",
+    "read_split_file",
     "shamsian",
     "shamsian_plan",
     "shards",
+    "split_file_num_clients",
     "stratified_split",
+    "write_split",
 ]

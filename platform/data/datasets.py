@@ -19,6 +19,13 @@ Decoded torchvision and image-folder datasets are cached with ``torch.save`` und
 read-only). The fingerprint hashes the source files' relative paths, sizes and modification times, so
 editing, adding or removing a file invalidates the cache.
 
+Sample ids. Every sample of a dataset has a fixed integer id, the order :func:`load_dataset` produces
+(deterministic): id ``i < len(bundle.train)`` is official-train sample ``i``, id ``len(bundle.train) + j``
+is official-test sample ``j``. Image folders list each split class by class (classes and file names
+sorted), and their bundle also carries ``paths``: the relative path (``train/<class>/<file>``, ``/``
+separated) of every sample in id order. Split files (:mod:`fedray.platform.data.split_file`) and the
+federation's shards refer to samples by these ids.
+
 Images stay uint8 everywhere (a quarter of the memory of float32, cheap to ship through Ray);
 :func:`normalize` turns a batch into float32 with the bundle's per-channel mean and std.
 """
@@ -93,6 +100,34 @@ class DatasetBundle:
     mean: tuple[float, ...]  # per channel, in [0, 1] units
     std: tuple[float, ...]
     class_names: list[str] = field(default_factory=list)
+    # image folders: each sample's path relative to data.root, train then test (the sample-id order)
+    paths: list[str] | None = None
+
+    @property
+    def num_samples(self) -> int:
+        """Train plus test: the size of the sample-id space."""
+        return len(self.train) + len(self.test)
+
+    def labels(self) -> np.ndarray:
+        """Labels of all samples in id order (train then test)."""
+        return np.concatenate([self.train.y.numpy(), self.test.y.numpy()])
+
+    def take(self, ids: np.ndarray | Sequence[int]) -> ArrayDataset:
+        """The samples with these ids (train then test, see the module docstring), in that order."""
+        ids = np.asarray(ids, dtype=np.int64)
+        n_train = len(self.train)
+        in_test = ids >= n_train
+        if not in_test.any():
+            return self.train.subset(ids)
+        if in_test.all():
+            return self.test.subset(ids - n_train)
+        x = torch.empty((len(ids), *self.train.x.shape[1:]), dtype=self.train.x.dtype)
+        y = torch.empty(len(ids), dtype=torch.int64)
+        for mask, part, offset in ((~in_test, self.train, 0), (in_test, self.test, n_train)):
+            where = torch.from_numpy(np.flatnonzero(mask))
+            index = torch.from_numpy(ids[mask] - offset)
+            x[where], y[where] = part.x[index], part.y[index]
+        return ArrayDataset(x, y)
 
 
 # ------------------------------------------------------------------------------------------ registry
@@ -105,13 +140,14 @@ class _TorchvisionSpec:
     in_channels: int
     image_size: int
     train_size: int  # official sizes, for the cheap pre-flight check
+    test_size: int
 
 
 _TORCHVISION = {
-    "mnist": _TorchvisionSpec("MNIST", 10, 1, 28, 60000),
-    "fashion_mnist": _TorchvisionSpec("FashionMNIST", 10, 1, 28, 60000),
-    "cifar10": _TorchvisionSpec("CIFAR10", 10, 3, 32, 50000),
-    "cifar100": _TorchvisionSpec("CIFAR100", 100, 3, 32, 50000),
+    "mnist": _TorchvisionSpec("MNIST", 10, 1, 28, 60000, 10000),
+    "fashion_mnist": _TorchvisionSpec("FashionMNIST", 10, 1, 28, 60000, 10000),
+    "cifar10": _TorchvisionSpec("CIFAR10", 10, 3, 32, 50000, 10000),
+    "cifar100": _TorchvisionSpec("CIFAR100", 100, 3, 32, 50000, 10000),
 }
 _DIGITS_SIZE = 1797
 
@@ -188,25 +224,45 @@ def _check_source(cfg: DataConfig) -> None:
             )
 
 
-def _train_size(cfg: DataConfig) -> int:
-    """Size of the training pool, from metadata only (official sizes for torchvision sets)."""
+def official_sizes(cfg: DataConfig) -> tuple[int, int]:
+    """``(train, test)`` sizes from metadata only (official sizes for torchvision sets)."""
     if cfg.dataset == "digits":
-        return _DIGITS_SIZE - _split_size(_DIGITS_SIZE, DIGITS_TEST_FRACTION)
+        test = _split_size(_DIGITS_SIZE, DIGITS_TEST_FRACTION)
+        return _DIGITS_SIZE - test, test
     if cfg.dataset == "synthetic":
-        return cfg.synthetic_samples - _split_size(cfg.synthetic_samples, SYNTHETIC_TEST_FRACTION)
+        test = _split_size(cfg.synthetic_samples, SYNTHETIC_TEST_FRACTION)
+        return cfg.synthetic_samples - test, test
     if cfg.dataset in _TORCHVISION:
-        return _TORCHVISION[cfg.dataset].train_size
-    train_dir = _imagefolder_dirs(cfg)[0]
-    return sum(len(_image_files(str(train_dir / c))) for c in _class_dirs(train_dir))
+        spec = _TORCHVISION[cfg.dataset]
+        return spec.train_size, spec.test_size
+    train_dir, test_dir = _imagefolder_dirs(cfg)
+    n_train, n_test = (
+        sum(len(_image_files(str(d / c))) for c in _class_dirs(d)) for d in (train_dir, test_dir)
+    )
+    return n_train, n_test
+
+
+def _pool_size(cfg: DataConfig) -> int:
+    """Size of the pool the partitioner splits: the train set, or train + test for ``merged``."""
+    n_train, n_test = official_sizes(cfg)
+    return n_train + n_test if cfg.split.convention == "merged" else n_train
 
 
 def check_data(cfg: DataConfig) -> None:
-    """Cheap pre-flight of the data section (no image is decoded); raises a one-line ConfigError."""
+    """Cheap pre-flight of the data section (no image is decoded); raises a one-line ConfigError.
+
+    With ``data.partition.kind=file`` the split file is checked here from metadata alone: its JSON
+    shape, the client count, and every entry against the official sizes (or the image folder's
+    listing); :func:`~fedray.platform.data.federation.build_federation` checks again on the loaded data.
+    """
     _check_source(cfg)
     num_classes = dataset_info(cfg)[0]
     p = cfg.partition
     if p.kind == "file":
-        raise ConfigError("data.partition.kind=file is not supported yet")
+        from fedray.platform.data.split_file import check_split_file
+
+        check_split_file(cfg)
+        return
     if p.kind in ("shards", "shamsian") and p.classes_per_client > num_classes:
         raise ConfigError(
             f"data.partition.classes_per_client={p.classes_per_client}: more than the "
@@ -218,16 +274,16 @@ def check_data(cfg: DataConfig) -> None:
             f"classes_per_client * data.num_clients >= {num_classes} classes (got "
             f"{p.classes_per_client * cfg.num_clients}); use kind=shamsian to leave classes out"
         )
-    n_train = _train_size(cfg)
-    if cfg.num_clients > n_train:
+    n_pool = _pool_size(cfg)
+    pool = "train + test samples" if cfg.split.convention == "merged" else "training samples"
+    if cfg.num_clients > n_pool:
         raise ConfigError(
-            f"data.num_clients={cfg.num_clients}: more clients than the {n_train} training samples "
-            f"of {cfg.dataset}"
+            f"data.num_clients={cfg.num_clients}: more clients than the {n_pool} {pool} of {cfg.dataset}"
         )
-    if p.kind == "dirichlet" and p.min_samples * cfg.num_clients > n_train:
+    if p.kind == "dirichlet" and p.min_samples * cfg.num_clients > n_pool:
         raise ConfigError(
             f"data.partition.min_samples={p.min_samples}: {cfg.num_clients} clients x {p.min_samples} "
-            f"exceeds the {n_train} training samples of {cfg.dataset}"
+            f"exceeds the {n_pool} {pool} of {cfg.dataset}"
         )
 
 
@@ -411,11 +467,18 @@ def _cached(
     return payload
 
 
-def _bundle_from_payload(name: str, payload: dict[str, Any]) -> DatasetBundle:
+def _bundle_from_payload(name: str, payload: dict[str, Any], paths: list[str] | None = None) -> DatasetBundle:
+    """The bundle of a decoded (or cached) payload; ``paths`` is the fallback for caches without them."""
     train = ArrayDataset(payload["train_x"], payload["train_y"])
     test = ArrayDataset(payload["test_x"], payload["test_y"])
     class_names = list(payload["class_names"])
-    return _bundle(name, train, test, len(class_names), class_names)
+    bundle = _bundle(name, train, test, len(class_names), class_names)
+    if "train_paths" in payload:
+        paths = [*payload["train_paths"], *payload["test_paths"]]
+    if paths is not None and len(paths) != bundle.num_samples:
+        raise ValueError(f"{len(paths)} sample paths for {bundle.num_samples} samples")
+    bundle.paths = paths
+    return bundle
 
 
 # ------------------------------------------------------------------------------------------ torchvision
@@ -563,15 +626,29 @@ def _imagefolder_listing(split_dir: Path, classes: list[str]) -> tuple[list[str]
     return paths, np.asarray(labels, dtype=np.int64)
 
 
+def _relative_paths(paths: Sequence[str], root: Path) -> list[str]:
+    """``/``-separated paths relative to ``root`` (``train/<class>/<file>``): the samples' names."""
+    return [os.path.relpath(p, root).replace(os.sep, "/") for p in paths]
+
+
 def _imagefolder_decode(
-    listing: dict[str, tuple[list[str], np.ndarray]], classes: list[str], size: int
+    listing: dict[str, tuple[list[str], np.ndarray]], classes: list[str], size: int, root: Path
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"class_names": classes}
     for split, (paths, labels) in listing.items():
         x = _decode_parallel(paths, size)
         out[f"{split}_x"] = torch.from_numpy(x).permute(0, 3, 1, 2).contiguous()
         out[f"{split}_y"] = torch.from_numpy(labels)
+        out[f"{split}_paths"] = _relative_paths(paths, root)
     return out
+
+
+def imagefolder_paths(cfg: DataConfig) -> list[str]:
+    """Relative paths of an image folder's samples in id order (train then test), from the listing only."""
+    train_dir, test_dir = _imagefolder_dirs(cfg)
+    classes = _class_dirs(train_dir)
+    files = _imagefolder_listing(train_dir, classes)[0] + _imagefolder_listing(test_dir, classes)[0]
+    return _relative_paths(files, train_dir.parent)
 
 
 def _load_imagefolder(cfg: DataConfig) -> DatasetBundle:
@@ -585,7 +662,7 @@ def _load_imagefolder(cfg: DataConfig) -> DatasetBundle:
         raise ConfigError(f"data.root={cfg.root!r}: train/ holds no images ({', '.join(IMAGE_EXTENSIONS)})")
     size = _imagefolder_image_size(train_dir, classes)
     files = listing["train"][0] + listing["test"][0]
-    payload = _cached(
-        train_dir.parent, "imagefolder", files, lambda: _imagefolder_decode(listing, classes, size)
-    )
-    return _bundle_from_payload("imagefolder", payload)
+    root = train_dir.parent
+    payload = _cached(root, "imagefolder", files, lambda: _imagefolder_decode(listing, classes, size, root))
+    # caches written before paths were stored get them from the listing (the same files, same order)
+    return _bundle_from_payload("imagefolder", payload, _relative_paths(files, root))

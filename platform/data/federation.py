@@ -1,15 +1,45 @@
 """From one dataset to N client shards: the federation a run trains on.
 
-Convention (the same for every algorithm, so results compare):
+Every sample has an id (:mod:`fedray.platform.data.datasets`: official train ``0..n_train-1``, then
+official test); each shard keeps the ids of its samples, so :func:`~.split_file.write_split` can save
+the partition and ``data.partition.kind=file`` can rebuild it anywhere.
 
-1. The train pool is ``bundle.train``. If ``data.partition.long_tail_rho`` is set it is first thinned
-   to the long-tail profile (FedSC's LT setting; the test sets stay balanced).
-2. The pool is partitioned among ``data.num_clients`` clients with ``data.partition``.
-3. Each client's share of ``n`` samples is split by ``data.split`` into local train / val / test,
-   stratified by class inside the client: test gets ``round(n * test)``, val its share of the rest
-   (within one of ``n * val``), train the remainder. So a client's local test set follows its own train
-   distribution, as the personalised-FL papers evaluate (FedSSA 8:1:1, FedL2G 0.75/0.25).
-4. The global test set (for algorithms with a global model) is the dataset's official test split.
+Convention (``data.split.convention``; the same for every algorithm, so results compare):
+
+``per_client`` (default; the FedSSA paper's 8:1:1, or any ratios)
+    1. The pool is the official train set. ``data.train_subset`` keeps a stratified random subset of
+       it; ``data.partition.long_tail_rho`` then thins it to the long-tail profile (FedSC's LT setting;
+       the test sets stay balanced).
+    2. The pool is partitioned among ``data.num_clients`` clients with ``data.partition``.
+    3. Each client's share of ``n`` samples is split by ``data.split`` into local train / val / test,
+       stratified by class inside the client: test gets ``round(n * test)``, val its share of the rest
+       (within one of ``n * val``), train the remainder. So a client's local test set follows its own
+       train distribution, as the personalised-FL papers evaluate.
+    4. The global test set (for algorithms with a global model) is the official test split.
+
+``merged`` (PFLlib and FedL2G: train and test merged, each client split ``0.75/0.25``)
+    As ``per_client``, but the pool is the official train and test sets merged (ids ``0..N-1``), and
+    the official test set is thereby merged away: the global test set is the union of the clients'
+    test splits (ids ascending). ``data.split.test`` must be > 0. (PFLlib's ``train_test_split`` is not
+    stratified; ours is, the totals are the same.)
+
+``official_test`` (FedSSA's code: partition the train set, test on the official test set)
+    Steps 1-2 as ``per_client``; each client's share is split into train / val by the ratios
+    (``data.split.test`` must be 0). Each client then gets a test set drawn without replacement from
+    the official test set with its share's class proportions: of class ``c``, client ``k`` receives
+    ``share[k, c] / n_train[c]`` of the official test samples of ``c``, where ``share[k, c]`` counts its
+    train + val samples of ``c`` and ``n_train[c]`` the official train samples of ``c``. Per class the
+    total is rounded half up and divided among clients by largest remainder, so the sizes follow
+    ``n_test[k] ≈ n_share[k] * len(test) / len(train)`` on class-balanced sets (FedSSA's code splits
+    each pool with the same class map: 40k train, 10k val, 10k test on CIFAR). The shares of a class
+    never exceed the class, so the client test sets are always disjoint. The global test set is the
+    whole official test set (it therefore overlaps the client tests).
+
+``data.partition.kind=file``
+    The split file (:mod:`fedray.platform.data.split_file`) defines the clients, each one's train /
+    val / test samples in the file's order, and the global test set (default: the official test). The
+    convention, ``data.split``, ``data.train_subset`` and ``long_tail_rho`` do not apply, and
+    ``data.num_clients`` must equal the file's number of clients.
 
 Everything is a pure function of (dataset, config, seed): the partition and each client's split use
 their own random streams derived from the seed, so the same seed builds the same federation.
@@ -17,19 +47,29 @@ their own random streams derived from the seed, so the same seed builds the same
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fedray.platform.config import ConfigError, DataConfig
 from fedray.platform.data.datasets import ArrayDataset, DatasetBundle
 from fedray.platform.data.partition import (
+    OFFICIAL_TEST_STREAM,
     SPLIT_STREAM,
     SUBSET_STREAM,
+    _assign_by_counts,
+    apportion,
     partition,
     stratified_split,
     stream_rng,
+)
+from fedray.platform.data.split_file import (
+    SampleSpace,
+    check_num_clients,
+    read_split_file,
+    resolve_split,
+    split_path,
 )
 
 if TYPE_CHECKING:
@@ -44,6 +84,11 @@ class ClientShard:
     train: ArrayDataset
     val: ArrayDataset
     test: ArrayDataset
+    # sample ids (see fedray.platform.data.datasets) of each split, in the same order; None when the
+    # shard was made by hand
+    train_ids: np.ndarray | None = None
+    val_ids: np.ndarray | None = None
+    test_ids: np.ndarray | None = None
 
 
 @dataclass
@@ -51,13 +96,20 @@ class Federation:
     """All client shards plus what models and evaluation need to know about the data."""
 
     shards: list[ClientShard]
-    global_test: ArrayDataset  # the dataset's official test split, for global models
+    global_test: ArrayDataset  # for global models: the official test split (see the conventions)
     num_classes: int
     in_channels: int
     image_size: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
     class_names: list[str]
+    # where the samples come from, for split files: the id space and the global test's ids
+    dataset: str = ""
+    num_train: int = 0  # official train size: ids below it are train samples, the rest test
+    num_test: int = 0
+    global_test_ids: np.ndarray | None = None
+    sample_paths: list[str] | None = None  # image folders: relative path of every id
+    provenance: dict[str, Any] = field(default_factory=dict)  # how it was built (written to split files)
 
     @property
     def num_clients(self) -> int:
@@ -83,41 +135,135 @@ class Federation:
         return pd.concat([table, counts], axis=1)
 
 
-def build_federation(bundle: DatasetBundle, cfg: DataConfig, seed: int) -> Federation:
-    """Partition ``bundle.train`` among clients and split each share (see the module docstring)."""
-    pool = bundle.train
-    if cfg.train_subset is not None and cfg.train_subset < len(pool):
-        # a stratified random subset of the training pool (e.g. the 10k-image benchmark)
-        fraction = cfg.train_subset / len(pool)
-        keep, _ = stratified_split(pool.y.numpy(), (fraction, 1 - fraction), stream_rng(seed, SUBSET_STREAM))
-        pool = pool.subset(np.sort(keep))
-    labels = pool.y.numpy()
-    parts = partition(labels, cfg.partition, cfg.num_clients, bundle.num_classes, seed)
-    ratios = (cfg.split.train, cfg.split.val, cfg.split.test)
-    shards = []
-    for client_id, idx in enumerate(parts):
-        train, val, test = stratified_split(labels[idx], ratios, stream_rng(seed, SPLIT_STREAM, client_id))
-        if len(train) == 0:
-            raise ConfigError(
-                f"client {client_id} has no training samples ({len(idx)} samples after "
-                f"data.partition.kind={cfg.partition.kind} and data.split.train={cfg.split.train}); "
-                "use fewer clients, a larger data.partition.min_samples or a larger data.split.train"
-            )
-        shards.append(
-            ClientShard(
-                client_id=client_id,
-                train=pool.subset(idx[train]),
-                val=pool.subset(idx[val]),
-                test=pool.subset(idx[test]),
-            )
+def _empty() -> np.ndarray:
+    return np.empty(0, dtype=np.int64)
+
+
+def _assemble(
+    bundle: DatasetBundle,
+    client_ids: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    global_test_ids: np.ndarray | None,
+    provenance: dict[str, Any],
+) -> Federation:
+    """Shards from per-client ``(train, val, test)`` id arrays; ``None`` global test = the official one."""
+    shards = [
+        ClientShard(
+            client_id=k,
+            train=bundle.take(tr),
+            val=bundle.take(va),
+            test=bundle.take(te),
+            train_ids=tr,
+            val_ids=va,
+            test_ids=te,
         )
+        for k, (tr, va, te) in enumerate(client_ids)
+    ]
+    official = np.arange(len(bundle.train), bundle.num_samples, dtype=np.int64)
+    if global_test_ids is None or np.array_equal(global_test_ids, official):
+        global_test_ids, global_test = official, bundle.test
+    else:
+        global_test = bundle.take(global_test_ids)
     return Federation(
         shards=shards,
-        global_test=bundle.test,
+        global_test=global_test,
         num_classes=bundle.num_classes,
         in_channels=bundle.in_channels,
         image_size=bundle.image_size,
         mean=bundle.mean,
         std=bundle.std,
         class_names=list(bundle.class_names),
+        dataset=bundle.name,
+        num_train=len(bundle.train),
+        num_test=len(bundle.test),
+        global_test_ids=global_test_ids,
+        sample_paths=bundle.paths,
+        provenance=provenance,
     )
+
+
+def official_test_shares(
+    bundle: DatasetBundle, shares: list[np.ndarray], rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Each client's test ids drawn from the official test set (the ``official_test`` convention).
+
+    ``shares[k]`` are client ``k``'s train + val ids (official-train ids). Of class ``c`` client ``k``
+    gets ``share[k, c] / n_train[c]`` of the official test samples of ``c``: per class the total is
+    rounded half up and split by largest remainder, the samples dealt out shuffled, disjointly.
+    """
+    n_train, n_classes = len(bundle.train), bundle.num_classes
+    train_y, test_y = bundle.train.y.numpy(), bundle.test.y.numpy()
+    share = np.stack([np.bincount(train_y[ids], minlength=n_classes) for ids in shares], axis=1)  # [C, K]
+    class_train = np.bincount(train_y, minlength=n_classes)
+    class_test = np.bincount(test_y, minlength=n_classes)
+    counts = np.zeros_like(share)  # [C, K] test samples of each class for each client
+    for cls in np.flatnonzero((share.sum(axis=1) > 0) & (class_train > 0)):
+        total = int(np.floor(class_test[cls] * share[cls].sum() / class_train[cls] + 0.5))
+        counts[cls] = apportion(share[cls], total)
+    present = np.unique(test_y)
+    tests = _assign_by_counts(test_y, counts[present], rng) if len(present) else [_empty() for _ in shares]
+    return [n_train + t.astype(np.int64) for t in tests]
+
+
+def build_federation(bundle: DatasetBundle, cfg: DataConfig, seed: int) -> Federation:
+    """Partition the pool among clients and split each share (see the module docstring)."""
+    if cfg.partition.kind == "file":
+        return federation_from_file(bundle, cfg)
+    s = cfg.split
+    merged = s.convention == "merged"
+    if s.convention == "official_test" and s.test != 0:
+        raise ConfigError(
+            f"data.split.test={s.test}: data.split.convention=official_test needs data.split.test=0"
+        )
+    pool_ids = np.arange(bundle.num_samples if merged else len(bundle.train), dtype=np.int64)
+    all_labels = bundle.labels()
+    if cfg.train_subset is not None and cfg.train_subset < len(pool_ids):
+        # a stratified random subset of the pool (e.g. the 10k-image benchmark)
+        fraction = cfg.train_subset / len(pool_ids)
+        keep, _ = stratified_split(
+            all_labels[pool_ids], (fraction, 1 - fraction), stream_rng(seed, SUBSET_STREAM)
+        )
+        pool_ids = pool_ids[np.sort(keep)]
+    labels = all_labels[pool_ids]
+    parts = partition(labels, cfg.partition, cfg.num_clients, bundle.num_classes, seed)
+    ratios = (s.train, s.val) if s.convention == "official_test" else (s.train, s.val, s.test)
+    client_ids = []
+    for client_id, idx in enumerate(parts):
+        pieces = stratified_split(labels[idx], ratios, stream_rng(seed, SPLIT_STREAM, client_id))
+        train, val, *rest = (pool_ids[idx[piece]] for piece in pieces)
+        test = rest[0] if rest else _empty()  # official_test: drawn below
+        if len(train) == 0:
+            raise ConfigError(
+                f"client {client_id} has no training samples ({len(idx)} samples after "
+                f"data.partition.kind={cfg.partition.kind} and data.split.train={s.train}); "
+                "use fewer clients, a larger data.partition.min_samples or a larger data.split.train"
+            )
+        client_ids.append((train, val, test))
+    if s.convention == "official_test":
+        shares = [np.concatenate([tr, va]) for tr, va, _ in client_ids]
+        tests = official_test_shares(bundle, shares, stream_rng(seed, OFFICIAL_TEST_STREAM))
+        client_ids = [(tr, va, te) for (tr, va, _), te in zip(client_ids, tests)]
+    global_test = np.sort(np.concatenate([te for *_, te in client_ids])) if merged else None
+    provenance = {
+        "partition": cfg.partition.kind,
+        "convention": s.convention,
+        "split": [s.train, s.val, s.test],
+        "seed": seed,
+    }
+    return _assemble(bundle, client_ids, global_test, provenance)
+
+
+def federation_from_split(
+    bundle: DatasetBundle, split: dict[str, Any], src: str = "split.json", root: str | None = None
+) -> Federation:
+    """The federation a split (a parsed split file) describes, checked against ``bundle``."""
+    resolved = resolve_split(split, SampleSpace.of_bundle(bundle, root), src)
+    client_ids = [(c["train"], c["val"], c["test"]) for c in resolved.clients]
+    return _assemble(bundle, client_ids, resolved.global_test, {"partition": "file", "source": src})
+
+
+def federation_from_file(bundle: DatasetBundle, cfg: DataConfig) -> Federation:
+    """``data.partition.kind=file``: read ``data.partition.path`` and build the clients it lists."""
+    src = split_path(cfg)
+    split = read_split_file(src)
+    check_num_clients(cfg, len(split["clients"]), src)
+    return federation_from_split(bundle, split, src, cfg.root)

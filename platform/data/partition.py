@@ -31,6 +31,7 @@ PARTITION_STREAM = 1
 LONG_TAIL_STREAM = 2
 SPLIT_STREAM = 3
 SUBSET_STREAM = 4
+OFFICIAL_TEST_STREAM = 5
 
 
 def stream_rng(seed: int, stream: int, *more: int) -> np.random.Generator:
@@ -324,7 +325,10 @@ def partition(
     elif cfg.kind == "shamsian":
         parts = shamsian(sub, num_clients, cfg.classes_per_client, rng, num_classes=num_classes)
     elif cfg.kind == "file":
-        raise ConfigError("data.partition.kind=file is not supported yet")
+        raise ConfigError(
+            "data.partition.kind=file is not a partitioner: build_federation reads the split file "
+            "(data.partition.path)"
+        )
     else:
         raise ConfigError(
             f"data.partition.kind={cfg.kind!r}: allowed values are iid, dirichlet, shards, shamsian, file"

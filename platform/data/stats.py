@@ -1,5 +1,8 @@
 """Partition statistics and plots.
 
+:func:`majority_baseline` is the trivial reference every personalised accuracy must be read against:
+under strong label skew, predicting each client's most frequent training label already scores high.
+
 The heatmap is drawn on a bare ``matplotlib.figure.Figure`` with the Agg canvas: no pyplot, no global
 backend switch, so it is safe in headless workers and never opens a window.
 """
@@ -54,3 +57,27 @@ def histogram_heatmap(fed: Federation, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=120)
+
+
+def majority_baseline(fed: Federation) -> tuple[float, float, np.ndarray]:
+    """Accuracy of each client predicting its most frequent training label (ties: the smallest label).
+
+    Returns ``(plain, weighted, per_client)``: ``per_client[k]`` is client ``k``'s accuracy on its own
+    test split (NaN when it has none); ``plain`` the mean over clients with test data (FedSSA's
+    metric); ``weighted`` total correct over total test samples (PFLlib's / FedL2G's). Both are NaN
+    when no client has test data.
+    """
+    per_client = np.full(fed.num_clients, np.nan)
+    correct = total = 0
+    for k, shard in enumerate(fed.shards):
+        test_y = shard.test.y.numpy()
+        if len(test_y) == 0:
+            continue
+        majority = int(np.argmax(np.bincount(shard.train.y.numpy(), minlength=fed.num_classes)))
+        hits = int((test_y == majority).sum())
+        per_client[k] = hits / len(test_y)
+        correct, total = correct + hits, total + len(test_y)
+    has_test = ~np.isnan(per_client)
+    plain = float(per_client[has_test].mean()) if has_test.any() else float("nan")
+    weighted = correct / total if total else float("nan")
+    return plain, weighted, per_client
