@@ -17,7 +17,7 @@ import torch
 
 from fedray.platform.algorithm import ClientContext, ClientModule, Payload, batch_loader, derive_seed
 from fedray.platform.config import ExperimentConfig
-from fedray.platform.data import ClientShard, normalize
+from fedray.platform.data import ArrayDataset, ClientShard, normalize
 from fedray.platform.models import arch_for_client, build_model
 from fedray.platform.registry import get as get_algorithm
 
@@ -64,6 +64,8 @@ class ClientHost:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.modules: dict[int, ClientModule] = {}
         self.tests: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.global_test: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._global_model = None
 
     def add_client(self, shard: ClientShard) -> None:
         mean, std = self.meta["mean"], self.meta["std"]
@@ -108,6 +110,18 @@ class ClientHost:
             module.to("cpu")
         return out
 
+    def set_global_test(self, part: ArrayDataset) -> None:
+        """This actor's slice of the global test set: global evaluation runs on every actor at once."""
+        self.global_test = (normalize(part.x, self.meta["mean"], self.meta["std"]), part.y)
+
+    def evaluate_global(self, arch: str, state: dict[str, torch.Tensor]) -> tuple[int, int, float]:
+        if self._global_model is None or self._global_model.arch != arch:
+            self._global_model = build_model(
+                arch, self.meta["in_channels"], self.meta["image_size"], self.meta["num_classes"]
+            )
+        self._global_model.load_state_dict(state)
+        return evaluate_model(self._global_model, *self.global_test, self.device)
+
     def get_state(self, cids: list[int]) -> dict[int, dict[str, Any]]:
         return {
             cid: {
@@ -147,3 +161,9 @@ class ClientActor(ClientHost):
 
 
 __all__ = ["ClientActor", "ClientHost", "batch_loader", "evaluate_model", "make_client_model"]
+
+
+def warm_worker() -> None:
+    """Ray worker setup hook: import torch and Lightning as the worker starts (at ``ray.init``,
+    while the driver loads data), not when the first ClientActor lands on it."""
+    import lightning  # noqa: F401

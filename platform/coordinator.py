@@ -19,10 +19,10 @@ import numpy as np
 import ray
 import torch
 
-from fedray.platform.algorithm import Payload, ServerContext, derive_seed, payload_nbytes
-from fedray.platform.client import ClientActor, evaluate_model, make_client_model
+from fedray.platform.algorithm import Payload, ServerContext, cpu_state, derive_seed, payload_nbytes
+from fedray.platform.client import ClientActor, make_client_model
 from fedray.platform.config import ExperimentConfig, clients_per_round
-from fedray.platform.data import ArrayDataset, normalize
+from fedray.platform.data import ArrayDataset
 from fedray.platform.models import arch_for_client
 from fedray.platform.registry import get as get_algorithm
 
@@ -33,6 +33,13 @@ def sample_clients(seed: int, rnd: int, num_clients: int, k: int) -> list[int]:
     """K distinct clients, a pure function of (seed, round) so a resumed run samples the same ones."""
     rng = np.random.default_rng(derive_seed(seed, rnd, 3))
     return sorted(rng.choice(num_clients, size=k, replace=False).tolist())
+
+
+def mean_stats(per_client: list[dict[str, float]]) -> dict[str, float]:
+    """Mean of each training statistic over the clients that report it, summed in client-id order
+    (not arrival order) so the same run always logs the same bits."""
+    names = dict.fromkeys(name for stats in per_client for name in stats)
+    return {name: float(np.mean([s[name] for s in per_client if name in s])) for name in names}
 
 
 def personalized_accuracy(correct: np.ndarray, total: np.ndarray, loss_sum: np.ndarray) -> dict[str, float]:
@@ -52,6 +59,43 @@ def personalized_accuracy(correct: np.ndarray, total: np.ndarray, loss_sum: np.n
         "acc/personal_weighted": float(correct.sum() / total.sum()),
         "loss/personal": float(loss_sum.sum() / total.sum()),
     }
+
+
+def balance_clients(train_sizes: list[int], num_actors: int) -> list[int]:
+    """Actor index per client, balancing the training samples each actor holds (largest first onto
+    the least-loaded actor). Clients stay on their actor for the whole run, so a round-robin split of
+    a skewed partition would leave one core idle while the other finishes the big clients."""
+    load = [0] * num_actors
+    placement = [0] * len(train_sizes)
+    for cid in sorted(range(len(train_sizes)), key=lambda c: (-train_sizes[c], c)):
+        target = min(range(num_actors), key=lambda a: (load[a], a))
+        placement[cid] = target
+        load[target] += train_sizes[cid]
+    return placement
+
+
+def scheduling(placement_group) -> dict[str, Any]:
+    """Ray options that keep an actor inside a Tune trial's placement group (none outside Tune)."""
+    if placement_group is None:
+        return {}
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group)}
+
+
+def start_client_actors(
+    cfg: ExperimentConfig, meta: dict[str, Any], num_actors: int, placement_group=None
+) -> list:
+    """The ClientActor pool. The driver starts it together with the Coordinator, so every process
+    imports torch and Lightning at the same time instead of one after the other."""
+    r = cfg.ray
+    options = {
+        "num_cpus": r.num_cpus_per_client,
+        "num_gpus": r.num_gpus_per_client,
+        **scheduling(placement_group),
+    }
+    threads = max(1, int(r.num_cpus_per_client))
+    return [ClientActor.options(**options).remote(cfg, meta, threads) for _ in range(num_actors)]
 
 
 def pool_size(cfg: ExperimentConfig, resources: dict[str, float]) -> int:
@@ -75,8 +119,7 @@ class RoundLoop:
         shard_refs: list,
         global_test: ArrayDataset,
         checkpoint_dir: str,
-        num_actors: int,
-        placement_group=None,
+        actors: list,
     ) -> None:
         torch.set_num_threads(1)
         self.cfg = cfg
@@ -90,29 +133,19 @@ class RoundLoop:
         ctx = ServerContext(cfg, n, meta["num_classes"], archs, lambda cid: make_client_model(cfg, cid, meta))
         torch.manual_seed(derive_seed(cfg.seed, 4))
         self.server = spec.server_cls(ctx)
-        self.global_test = (normalize(global_test.x, meta["mean"], meta["std"]), global_test.y)
 
-        self.actors = self._start_actors(num_actors, placement_group)
-        self.actor_of = {cid: self.actors[cid % len(self.actors)] for cid in range(n)}
+        self.actors = actors
+        placement = balance_clients(meta["train_sizes"], len(self.actors))
+        self.actor_of = {cid: self.actors[placement[cid]] for cid in range(n)}
         self.clients_of = {a: [cid for cid in range(n) if self.actor_of[cid] is a] for a in self.actors}
-        ray.get([a.add_clients.remote(shard_refs[i :: len(self.actors)]) for i, a in enumerate(self.actors)])
+        ray.get([a.add_clients.remote([shard_refs[c] for c in cids]) for a, cids in self.clients_of.items()])
+        slices = np.array_split(np.arange(len(global_test)), len(self.actors))
+        ray.get([a.set_global_test.remote(global_test.subset(idx)) for a, idx in zip(self.actors, slices)])
 
         self.start_round = 0
         self.history: list[dict[str, float]] = []
         self.cum = {"up": 0, "down": 0}
         self.last_client_acc: dict[int, float] = {}
-
-    def _start_actors(self, num_actors: int, placement_group) -> list:
-        r = self.cfg.ray
-        options: dict[str, Any] = {"num_cpus": r.num_cpus_per_client, "num_gpus": r.num_gpus_per_client}
-        if placement_group is not None:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group)
-        threads = max(1, int(r.num_cpus_per_client))
-        return [
-            ClientActor.options(**options).remote(self.cfg, self.meta, threads) for _ in range(num_actors)
-        ]
 
     # ------------------------------------------------------------------------------------ events
     def emit(self, kind: str, **data: Any) -> None:
@@ -158,21 +191,19 @@ class RoundLoop:
             pending[self.actor_of[cid].train.remote(cid, rnd, ref)] = cid
 
         uplinks: dict[int, Payload] = {}
-        stats: dict[str, list[float]] = defaultdict(list)
+        client_stats: dict[int, dict[str, float]] = {}
         failed = []
         remaining = list(pending)
         while remaining:
             ready, remaining = ray.wait(remaining, num_returns=1)
             cid = pending[ready[0]]
             try:
-                _, uplink, client_stats = ray.get(ready[0])
+                _, uplink, client_stats[cid] = ray.get(ready[0])
             except (ray.exceptions.RayError, RuntimeError) as err:  # reported, the round goes on
                 failed.append(cid)
                 self.emit("client_failed", round=rnd + 1, client=cid, error=str(err).splitlines()[0][:300])
                 continue
             uplinks[cid] = uplink
-            for name, value in client_stats.items():
-                stats[name].append(value)
             self.emit(
                 "client_done", round=rnd + 1, client=cid, done=len(uplinks) + len(failed), total=len(selected)
             )
@@ -181,7 +212,7 @@ class RoundLoop:
         self.server.aggregate(rnd, dict(sorted(uplinks.items())))
         self.cum["up"] += up_bytes
         self.cum["down"] += down_bytes
-        metrics: dict[str, float] = {name: float(np.mean(v)) for name, v in stats.items()}
+        metrics = mean_stats([client_stats[cid] for cid in sorted(client_stats)])
         metrics.update(
             {
                 "comm/up_bytes": up_bytes,
@@ -207,9 +238,11 @@ class RoundLoop:
         out = personalized_accuracy(*(np.array([r[i] for r in rows], dtype=np.float64) for i in (1, 2, 3)))
         model = self.server.global_model()
         if model is not None:
-            c, t, loss = evaluate_model(model, *self.global_test, "cpu")
-            out["acc/global"] = c / max(t, 1)
-            out["loss/global"] = loss / max(t, 1)
+            state = ray.put(cpu_state(model))
+            parts = ray.get([a.evaluate_global.remote(model.arch, state) for a in self.actors])
+            correct, total, loss = (sum(p[i] for p in parts) for i in range(3))
+            out["acc/global"] = correct / max(total, 1)
+            out["loss/global"] = loss / max(total, 1)
         return out
 
     # ------------------------------------------------------------------------------------ state
@@ -263,10 +296,6 @@ class RoundLoop:
         for part in ray.get([actor.models.remote(cids) for actor, cids in self.clients_of.items()]):
             out.update(part)
         return dict(sorted(out.items()))
-
-    def shutdown(self) -> None:
-        for actor in self.actors:
-            ray.kill(actor)
 
 
 # Two concurrent calls: run() in one thread, poll() from the driver in the other.

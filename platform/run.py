@@ -8,7 +8,6 @@ last checkpoint, logging into the same MLflow run.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import tempfile
@@ -105,6 +104,7 @@ def federation_meta(fed: Federation) -> dict[str, Any]:
         "image_size": fed.image_size,
         "mean": fed.mean,
         "std": fed.std,
+        "train_sizes": [len(shard.train) for shard in fed.shards],
     }
 
 
@@ -166,7 +166,7 @@ def run_experiment(
     """
     import ray
 
-    from fedray.platform.coordinator import Coordinator, pool_size
+    from fedray.platform.coordinator import Coordinator, pool_size, scheduling, start_client_actors
 
     fed = prepare_federation(cfg)  # config and data errors surface here, before Ray
     baseline = baseline_metrics(fed)
@@ -178,32 +178,24 @@ def run_experiment(
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         save_yaml(cfg, ckpt_dir / "config.yaml")
         tracker.set_tags({TAG_CHECKPOINT: str(ckpt_dir)})
-        tracker.log_params(cfg)
-        tracker.log_config(cfg)
-        log_partition(tracker, fed, baseline)
 
     start = time.perf_counter()
     status = "FAILED"
-    coordinator = None
+    coordinator, actors = None, []
     try:
         ensure_ray(cfg)
         shard_refs = [ray.put(shard) for shard in fed.shards]
         size = num_actors or pool_size(cfg, ray.available_resources() or ray.cluster_resources())
-        options = {}
-        if placement_group is not None:  # a Tune trial: the coordinator lives in the trial's reservation
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group)
-        coordinator = Coordinator.options(**options).remote(
-            cfg,
-            federation_meta(fed),
-            shard_refs,
-            ray.put(fed.global_test),
-            str(ckpt_dir),
-            size,
-            placement_group,
+        meta = federation_meta(fed)
+        actors = start_client_actors(cfg, meta, size, placement_group)
+        coordinator = Coordinator.options(**scheduling(placement_group)).remote(
+            cfg, meta, shard_refs, ray.put(fed.global_test), str(ckpt_dir), actors
         )
-        if resume_run_id is not None:
+        if resume_run_id is None:  # logged while the actors start up
+            tracker.log_params(cfg)
+            tracker.log_config(cfg)
+            log_partition(tracker, fed, baseline)
+        else:
             ray.get(coordinator.load_checkpoint.remote())
         run_ref = coordinator.run.remote(stop_after_round)
         with Progress(cfg.rounds, f"{cfg.algorithm} on {cfg.data.dataset}", enabled=cfg.progress) as progress:
@@ -239,10 +231,9 @@ def run_experiment(
         raise
     finally:
         tracker.end(status)
-        if coordinator is not None:
-            with contextlib.suppress(Exception):  # it may already be gone; Ray reaps its actors then
-                ray.get(coordinator.shutdown.remote(), timeout=30)
-            ray.kill(coordinator)
+        for actor in [coordinator, *actors]:
+            if actor is not None:
+                ray.kill(actor)
 
 
 def log_final(tracker: RunTracker, result: Result, global_model, client_models) -> None:
