@@ -79,7 +79,9 @@ class Result:
         return {
             "algorithm": self.config.algorithm,
             "personal acc %": pers,
-            "majority baseline %": None if baseline is None else round(100 * baseline, 2),
+            "majority baseline %": None
+            if baseline is None or baseline != baseline
+            else round(100 * baseline, 2),
             "global acc %": None if f["acc/global"] is None else round(100 * f["acc/global"], 2),
             "MB up": round(mb(self.last("comm/up_bytes_cum") or 0), 3),
             "MB down": round(mb(self.last("comm/down_bytes_cum") or 0), 3),
