@@ -9,6 +9,7 @@ last checkpoint, logging into the same MLflow run.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 import time
@@ -80,7 +81,7 @@ class Result:
             "algorithm": self.config.algorithm,
             "personal acc %": pers,
             "majority baseline %": None
-            if baseline is None or baseline != baseline
+            if baseline is None or math.isnan(baseline)
             else round(100 * baseline, 2),
             "global acc %": None if f["acc/global"] is None else round(100 * f["acc/global"], 2),
             "MB up": round(mb(self.last("comm/up_bytes_cum") or 0), 3),
