@@ -90,6 +90,8 @@ def _mean_std(values: list[float | None]) -> str | None:
     vals = [100 * v for v in values if v is not None]
     if not vals:
         return None
+    if len(vals) == 1:  # one seed: no spread to show
+        return f"{vals[0]:.2f}"
     return f"{np.mean(vals):.2f} ± {np.std(vals):.2f}"
 
 
