@@ -162,8 +162,3 @@ class ClientActor(ClientHost):
 
 __all__ = ["ClientActor", "ClientHost", "batch_loader", "evaluate_model", "make_client_model"]
 
-
-def warm_worker() -> None:
-    """Ray worker setup hook: import torch and Lightning as the worker starts (at ``ray.init``,
-    while the driver loads data), not when the first ClientActor lands on it."""
-    import lightning  # noqa: F401
