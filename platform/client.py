@@ -21,6 +21,8 @@ from fedray.platform.data import ArrayDataset, ClientShard, normalize
 from fedray.platform.models import arch_for_client, build_model
 from fedray.platform.registry import get as get_algorithm
 
+EVAL_BATCH = 1024  # also the global test set's chunk size, so its sums never depend on the pool size
+
 
 def quiet_lightning() -> None:
     """Lightning prints banners and data-loader hints on every fit; a federation fits thousands of times."""
@@ -38,7 +40,9 @@ def make_client_model(cfg: ExperimentConfig, client_id: int, meta: dict[str, Any
 
 
 @torch.no_grad()
-def evaluate_model(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: str, batch: int = 1024):
+def evaluate_model(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: str, batch: int = EVAL_BATCH
+):
     """(correct, total, summed CE loss) of ``model`` on a normalised tensor dataset."""
     was_training = model.training
     model.eval().to(device)
@@ -64,7 +68,7 @@ class ClientHost:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.modules: dict[int, ClientModule] = {}
         self.tests: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.global_test: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.global_test: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._global_model = None
 
     def add_client(self, shard: ClientShard) -> None:
@@ -110,17 +114,23 @@ class ClientHost:
             module.to("cpu")
         return out
 
-    def set_global_test(self, part: ArrayDataset) -> None:
-        """This actor's slice of the global test set: global evaluation runs on every actor at once."""
-        self.global_test = (normalize(part.x, self.meta["mean"], self.meta["std"]), part.y)
+    def set_global_test(self, chunks: dict[int, ArrayDataset]) -> None:
+        """This actor's chunks of the global test set: global evaluation runs on every actor at once."""
+        mean, std = self.meta["mean"], self.meta["std"]
+        self.global_test = {i: (normalize(c.x, mean, std), c.y) for i, c in chunks.items()}
 
-    def evaluate_global(self, arch: str, state: dict[str, torch.Tensor]) -> tuple[int, int, float]:
+    def evaluate_global(self, arch: str, state: dict[str, torch.Tensor]) -> list[tuple[int, int, int, float]]:
+        """(chunk, correct, total, summed loss) per chunk; the caller sums them in chunk order."""
         if self._global_model is None or self._global_model.arch != arch:
+            meta = self.meta
             self._global_model = build_model(
-                arch, self.meta["in_channels"], self.meta["image_size"], self.meta["num_classes"]
+                arch, meta["in_channels"], meta["image_size"], meta["num_classes"]
             )
         self._global_model.load_state_dict(state)
-        return evaluate_model(self._global_model, *self.global_test, self.device)
+        return [
+            (i, *evaluate_model(self._global_model, x, y, self.device))
+            for i, (x, y) in self.global_test.items()
+        ]
 
     def get_state(self, cids: list[int]) -> dict[int, dict[str, Any]]:
         return {
@@ -161,4 +171,3 @@ class ClientActor(ClientHost):
 
 
 __all__ = ["ClientActor", "ClientHost", "batch_loader", "evaluate_model", "make_client_model"]
-

@@ -20,7 +20,7 @@ import ray
 import torch
 
 from fedray.platform.algorithm import Payload, ServerContext, cpu_state, derive_seed, payload_nbytes
-from fedray.platform.client import ClientActor, make_client_model
+from fedray.platform.client import EVAL_BATCH, ClientActor, make_client_model
 from fedray.platform.config import ExperimentConfig, clients_per_round
 from fedray.platform.data import ArrayDataset
 from fedray.platform.models import arch_for_client
@@ -139,8 +139,18 @@ class RoundLoop:
         self.actor_of = {cid: self.actors[placement[cid]] for cid in range(n)}
         self.clients_of = {a: [cid for cid in range(n) if self.actor_of[cid] is a] for a in self.actors}
         ray.get([a.add_clients.remote([shard_refs[c] for c in cids]) for a, cids in self.clients_of.items()])
-        slices = np.array_split(np.arange(len(global_test)), len(self.actors))
-        ray.get([a.set_global_test.remote(global_test.subset(idx)) for a, idx in zip(self.actors, slices)])
+        # fixed-size chunks summed in chunk order: the same numbers whatever the pool size
+        starts = range(0, len(global_test), EVAL_BATCH)
+        chunks = {
+            j: global_test.subset(np.arange(s, min(s + EVAL_BATCH, len(global_test))))
+            for j, s in enumerate(starts)
+        }
+        ray.get(
+            [
+                a.set_global_test.remote({j: c for j, c in chunks.items() if j % len(self.actors) == k})
+                for k, a in enumerate(self.actors)
+            ]
+        )
 
         self.start_round = 0
         self.history: list[dict[str, float]] = []
@@ -239,8 +249,12 @@ class RoundLoop:
         model = self.server.global_model()
         if model is not None:
             state = ray.put(cpu_state(model))
-            parts = ray.get([a.evaluate_global.remote(model.arch, state) for a in self.actors])
-            correct, total, loss = (sum(p[i] for p in parts) for i in range(3))
+            parts = sorted(
+                p
+                for a in ray.get([a.evaluate_global.remote(model.arch, state) for a in self.actors])
+                for p in a
+            )
+            correct, total, loss = (sum(p[i] for p in parts) for i in (1, 2, 3))
             out["acc/global"] = correct / max(total, 1)
             out["loss/global"] = loss / max(total, 1)
         return out

@@ -71,8 +71,10 @@ def test_meta_gradient_equals_autograd_through_an_explicit_sgd_step(variant):
     (xs, ys), (xq, yq) = batches()
     M = 3 if variant == "f" else C
     G = torch.randn(C, M, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    theta = [t.detach().clone().requires_grad_() for t in
-             (model.features[1].weight, model.features[1].bias, model.head.weight, model.head.bias)]
+    theta = [
+        t.detach().clone().requires_grad_()
+        for t in (model.features[1].weight, model.features[1].bias, model.head.weight, model.head.bias)
+    ]
     Gv = G.clone().requires_grad_()
     logits, z = hand_forward(*theta, xs)
     guided = z if variant == "f" else logits
@@ -92,8 +94,10 @@ def test_meta_gradient_matches_the_spec_jvp_formula():
     model, lr = tiny_mlp(), 0.3
     (xs, ys), (xq, yq) = batches()
     G = torch.randn(C, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    theta = tuple(t.detach().clone().requires_grad_() for t in
-                  (model.features[1].weight, model.features[1].bias, model.head.weight, model.head.bias))
+    theta = tuple(
+        t.detach().clone().requires_grad_()
+        for t in (model.features[1].weight, model.features[1].bias, model.head.weight, model.head.bias)
+    )
     logits, z = hand_forward(*theta, xs)
     grads = torch.autograd.grad(hand_ce(logits, ys) + ((z - G[ys]) ** 2).mean(), theta)
     stepped = tuple((t - lr * g).detach().requires_grad_() for t, g in zip(theta, grads))
@@ -225,8 +229,14 @@ def test_training_step_is_ce_plus_guide_mse():
 
 
 def test_client_upload_sends_nonzero_rows_and_leaves_the_model_alone():
-    model = FedModel(nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.BatchNorm1d(8), nn.ReLU()), 8, 3,
-                     arch="tiny", in_channels=1, image_size=8)
+    model = FedModel(
+        nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.BatchNorm1d(8), nn.ReLU()),
+        8,
+        3,
+        arch="tiny",
+        in_channels=1,
+        image_size=8,
+    )
     client = make_client("fedl2g.study_batch=4", model=model)
     client.receive(0, {"guide": torch.randn(3, 8)})
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -35,7 +35,6 @@ def uplink(classes: list[int], protos: list[float], counts: list[int]) -> dict[s
     }
 
 
-
 UPLINK_A = uplink([0, 2], [1.0, 4.0], [1, 3])
 UPLINK_B = uplink([0, 1], [3.0, 7.0], [3, 2])  # the same two clients as uplinks
 
