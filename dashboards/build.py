@@ -158,7 +158,7 @@ def _summary_section(rows: list[dict], target: float, auto: bool, hparams: dict[
     headers = [
         Cell("algorithm", css="text"),
         *([Cell("config (best of sweep)", css="text")] if swept else []),
-        "seeds",
+        "seed(s)",
         "personalised acc % (final)",
         "personalised acc % (best round)",
         "global acc % (final)",
