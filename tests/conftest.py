@@ -10,7 +10,15 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        from fedray.platform.run import PRELOAD
+
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level="ERROR",
+            _system_config=PRELOAD,
+        )
     yield ray
     ray.shutdown()
 
