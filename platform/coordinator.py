@@ -118,15 +118,13 @@ class RoundLoop:
         meta: dict[str, Any],
         shard_refs: list,
         global_test: ArrayDataset,
-        checkpoint_dir: str,
         actors: list,
     ) -> None:
         torch.set_num_threads(1)
         self.cfg = cfg
         self.meta = meta
         self.events: queue.Queue = queue.Queue()
-        self.checkpoint_dir = Path(checkpoint_dir)
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_dir: Path | None = None  # known once the MLflow run exists: set by run()
         n = cfg.data.num_clients
         archs = [arch_for_client(cfg.model.group, cid) for cid in range(n)]
         spec = get_algorithm(cfg.algorithm)
@@ -173,8 +171,10 @@ class RoundLoop:
         return out
 
     # ------------------------------------------------------------------------------------ the loop
-    def run(self, stop_after_round: int | None = None) -> dict[str, Any]:
+    def run(self, checkpoint_dir: str, stop_after_round: int | None = None) -> dict[str, Any]:
         """Run rounds ``start_round .. rounds-1``; ``stop_after_round`` simulates an interruption."""
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         cfg = self.cfg
         k = clients_per_round(cfg)
         for rnd in range(self.start_round, cfg.rounds):
@@ -280,8 +280,8 @@ class RoundLoop:
         os.replace(tmp, path)
         self.emit("checkpoint", round=done, path=str(path))
 
-    def load_checkpoint(self) -> int:
-        path = self.checkpoint_dir / CHECKPOINT_FILE
+    def load_checkpoint(self, checkpoint_dir: str) -> int:
+        path = Path(checkpoint_dir) / CHECKPOINT_FILE
         state = torch.load(path, weights_only=False)
         self.server.load_state_dict(state["server"])
         by_actor = defaultdict(dict)

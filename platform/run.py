@@ -179,34 +179,30 @@ def run_experiment(
 
     fed = prepare_federation(cfg)  # config and data errors surface here, before Ray
     baseline = baseline_metrics(fed)
-    tracker = RunTracker(cfg, run_id=resume_run_id, parent_run_id=parent_run_id, extra_tags=tags)
-    if resume_run_id is not None:
-        ckpt_dir = checkpoint_dir_of(resume_run_id, tracker.uri)
-    else:
-        ckpt_dir = Path(cfg.output_dir).resolve() / tracker.run_id
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        save_yaml(cfg, ckpt_dir / "config.yaml")
-        tracker.set_tags({TAG_CHECKPOINT: str(ckpt_dir)})
-
+    ensure_ray(cfg)
+    # the worker processes start (and import torch and Lightning) while the driver sets up MLflow
+    meta = federation_meta(fed)
+    size = num_actors or pool_size(cfg, ray.available_resources() or ray.cluster_resources())
+    actors = start_client_actors(cfg, meta, size, placement_group)
+    coordinator = Coordinator.options(**scheduling(placement_group)).remote(
+        cfg, meta, [ray.put(shard) for shard in fed.shards], ray.put(fed.global_test), actors
+    )
     start = time.perf_counter()
-    status = "FAILED"
-    coordinator, actors = None, []
+    status, tracker = "FAILED", None
     try:
-        ensure_ray(cfg)
-        shard_refs = [ray.put(shard) for shard in fed.shards]
-        size = num_actors or pool_size(cfg, ray.available_resources() or ray.cluster_resources())
-        meta = federation_meta(fed)
-        actors = start_client_actors(cfg, meta, size, placement_group)
-        coordinator = Coordinator.options(**scheduling(placement_group)).remote(
-            cfg, meta, shard_refs, ray.put(fed.global_test), str(ckpt_dir), actors
-        )
-        if resume_run_id is None:  # logged while the actors start up
+        tracker = RunTracker(cfg, run_id=resume_run_id, parent_run_id=parent_run_id, extra_tags=tags)
+        if resume_run_id is not None:
+            ckpt_dir = checkpoint_dir_of(resume_run_id, tracker.uri)
+            ray.get(coordinator.load_checkpoint.remote(str(ckpt_dir)))
+        else:
+            ckpt_dir = Path(cfg.output_dir).resolve() / tracker.run_id
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            save_yaml(cfg, ckpt_dir / "config.yaml")
+            tracker.set_tags({TAG_CHECKPOINT: str(ckpt_dir)})
             tracker.log_params(cfg)
             tracker.log_config(cfg)
             log_partition(tracker, fed, baseline)
-        else:
-            ray.get(coordinator.load_checkpoint.remote())
-        run_ref = coordinator.run.remote(stop_after_round)
+        run_ref = coordinator.run.remote(str(ckpt_dir), stop_after_round)
         with Progress(cfg.rounds, f"{cfg.algorithm} on {cfg.data.dataset}", enabled=cfg.progress) as progress:
             done = False
             while not done:
@@ -236,13 +232,14 @@ def run_experiment(
         return result
     except KeyboardInterrupt:
         status = "KILLED"
-        print(f"\ninterrupted: resume with  fedray run --resume {tracker.run_id}", flush=True)
+        if tracker is not None:
+            print(f"\ninterrupted: resume with  fedray run --resume {tracker.run_id}", flush=True)
         raise
     finally:
-        tracker.end(status)
+        if tracker is not None:
+            tracker.end(status)
         for actor in [coordinator, *actors]:
-            if actor is not None:
-                ray.kill(actor)
+            ray.kill(actor)
 
 
 def log_final(tracker: RunTracker, result: Result, global_model, client_models) -> None:
