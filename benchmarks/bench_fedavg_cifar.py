@@ -25,7 +25,7 @@ from fedray.algorithms.fedavg import weighted_average
 from fedray.platform.algorithm import batch_loader
 from fedray.platform.client import evaluate_model
 from fedray.platform.config import load_config
-from fedray.platform.data import normalize
+from fedray.platform.data import ArrayDataset, normalize
 from fedray.platform.data.archive import unpack_image_archive
 from fedray.platform.models import build_model
 from fedray.platform.run import ensure_ray, prepare_federation, run_experiment
@@ -93,7 +93,7 @@ def plain_fedavg(cfg) -> float:
             opt = torch.optim.SGD(
                 local.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
             )
-            data = type(fed.shards[cid].train)(x, y)
+            data = ArrayDataset(x, y)
             for _ in range(t.local_epochs):
                 for xb, yb in batch_loader(data, t.batch_size, shuffle=True, seed=rnd * 1000 + cid):
                     opt.zero_grad()

@@ -73,7 +73,7 @@ class ClientHost:
 
     def add_client(self, shard: ClientShard) -> None:
         mean, std = self.meta["mean"], self.meta["std"]
-        train = shard.train.__class__(normalize(shard.train.x, mean, std), shard.train.y)
+        train = ArrayDataset(normalize(shard.train.x, mean, std), shard.train.y)
         counts = torch.bincount(shard.train.y, minlength=self.meta["num_classes"])
         ctx = ClientContext(shard.client_id, self.cfg, self.meta["num_classes"], train, counts)
         model = make_client_model(self.cfg, shard.client_id, self.meta)
@@ -165,9 +165,6 @@ class ClientActor(ClientHost):
         for shard in ray.get(shard_refs):
             self.add_client(shard)
         return len(self.modules)
-
-    def ping(self) -> bool:
-        return True
 
 
 __all__ = ["ClientActor", "ClientHost", "batch_loader", "evaluate_model", "make_client_model"]

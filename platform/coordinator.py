@@ -11,7 +11,6 @@ import math
 import os
 import queue
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -284,10 +283,8 @@ class RoundLoop:
         path = Path(checkpoint_dir) / CHECKPOINT_FILE
         state = torch.load(path, weights_only=False)
         self.server.load_state_dict(state["server"])
-        by_actor = defaultdict(dict)
-        for cid, client_state in state["clients"].items():
-            by_actor[self.actor_of[cid]][cid] = client_state
-        ray.get([actor.set_state.remote(states) for actor, states in by_actor.items()])
+        clients = state["clients"]
+        ray.get([a.set_state.remote({c: clients[c] for c in cids}) for a, cids in self.clients_of.items()])
         self.history = state["history"]
         self.cum = state["cum"]
         self.last_client_acc = state["last_client_acc"]

@@ -19,7 +19,6 @@ import importlib
 import pkgutil
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
 
 from fedray.platform.config import ConfigError
 
@@ -78,7 +77,3 @@ def get(name: str) -> AlgorithmSpec:
     if key not in _REGISTRY:
         raise ConfigError(f"algorithm={name!r}: unknown algorithm; available: {', '.join(available())}")
     return _REGISTRY[key]
-
-
-def default_config(name: str) -> Any:
-    return get(name).config_cls()

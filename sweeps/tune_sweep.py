@@ -10,7 +10,6 @@ nested child run per trial.
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 from dataclasses import dataclass
@@ -198,7 +197,9 @@ def run_sweep(
         finished = sum(1 for r in grid if (r.metrics or {}).get("done") or r.error)
         status = "FINISHED" if finished >= space.num_trials() else "KILLED"
         if status == "KILLED":
-            print(f"sweep interrupted: resume with  fedray sweep --algo {algorithm} --resume (same arguments)")
+            print(
+                f"sweep interrupted: resume with  fedray sweep --algo {algorithm} --resume (same arguments)"
+            )
     finally:
         parent.end(status)
     result = summarize(grid, space, parent, path, base)
@@ -296,9 +297,3 @@ def _close_stopped_children(parent) -> None:
         if run.info.status == "RUNNING":
             parent.client.set_tag(run.info.run_id, "fedray.stopped_early", "true")
             parent.client.set_terminated(run.info.run_id, status="KILLED")
-
-
-def format_number(value: Any) -> Any:
-    if isinstance(value, float) and not math.isnan(value):
-        return round(value, 4)
-    return value
