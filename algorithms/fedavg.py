@@ -22,16 +22,18 @@ from fedray.platform.registry import register
 def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
     """Sample-weighted mean of state dicts.
 
-    Floating entries are averaged in float64 and cast back; integer buffers (BatchNorm's
-    ``num_batches_tracked``) are not averageable and are taken from the first state.
+    Floating entries are accumulated in float64, in the order given, and cast back (one pass per
+    state, no stacked copy); integer buffers (BatchNorm's ``num_batches_tracked``) are not
+    averageable and are taken from the first state.
     """
-    w = torch.tensor(weights, dtype=torch.float64)
-    w = w / w.sum()
+    total = float(sum(weights))
     out = {}
     for key, first in states[0].items():
         if first.is_floating_point():
-            stacked = torch.stack([s[key].to(torch.float64) for s in states])
-            out[key] = torch.tensordot(w, stacked, dims=1).to(first.dtype)
+            acc = torch.zeros(first.shape, dtype=torch.float64)
+            for state, weight in zip(states, weights, strict=True):
+                acc.add_(state[key], alpha=weight / total)
+            out[key] = acc.to(first.dtype)
         else:
             out[key] = first.clone()
     return out

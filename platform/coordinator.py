@@ -19,7 +19,7 @@ import ray
 import torch
 
 from fedray.platform.algorithm import Payload, ServerContext, cpu_state, derive_seed, payload_nbytes
-from fedray.platform.client import EVAL_BATCH, ClientActor, make_client_model
+from fedray.platform.client import EVAL_CHUNK, ClientActor, make_client_model
 from fedray.platform.config import ExperimentConfig, clients_per_round
 from fedray.platform.data import ArrayDataset
 from fedray.platform.models import arch_for_client
@@ -111,19 +111,24 @@ def pool_size(cfg: ExperimentConfig, resources: dict[str, float]) -> int:
 class RoundLoop:
     """The coordinator's body. Free of the ``@ray.remote`` decorator so its logic reads plainly."""
 
-    def __init__(
+    def __init__(self) -> None:
+        # Set up in two steps so a Coordinator process can be started before its experiment is known
+        # (see ``fedray.platform.run.ensure_ray``): the constructor only readies the process.
+        torch.set_num_threads(1)
+        self.events: queue.Queue = queue.Queue()
+
+    def setup(
         self,
         cfg: ExperimentConfig,
         meta: dict[str, Any],
         shard_refs: list,
         global_test: ArrayDataset,
         actors: list,
-    ) -> None:
-        torch.set_num_threads(1)
+    ) -> int:
+        """Build the server half and hand every client its shard; returns the number of clients."""
         self.cfg = cfg
         self.meta = meta
-        self.events: queue.Queue = queue.Queue()
-        self.checkpoint_dir: Path | None = None  # known once the MLflow run exists: set by run()
+        self.checkpoint_dir: Path | None = None  # set by run()
         n = cfg.data.num_clients
         archs = [arch_for_client(cfg.model.group, cid) for cid in range(n)]
         spec = get_algorithm(cfg.algorithm)
@@ -137,9 +142,9 @@ class RoundLoop:
         self.clients_of = {a: [cid for cid in range(n) if self.actor_of[cid] is a] for a in self.actors}
         ray.get([a.add_clients.remote([shard_refs[c] for c in cids]) for a, cids in self.clients_of.items()])
         # fixed-size chunks summed in chunk order: the same numbers whatever the pool size
-        starts = range(0, len(global_test), EVAL_BATCH)
+        starts = range(0, len(global_test), EVAL_CHUNK)
         chunks = {
-            j: global_test.subset(np.arange(s, min(s + EVAL_BATCH, len(global_test))))
+            j: global_test.subset(np.arange(s, min(s + EVAL_CHUNK, len(global_test))))
             for j, s in enumerate(starts)
         }
         ray.get(
@@ -153,6 +158,7 @@ class RoundLoop:
         self.history: list[dict[str, float]] = []
         self.cum = {"up": 0, "down": 0}
         self.last_client_acc: dict[int, float] = {}
+        return n
 
     # ------------------------------------------------------------------------------------ events
     def emit(self, kind: str, **data: Any) -> None:
@@ -309,5 +315,8 @@ class RoundLoop:
         return dict(sorted(out.items()))
 
 
-# Two concurrent calls: run() in one thread, poll() from the driver in the other.
-Coordinator = ray.remote(num_cpus=0, max_concurrency=2)(RoundLoop)
+# Two concurrent calls: run() in one thread, poll() from the driver in the other. The env var gives
+# the Coordinator a process of its own instead of one of the idle workers Ray prestarts (one per
+# CPU, preloaded for the ClientActors that need them).
+COORDINATOR_ENV = {"env_vars": {"FEDRAY_ROLE": "coordinator"}}
+Coordinator = ray.remote(num_cpus=0, max_concurrency=2, runtime_env=COORDINATOR_ENV)(RoundLoop)

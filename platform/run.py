@@ -13,6 +13,7 @@ import math
 import os
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ from fedray.platform.data import (
     write_split,
 )
 from fedray.platform.progress import Progress, mb
-from fedray.platform.tracking import TAG_CHECKPOINT, RunTracker, checkpoint_dir_of
+from fedray.platform.tracking import TAG_CHECKPOINT, RunTracker, checkpoint_dir_of, run_name
 
 FINAL_KEYS = ("acc/personal_mean", "acc/personal_std", "acc/personal_weighted", "acc/global")
 BEST_KEYS = ("acc/personal_mean", "acc/personal_weighted", "acc/global")
@@ -116,23 +117,50 @@ def federation_meta(fed: Federation) -> dict[str, Any]:
 # partitioning data, not after the first ClientActor lands on a worker.
 PRELOAD = {"preload_python_modules": ["fedray.platform.client"]}
 
+# A Coordinator process started by ensure_ray(spare_coordinator=True), keyed by the Ray job that owns it.
+_spare_coordinators: dict[str, Any] = {}
 
-def ensure_ray(cfg: ExperimentConfig) -> None:
-    """Join ``RAY_ADDRESS`` / ``ray.address`` if given; otherwise start a local Ray with this machine's CPUs."""
+
+def ensure_ray(cfg: ExperimentConfig, *, spare_coordinator: bool = False) -> None:
+    """Join ``RAY_ADDRESS`` / ``ray.address`` if given; otherwise start a local Ray with this machine's CPUs.
+
+    Ray prestarts one worker process per CPU for the ClientActors; ``spare_coordinator`` also starts
+    the next run's Coordinator process now, for drivers that start Ray ahead of their runs (notebooks,
+    benchmarks), so that run does not wait for a process to boot and import torch and Lightning.
+    """
     import ray
 
-    if ray.is_initialized():
-        return
-    address = os.environ.get("RAY_ADDRESS") or cfg.ray.address
-    kwargs: dict[str, Any] = {
-        "include_dashboard": False,
-        "logging_level": logging.ERROR,
-        "log_to_driver": os.environ.get("FEDRAY_RAY_LOGS", "0") == "1",
-    }
-    if address:
-        ray.init(address=address, **kwargs)
-    else:
-        ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), _system_config=PRELOAD, **kwargs)
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS") or cfg.ray.address
+        kwargs: dict[str, Any] = {
+            "include_dashboard": False,
+            "logging_level": logging.ERROR,
+            "log_to_driver": os.environ.get("FEDRAY_RAY_LOGS", "0") == "1",
+        }
+        if address:
+            ray.init(address=address, **kwargs)
+        else:
+            ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), _system_config=PRELOAD, **kwargs)
+    job = ray.get_runtime_context().get_job_id()
+    if spare_coordinator and job not in _spare_coordinators:
+        from fedray.platform.coordinator import Coordinator
+
+        _spare_coordinators.clear()  # handles from an earlier Ray session are dead
+        _spare_coordinators[job] = Coordinator.remote()
+
+
+def take_coordinator(placement_group=None):
+    """The spare Coordinator of this Ray session when there is one (outside Tune's placement
+    groups), else a new one."""
+    import ray
+
+    from fedray.platform.coordinator import Coordinator, scheduling
+
+    if placement_group is None:
+        spare = _spare_coordinators.pop(ray.get_runtime_context().get_job_id(), None)
+        if spare is not None:
+            return spare
+    return Coordinator.options(**scheduling(placement_group)).remote()
 
 
 def log_partition(tracker: RunTracker, fed: Federation, baseline: dict[str, float]) -> None:
@@ -175,34 +203,38 @@ def run_experiment(
     """
     import ray
 
-    from fedray.platform.coordinator import Coordinator, pool_size, scheduling, start_client_actors
+    from fedray.platform.coordinator import pool_size, start_client_actors
 
     fed = prepare_federation(cfg)  # config and data errors surface here, before Ray
     baseline = baseline_metrics(fed)
     ensure_ray(cfg)
-    # the worker processes start (and import torch and Lightning) while the driver sets up MLflow
     meta = federation_meta(fed)
     size = num_actors or pool_size(cfg, ray.available_resources() or ray.cluster_resources())
     actors = start_client_actors(cfg, meta, size, placement_group)
-    coordinator = Coordinator.options(**scheduling(placement_group)).remote(
+    coordinator = take_coordinator(placement_group)
+    ready = coordinator.setup.remote(
         cfg, meta, [ray.put(shard) for shard in fed.shards], ray.put(fed.global_test), actors
     )
     start = time.perf_counter()
     status, tracker = "FAILED", None
     try:
-        tracker = RunTracker(cfg, run_id=resume_run_id, parent_run_id=parent_run_id, extra_tags=tags)
         if resume_run_id is not None:
+            tracker = RunTracker(cfg, run_id=resume_run_id, parent_run_id=parent_run_id, extra_tags=tags)
             ckpt_dir = checkpoint_dir_of(resume_run_id, tracker.uri)
+            ray.get(ready)
             ray.get(coordinator.load_checkpoint.remote(str(ckpt_dir)))
+            run_ref = coordinator.run.remote(str(ckpt_dir), stop_after_round)
         else:
-            ckpt_dir = Path(cfg.output_dir).resolve() / tracker.run_id
-            ckpt_dir.mkdir(parents=True, exist_ok=True)
-            save_yaml(cfg, ckpt_dir / "config.yaml")
+            ckpt_dir = new_checkpoint_dir(cfg)
+            ray.get(ready)  # algorithm and client set-up errors surface here
+            # the rounds start now; the MLflow run is set up while the first one trains, and the
+            # events wait in the Coordinator's queue until the driver streams them
+            run_ref = coordinator.run.remote(str(ckpt_dir), stop_after_round)
+            tracker = RunTracker(cfg, parent_run_id=parent_run_id, extra_tags=tags)
             tracker.set_tags({TAG_CHECKPOINT: str(ckpt_dir)})
             tracker.log_params(cfg)
             tracker.log_config(cfg)
             log_partition(tracker, fed, baseline)
-        run_ref = coordinator.run.remote(str(ckpt_dir), stop_after_round)
         with Progress(cfg.rounds, f"{cfg.algorithm} on {cfg.data.dataset}", enabled=cfg.progress) as progress:
             done = False
             while not done:
@@ -240,6 +272,15 @@ def run_experiment(
             tracker.end(status)
         for actor in [coordinator, *actors]:
             ray.kill(actor)
+
+
+def new_checkpoint_dir(cfg: ExperimentConfig) -> Path:
+    """``output_dir/<run name>-<time>-<random>``, made before the MLflow run exists (its tag points here)."""
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    path = Path(cfg.output_dir).resolve() / f"{run_name(cfg)}-{stamp}"
+    path.mkdir(parents=True)
+    save_yaml(cfg, path / "config.yaml")
+    return path
 
 
 def log_final(tracker: RunTracker, result: Result, global_model, client_models) -> None:
