@@ -1,6 +1,7 @@
 """End to end through real Ray actors and a real (temporary) sqlite MLflow store."""
 
 import math
+from pathlib import Path
 
 import pytest
 from conftest import tiny_overrides
@@ -99,3 +100,26 @@ def test_split_written_by_one_run_reproduces_it_in_another(mlflow_store, tmp_pat
     assert metrics["best/personal_mean"] == max(h["acc/personal_mean"] for h in first.history)
     assert metrics["final/personal_weighted"] == first.history[-1]["acc/personal_weighted"]
     assert metrics["best_round/personal_mean"] in (1, 2)
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_spare_coordinator_is_used_once_and_checkpoint_dir_is_tagged(mlflow_store):
+    import ray
+
+    from fedray.platform import run as run_module
+    from fedray.platform.tracking import TAG_CHECKPOINT
+
+    cfg = load_config(None, tiny_overrides(rounds=2, checkpoint_every=1))
+    run_module.ensure_ray(cfg, spare_coordinator=True)
+    job = ray.get_runtime_context().get_job_id()
+    spare = run_module._spare_coordinators[job]
+    assert ray.get(spare.__ray_ready__.remote())
+
+    result = run_experiment(cfg)
+    assert result.finished and job not in run_module._spare_coordinators  # taken by the run...
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(spare.poll.remote(0.0))  # ...and killed with it
+    ckpt_dir = MlflowClient(mlflow_store).get_run(result.run_id).data.tags[TAG_CHECKPOINT]
+    assert (Path(ckpt_dir) / "checkpoint.pt").is_file() and Path(ckpt_dir).name.startswith(
+        "fedavg-synthetic-dir1-s0-"
+    )
