@@ -6,9 +6,10 @@ identical partition with the same optimizer; the plain loop uses all cores in on
 uses one ClientActor per core. Prints wall times, the ratio fedray/plain, peak memory and the final
 global accuracies.
 
-What each clock covers: the plain loop's starts in a process that has imported torch; fedray's
-starts with Ray up and its worker processes booted and importing done (Ray's prestarted workers
-and the spare Coordinator of ``ensure_ray``), and covers everything a run does: loading the data,
+What each clock covers: both start in a process that has imported its libraries (torch for the
+plain loop; ray, Lightning and MLflow for fedray), and fedray's starts with Ray up and its worker
+processes booted and importing done (Ray's prestarted workers and the spare Coordinator of
+``ensure_ray``). fedray's clock covers everything a run does: loading the data,
 starting the actors, creating the MLflow run and logging to it, the rounds, the final artifacts
 and tearing the actors down. Each side waits for an idle machine before its clock starts, and the
 two sides alternate ``--repeats`` times (a fresh Ray for every fedray repeat): a shared VM's speed
@@ -26,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+import mlflow  # noqa: F401  (imported before the clocks start, like torch; fedray imports it lazily)
 import psutil
 import torch
 import torch.nn.functional as F
