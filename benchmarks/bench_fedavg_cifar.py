@@ -94,26 +94,24 @@ def wait_until_idle(limit_s: float = 60.0) -> None:
         quiet = quiet + 1 if psutil.cpu_percent(interval=0.5) < 15 else 0
 
 
+def timed(run, cfg, *, include_ray: bool):
+    """(wall seconds, peak memory, what ``run(cfg)`` returns), on a machine left idle first."""
+    wait_until_idle()
+    with PeakMemory(include_ray) as mem:
+        t0 = time.perf_counter()
+        out = run(cfg)
+        seconds = time.perf_counter() - t0
+    return seconds, mem.peak, out
+
+
 def timed_fedray(cfg) -> tuple[float, int, Result]:
     import ray
 
-    ensure_ray(cfg, spare_coordinator=True)
-    wait_until_idle()
-    with PeakMemory(include_ray=True) as mem:
-        t0 = time.perf_counter()
-        result = run_experiment(cfg)
-        seconds = time.perf_counter() - t0
-    ray.shutdown()
-    return seconds, mem.peak, result
-
-
-def timed_plain(cfg) -> tuple[float, int, float]:
-    wait_until_idle()
-    with PeakMemory(include_ray=False) as mem:
-        t0 = time.perf_counter()
-        accuracy = plain_fedavg(cfg)
-        seconds = time.perf_counter() - t0
-    return seconds, mem.peak, accuracy
+    ensure_ray(cfg, spare_coordinator=True)  # a fresh Ray per repeat: warm prestarted workers each time
+    try:
+        return timed(run_experiment, cfg, include_ray=True)
+    finally:
+        ray.shutdown()
 
 
 def plain_fedavg(cfg) -> float:
@@ -189,7 +187,7 @@ def main() -> None:
     fedray_runs, plain_runs = [], []
     for rep in range(1, args.repeats + 1):
         fedray_runs.append(timed_fedray(cfg))
-        plain_runs.append(timed_plain(cfg))
+        plain_runs.append(timed(plain_fedavg, cfg, include_ray=False))
         print(f"repeat {rep}: fedray {fedray_runs[-1][0]:.1f}s, plain {plain_runs[-1][0]:.1f}s", flush=True)
 
     fedray_s = statistics.median(r[0] for r in fedray_runs)

@@ -11,12 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fedray.platform.config import ConfigError
-
-if TYPE_CHECKING:
-    from fedray.dashboards.build import ReportInfo
 
 
 def build_report(
@@ -30,21 +26,9 @@ def build_report(
     """Write the report of ``experiment`` (default folder ``reports/<experiment>``), log it to
     MLflow unless ``log=False``, and return the HTML path. ``target`` is a fraction (0.9); by
     default the best accuracy every algorithm reaches. User errors raise ``ConfigError``."""
+    from fedray.dashboards.build import make_report
+
     return make_report(experiment, out_dir, tracking_uri, target, log=log).path
-
-
-def make_report(
-    experiment: str,
-    out_dir: str | Path | None = None,
-    tracking_uri: str | None = None,
-    target: float | None = None,
-    *,
-    log: bool = True,
-) -> ReportInfo:
-    """``build_report`` that also returns the run ids read and the MLflow run holding the report."""
-    from fedray.dashboards import build
-
-    return build.make_report(experiment, out_dir, tracking_uri, target, log=log)
 
 
 # --------------------------------------------------------------------------------------------- CLI
@@ -77,6 +61,8 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def report_command(args: argparse.Namespace) -> int:
+    from fedray.dashboards.build import make_report
+
     info = make_report(args.experiment, args.out, args.tracking_uri, args.target, log=not args.no_log)
     n = len(info.run_ids)
     print(f"report: {info.path}  ({n} run{'s' if n != 1 else ''} read)")

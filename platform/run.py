@@ -218,15 +218,14 @@ def run_experiment(
     start = time.perf_counter()
     status, tracker = "FAILED", None
     try:
+        ray.get(ready)  # algorithm and client set-up errors surface here
         if resume_run_id is not None:
             tracker = RunTracker(cfg, run_id=resume_run_id, parent_run_id=parent_run_id, extra_tags=tags)
             ckpt_dir = checkpoint_dir_of(resume_run_id, tracker.uri)
-            ray.get(ready)
             ray.get(coordinator.load_checkpoint.remote(str(ckpt_dir)))
             run_ref = coordinator.run.remote(str(ckpt_dir), stop_after_round)
         else:
             ckpt_dir = new_checkpoint_dir(cfg)
-            ray.get(ready)  # algorithm and client set-up errors surface here
             # the rounds start now; the MLflow run is set up while the first one trains, and the
             # events wait in the Coordinator's queue until the driver streams them
             run_ref = coordinator.run.remote(str(ckpt_dir), stop_after_round)

@@ -24,6 +24,15 @@ def ray_session():
 
 
 @pytest.fixture
+def isolated_home(tmp_path, monkeypatch):
+    """Default data root and cache fallback live under HOME: keep the user's out of the tests."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    return home
+
+
+@pytest.fixture
 def mlflow_store(tmp_path, monkeypatch):
     """A real sqlite MLflow store in a temporary directory, used through MLFLOW_TRACKING_URI."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

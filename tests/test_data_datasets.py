@@ -24,14 +24,7 @@ from fedray.platform.data.datasets import (
     normalize,
 )
 
-
-@pytest.fixture(autouse=True)
-def isolated_home(tmp_path, monkeypatch):
-    """Default data root and cache fallback live under HOME: keep the user's out of the tests."""
-    home = tmp_path / "home"
-    home.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    return home
+pytestmark = pytest.mark.usefixtures("isolated_home")  # from conftest
 
 
 # ------------------------------------------------------------------------------------------ file makers

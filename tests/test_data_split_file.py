@@ -27,12 +27,7 @@ from fedray.platform.data.datasets import _read_cache
 PARTS = ("train", "val", "test")
 
 
-@pytest.fixture(autouse=True)
-def isolated_home(tmp_path, monkeypatch):
-    home = tmp_path / "home"
-    home.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    return home
+pytestmark = pytest.mark.usefixtures("isolated_home")  # from conftest
 
 
 @pytest.fixture(scope="module")
