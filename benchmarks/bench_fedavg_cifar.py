@@ -27,7 +27,9 @@ import threading
 import time
 from pathlib import Path
 
-import mlflow  # noqa: F401  (imported before the clocks start, like torch; fedray imports it lazily)
+# MLflow and its sqlite store (1-2 s of imports) are loaded before the clocks start, like torch;
+# fedray imports them lazily, on a run's first use
+import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
 import psutil
 import torch
 import torch.nn.functional as F

@@ -20,6 +20,7 @@ from fedray.platform.config import ExperimentConfig
 from fedray.platform.data import ArrayDataset, ClientShard, normalize
 from fedray.platform.models import arch_for_client, build_model
 from fedray.platform.registry import get as get_algorithm
+from fedray.platform.transport import use_fast_tensor_transport
 
 EVAL_CHUNK = (
     1024  # the global test set is split across actors in chunks this size: sums never depend on the pool size
@@ -162,6 +163,7 @@ class ClientActor(ClientHost):
     """ClientHost as a Ray actor. Shards arrive as ObjectRefs (from the driver's object store)."""
 
     def __init__(self, cfg: ExperimentConfig, meta: dict[str, Any], num_threads: int) -> None:
+        use_fast_tensor_transport()  # uplinks leave as raw bytes
         super().__init__(cfg, meta, num_threads)
 
     def add_clients(self, shard_refs: list) -> int:

@@ -24,6 +24,7 @@ from fedray.platform.config import ExperimentConfig, clients_per_round
 from fedray.platform.data import ArrayDataset
 from fedray.platform.models import arch_for_client
 from fedray.platform.registry import get as get_algorithm
+from fedray.platform.transport import use_fast_tensor_transport
 
 CHECKPOINT_FILE = "checkpoint.pt"
 
@@ -319,4 +320,12 @@ class RoundLoop:
 # the Coordinator a process of its own instead of one of the idle workers Ray prestarts (one per
 # CPU, preloaded for the ClientActors that need them).
 COORDINATOR_ENV = {"env_vars": {"FEDRAY_ROLE": "coordinator"}}
-Coordinator = ray.remote(num_cpus=0, max_concurrency=2, runtime_env=COORDINATOR_ENV)(RoundLoop)
+
+
+@ray.remote(num_cpus=0, max_concurrency=2, runtime_env=COORDINATOR_ENV)
+class Coordinator(RoundLoop):
+    """RoundLoop as a Ray actor."""
+
+    def __init__(self) -> None:
+        use_fast_tensor_transport()  # downlinks leave as raw bytes
+        super().__init__()

@@ -33,6 +33,7 @@ from fedray.platform.data import (
 )
 from fedray.platform.progress import Progress, mb
 from fedray.platform.tracking import TAG_CHECKPOINT, RunTracker, checkpoint_dir_of, run_name
+from fedray.platform.transport import use_fast_tensor_transport
 
 FINAL_KEYS = ("acc/personal_mean", "acc/personal_std", "acc/personal_weighted", "acc/global")
 BEST_KEYS = ("acc/personal_mean", "acc/personal_weighted", "acc/global")
@@ -141,6 +142,7 @@ def ensure_ray(cfg: ExperimentConfig, *, spare_coordinator: bool = False) -> Non
             ray.init(address=address, **kwargs)
         else:
             ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), _system_config=PRELOAD, **kwargs)
+    use_fast_tensor_transport()  # the shards and the global test set leave as raw bytes
     job = ray.get_runtime_context().get_job_id()
     if spare_coordinator and job not in _spare_coordinators:
         from fedray.platform.coordinator import Coordinator

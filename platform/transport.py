@@ -1,0 +1,52 @@
+"""How tensors travel through Ray's object store: as raw bytes, not through torch's pickling.
+
+Ray pickles a ``torch.Tensor`` with torch's own ``__reduce_ex__``, which ``torch.save``s each
+storage into an in-memory zip file: putting one 3.5 MB model state costs about 16 ms, and a round
+puts one per client. Sent as a flat ``uint8`` NumPy array, the same bytes go into the object store
+out of band with one memcpy (about 1 ms). The receiver copies them into a fresh, writable tensor:
+object-store buffers are read-only, and algorithms may update what they receive in place.
+
+Every fedray process that sends tensors through Ray calls :func:`use_fast_tensor_transport` once
+(the driver in ``ensure_ray``, each ClientActor and the Coordinator when they start). Receivers
+need nothing registered: the pickle names :func:`tensor_from_wire` itself.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import torch
+
+
+def tensor_to_wire(tensor: torch.Tensor) -> tuple:
+    """A picklable form of ``tensor`` whose data is one contiguous NumPy buffer when possible."""
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized:
+        return ("pickle", pickle.dumps(tensor, protocol=pickle.HIGHEST_PROTOCOL))
+    flat = tensor.detach().contiguous().reshape(-1)
+    return (
+        "bytes",
+        flat.view(torch.uint8).numpy(),
+        str(tensor.dtype).removeprefix("torch."),
+        tuple(tensor.shape),
+        tensor.requires_grad,
+    )
+
+
+def tensor_from_wire(wire: tuple) -> torch.Tensor:
+    """The tensor :func:`tensor_to_wire` was given, in memory of its own (never the sender's buffer)."""
+    if wire[0] == "pickle":
+        return pickle.loads(wire[1])
+    _, data, dtype_name, shape, requires_grad = wire
+    dtype = getattr(torch, dtype_name)
+    if data.size == 0:  # NumPy gives an empty array stride 0, which torch cannot reinterpret
+        return torch.empty(shape, dtype=dtype, requires_grad=requires_grad)
+    tensor = torch.from_numpy(np.array(data, copy=True)).view(dtype).reshape(shape)
+    return tensor.requires_grad_(requires_grad)
+
+
+def use_fast_tensor_transport() -> None:
+    """Register the tensor serializer in this process's Ray serialization context (idempotent)."""
+    import ray.util
+
+    ray.util.register_serializer(torch.Tensor, serializer=tensor_to_wire, deserializer=tensor_from_wire)
