@@ -141,19 +141,19 @@ class RoundLoop:
         placement = balance_clients(meta["train_sizes"], len(self.actors))
         self.actor_of = {cid: self.actors[placement[cid]] for cid in range(n)}
         self.clients_of = {a: [cid for cid in range(n) if self.actor_of[cid] is a] for a in self.actors}
-        ray.get([a.add_clients.remote([shard_refs[c] for c in cids]) for a, cids in self.clients_of.items()])
+        # the actors load their shards while the test chunks are cut here; one wait for both
+        loading = [a.add_clients.remote([shard_refs[c] for c in cids]) for a, cids in self.clients_of.items()]
         # fixed-size chunks summed in chunk order: the same numbers whatever the pool size
         starts = range(0, len(global_test), EVAL_CHUNK)
         chunks = {
             j: global_test.subset(np.arange(s, min(s + EVAL_CHUNK, len(global_test))))
             for j, s in enumerate(starts)
         }
-        ray.get(
-            [
-                a.set_global_test.remote({j: c for j, c in chunks.items() if j % len(self.actors) == k})
-                for k, a in enumerate(self.actors)
-            ]
-        )
+        loading += [
+            a.set_global_test.remote({j: c for j, c in chunks.items() if j % len(self.actors) == k})
+            for k, a in enumerate(self.actors)
+        ]
+        ray.get(loading)
 
         self.start_round = 0
         self.history: list[dict[str, float]] = []
