@@ -7,9 +7,9 @@ uses one ClientActor per core. Prints wall times, the ratio fedray/plain, peak m
 global accuracies.
 
 What each clock covers: both start in a process that has imported its libraries (torch for the
-plain loop; ray, Lightning and MLflow for fedray), and fedray's starts with Ray up and its worker
-processes booted and importing done (Ray's prestarted workers and the spare Coordinator of
-``ensure_ray``). fedray's clock covers everything a run does: loading the data,
+plain loop; ray, Lightning, and MLflow with its sqlite store for fedray), and fedray's starts with
+Ray up and its worker processes booted and importing done (Ray's prestarted workers and the spare
+Coordinator of ``ensure_ray``). fedray's clock covers everything a run does: loading the data,
 starting the actors, creating the MLflow run and logging to it, the rounds, the final artifacts
 and tearing the actors down. Each side waits for an idle machine before its clock starts, and the
 two sides alternate ``--repeats`` times (a fresh Ray for every fedray repeat): a shared VM's speed
