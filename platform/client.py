@@ -22,9 +22,8 @@ from fedray.platform.models import arch_for_client, build_model
 from fedray.platform.registry import get as get_algorithm
 from fedray.platform.transport import use_fast_tensor_transport
 
-EVAL_CHUNK = (
-    1024  # the global test set is split across actors in chunks this size: sums never depend on the pool size
-)
+# the global test set is split across actors in chunks this size: its sums never depend on the pool size
+EVAL_CHUNK = 1024
 EVAL_BATCH = 128  # forward passes this size stay in cache; 1024-image batches are about 1.7x slower on a CPU
 
 

@@ -125,8 +125,8 @@ class RoundLoop:
         shard_refs: list,
         global_test: ArrayDataset,
         actors: list,
-    ) -> int:
-        """Build the server half and hand every client its shard; returns the number of clients."""
+    ) -> None:
+        """Build the server half and hand every client its shard."""
         self.cfg = cfg
         self.meta = meta
         self.checkpoint_dir: Path | None = None  # set by run()
@@ -159,7 +159,6 @@ class RoundLoop:
         self.history: list[dict[str, float]] = []
         self.cum = {"up": 0, "down": 0}
         self.last_client_acc: dict[int, float] = {}
-        return n
 
     # ------------------------------------------------------------------------------------ events
     def emit(self, kind: str, **data: Any) -> None:
