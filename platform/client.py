@@ -18,6 +18,7 @@ import torch
 from fedray.platform.algorithm import ClientContext, ClientModule, Payload, batch_loader, derive_seed
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.data import ArrayDataset, ClientShard, normalize
+from fedray.platform.memory import retain_freed_memory
 from fedray.platform.models import arch_for_client, build_model
 from fedray.platform.registry import get as get_algorithm
 from fedray.platform.transport import use_fast_tensor_transport
@@ -163,6 +164,7 @@ class ClientActor(ClientHost):
 
     def __init__(self, cfg: ExperimentConfig, meta: dict[str, Any], num_threads: int) -> None:
         use_fast_tensor_transport()  # uplinks leave as raw bytes
+        retain_freed_memory()  # a training step reuses the last step's buffers instead of faulting in new pages
         super().__init__(cfg, meta, num_threads)
 
     def add_clients(self, shard_refs: list) -> int:
