@@ -7,6 +7,7 @@ with a GPU slice it trains on that GPU.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import warnings
@@ -34,6 +35,17 @@ def quiet_lightning() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="lightning")
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+
+
+def scan_lightning_plugins_once() -> None:
+    """Every ``Trainer()`` reads every installed package's entry points looking for callback
+    factories: about 6 ms of its 7 ms, paid on each client's fit. The installed packages do not
+    change while a process lives, so the scan's result is kept (the factories still run per Trainer)."""
+    from lightning.fabric.utilities import registry
+
+    scan = getattr(registry, "entry_points", None)  # None: a Lightning that finds its callbacks otherwise
+    if scan is not None and not hasattr(scan, "cache_info"):  # not cached yet
+        registry.entry_points = functools.cache(scan)
 
 
 def make_client_model(cfg: ExperimentConfig, client_id: int, meta: dict[str, Any]):
@@ -66,6 +78,7 @@ class ClientHost:
     def __init__(self, cfg: ExperimentConfig, meta: dict[str, Any], num_threads: int) -> None:
         torch.set_num_threads(max(1, num_threads))
         quiet_lightning()
+        scan_lightning_plugins_once()
         self.cfg = cfg
         self.meta = meta
         self.spec = get_algorithm(cfg.algorithm)
