@@ -174,8 +174,9 @@ def main() -> None:
     parser.add_argument(
         "--plain-retains-memory",
         action="store_true",
-        help="give the plain loop's process the allocator setting fedray's ClientActors use "
-        "(a hand-written loop does not have it; this shows how much of the ratio it explains)",
+        help="give this process (the plain loop's, and fedray's driver) the allocator setting "
+        "fedray's ClientActors use; a hand-written loop does not have it, so this shows how much "
+        "of the ratio it explains",
     )
     args = parser.parse_args()
     if args.plain_retains_memory and not retain_freed_memory():

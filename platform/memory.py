@@ -4,8 +4,7 @@ glibc's malloc hands blocks over 128 kB out as fresh ``mmap`` pages, and gives t
 back to the OS whenever more than its trim threshold lies free there. A training step frees its
 activations and im2col buffers and allocates them again in the next step, so each step faults them
 back in page by page, and the kernel zeroes every page first. For the FedAvg CNN at batch 50 that
-is about 3,500 page faults per step, 16 % of a 1-thread step spent in the kernel, and two such
-processes on one machine slow each other further by competing for memory bandwidth.
+is about 3,500 page faults per step in a fresh process, 16 % of a 1-thread step spent in the kernel.
 
 :func:`retain_freed_memory` sets both thresholds once per process (the ClientActors call it when
 they start): blocks up to 32 MB (glibc's largest allowed setting) come from the heap, and the heap
@@ -16,7 +15,6 @@ resident memory just no longer shrinks between steps. Larger blocks are still ma
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 M_TRIM_THRESHOLD = -1  # mallopt parameter numbers, from glibc's <malloc.h>
@@ -35,8 +33,7 @@ def retain_freed_memory() -> bool:
     if any(name in os.environ for name in USER_SETTINGS):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the C library already loaded (find_library would run ldconfig)
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]

@@ -24,6 +24,18 @@ def ray_session():
 
 
 @pytest.fixture
+def client_actor(ray_session):
+    """One real ClientActor for a tiny 1-channel 8x8 federation, killed after the test."""
+    from fedray.platform.config import load_config
+    from fedray.platform.coordinator import start_client_actors
+
+    meta = {"num_classes": 4, "in_channels": 1, "image_size": 8, "mean": [0.0], "std": [1.0], "train_sizes": []}
+    actor = start_client_actors(load_config(None, tiny_overrides()), meta, 1)[0]
+    yield actor
+    ray_session.kill(actor)
+
+
+@pytest.fixture
 def isolated_home(tmp_path, monkeypatch):
     """Default data root and cache fallback live under HOME: keep the user's out of the tests."""
     home = tmp_path / "home"

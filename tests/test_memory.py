@@ -12,9 +12,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import tiny_overrides
 
-from fedray.platform.config import load_config
 from fedray.platform.memory import retain_freed_memory
 
 glibc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
@@ -46,12 +44,13 @@ def page_faults_per_step() -> float:
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10
 
 
-def faults_in_fresh_process(retain: bool, env: dict | None = None) -> float:
+def faults_in_fresh_process(env: dict | None = None) -> tuple[str, float]:
+    """(what ``retain_freed_memory`` returned, page faults per step) in a new Python process."""
     script = textwrap.dedent(
-        f"""
+        """
         from fedray.platform.memory import retain_freed_memory
         from test_memory import page_faults_per_step
-        print(retain_freed_memory() if {retain} else None)
+        print(retain_freed_memory())
         print(page_faults_per_step())
         """
     )
@@ -68,33 +67,27 @@ def faults_in_fresh_process(retain: bool, env: dict | None = None) -> float:
 
 @glibc
 def test_training_steps_reuse_their_memory_after_retain_freed_memory():
-    took_effect, faults = faults_in_fresh_process(retain=True)
+    took_effect, faults = faults_in_fresh_process()
     assert took_effect == "True"
     assert faults < 50  # glibc's defaults: thousands per step (every freed buffer comes back as new pages)
 
 
 @glibc
 def test_the_users_own_malloc_settings_win():
-    took_effect, _ = faults_in_fresh_process(retain=True, env={"MALLOC_TRIM_THRESHOLD_": "65536"})
+    took_effect, _ = faults_in_fresh_process(env={"MALLOC_TRIM_THRESHOLD_": "65536"})
     assert took_effect == "False"
 
 
 @glibc
-def test_client_actors_retain_freed_memory(ray_session):
+def test_client_actors_retain_freed_memory(client_actor):
     import ray
 
-    from fedray.platform.coordinator import start_client_actors
-
-    cfg = load_config(None, tiny_overrides())
-    meta = {"num_classes": 4, "in_channels": 1, "image_size": 8, "mean": [0.0], "std": [1.0], "train_sizes": []}
-    actor = start_client_actors(cfg, meta, 1)[0]
     measure = page_faults_per_step  # runs inside the actor's process, so it travels by value
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     try:
-        assert ray.get(actor.__ray_call__.remote(lambda _self: measure())) < 50
+        assert ray.get(client_actor.__ray_call__.remote(lambda _self: measure())) < 50
     finally:
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
-        ray.kill(actor)
 
 
 def test_is_harmless_to_call_twice():

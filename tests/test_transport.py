@@ -6,9 +6,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import tiny_overrides
 
-from fedray.platform.config import load_config
 from fedray.platform.transport import tensor_from_wire, tensor_to_wire, use_fast_tensor_transport
 
 CASES = {
@@ -57,11 +55,11 @@ def test_sparse_tensors_fall_back_to_torch_pickling():
     assert torch.equal(tensor_from_wire(wire).to_dense(), torch.eye(3))
 
 
-def test_ray_puts_tensor_data_out_of_band_and_actors_do_too(ray_session):
+def test_ray_puts_tensor_data_out_of_band_and_actors_do_too(client_actor):
     """The driver, a ClientActor and the Coordinator all send tensor data as out-of-band buffers."""
     import ray
 
-    from fedray.platform.coordinator import Coordinator, start_client_actors
+    from fedray.platform.coordinator import Coordinator
 
     state = {"w": torch.randn(64, 64), "b": torch.zeros(64), "steps": 3}
     use_fast_tensor_transport()
@@ -74,19 +72,9 @@ def test_ray_puts_tensor_data_out_of_band_and_actors_do_too(ray_session):
     got["w"].add_(1.0)  # writable, and not the object store's buffer
     assert torch.equal(ray.get(ray.put(state))["w"], state["w"])
 
-    cfg = load_config(None, tiny_overrides())
-    meta = {
-        "num_classes": 4,
-        "in_channels": 1,
-        "image_size": 8,
-        "mean": [0.0],
-        "std": [1.0],
-        "train_sizes": [],
-    }
-    actor = start_client_actors(cfg, meta, 1)[0]
     coordinator = Coordinator.remote()
     try:
-        for handle in (actor, coordinator):
+        for handle in (client_actor, coordinator):
             registered = ray.get(
                 handle.__ray_call__.remote(
                     lambda _self: torch.Tensor in ray.cloudpickle.CloudPickler.dispatch
@@ -94,5 +82,4 @@ def test_ray_puts_tensor_data_out_of_band_and_actors_do_too(ray_session):
             )
             assert registered
     finally:
-        ray.kill(actor)
         ray.kill(coordinator)
