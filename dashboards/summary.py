@@ -14,7 +14,7 @@ from fedray.platform.progress import mb
 
 # Params that differ between runs without being a hyperparameter of the algorithm: the repeat
 # axis (seed), the grouping (algorithm), naming, bookkeeping and placement.
-NOT_HYPERPARAMETERS = {"seed", "algorithm", "name", "output_dir", "progress", "checkpoint_every"}
+NOT_HYPERPARAMETERS = {"seed", "algorithm", "name", "storage_path", "progress", "checkpoint_every"}
 NOT_HYPERPARAMETER_PREFIXES = ("tracking.", "ray.")
 
 

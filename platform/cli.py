@@ -126,6 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"fedray: error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:
+        from fedray.platform.run import RunAborted
+
+        if not isinstance(err, RunAborted):
+            raise
+        print(f"fedray: error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

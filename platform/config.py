@@ -96,12 +96,28 @@ class RayConfig:
     num_gpus_per_client: float = 0.0  # fractions share a GPU between actors
     max_actors: int | None = None  # cap on the ClientActor pool (default: what the resources allow)
     num_cpus: int | None = None  # CPUs for a local Ray (default: the machine's)
+    cache_clients: int = 32  # client modules a worker keeps between calls (a returning client loads nothing)
+
+
+@dataclass
+class EvalConfig:
+    """Which clients the personalised evaluation covers each evaluation round.
+
+    ``all`` (default) tests every client, so a round costs time in the number of clients that exist
+    (at 10,000 clients, a model built and run per client); ``selected`` tests the round's trained
+    clients; ``sample`` a seeded random ``sample_size`` of all clients. With a policy other than
+    ``all`` the personalised metrics are logged under a name that says so (``acc/personal_mean_selected``).
+    """
+
+    clients: Literal["all", "selected", "sample"] = "all"
+    sample_size: int = 100
 
 
 @dataclass
 class TrackingConfig:
     uri: str | None = None  # MLflow tracking URI; MLFLOW_TRACKING_URI wins, then sqlite in the cwd
     experiment: str | None = None  # default: the config's name
+    log_client_models: int = 100  # personalised client models logged at the end; above this, none
 
 
 @dataclass
@@ -112,12 +128,14 @@ class ExperimentConfig:
     rounds: int = 20
     eval_every: int = 1
     checkpoint_every: int = 5
-    output_dir: str = ".fedray"  # checkpoints and run-local files
+    # checkpoints and committed client states: a directory, or a pyarrow.fs URI (s3://...) on a cluster
+    storage_path: str = ".fedray"
     progress: bool = True
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     # hyperparameters of the chosen algorithm, as that algorithm's own dataclass
     algo: Any = None
@@ -357,6 +375,12 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(r.num_cpus_per_client > 0, f"ray.num_cpus_per_client={r.num_cpus_per_client}: must be > 0")
     _check(r.num_gpus_per_client >= 0, f"ray.num_gpus_per_client={r.num_gpus_per_client}: must be >= 0")
     _check(r.max_actors is None or r.max_actors >= 1, f"ray.max_actors={r.max_actors}: must be >= 1")
+    _check(r.cache_clients >= 1, f"ray.cache_clients={r.cache_clients}: must be >= 1")
+    _check(cfg.eval.sample_size >= 1, f"eval.sample_size={cfg.eval.sample_size}: must be >= 1")
+    _check(
+        cfg.tracking.log_client_models >= 0,
+        f"tracking.log_client_models={cfg.tracking.log_client_models}: must be >= 0 (0 = never)",
+    )
     validate_algo = getattr(cfg.algo, "validate", None)
     if validate_algo is not None:
         validate_algo(cfg)
@@ -373,8 +397,8 @@ def clients_per_round(cfg: ExperimentConfig) -> int:
     return k if k is not None else max(1, round(cfg.train.fraction * cfg.data.num_clients))
 
 
-def save_yaml(cfg: ExperimentConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+def config_yaml(cfg: ExperimentConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

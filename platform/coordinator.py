@@ -1,32 +1,35 @@
 """Coordinator: the Ray actor that owns the server half and the one round loop.
 
-Per round: sample clients, ask the server for downlinks, dispatch them to the ClientActors, gather
-the uplinks, aggregate, evaluate, count the bytes each way, checkpoint, and emit metrics as events
-that the driver streams (progress display, MLflow).
+Per round: sample clients, ask the server for downlinks, dispatch the clients over the worker pool
+(:mod:`fedray.platform.pool`), commit the states of the accepted uplinks (:mod:`fedray.platform.store`),
+aggregate, evaluate (dispatched the same way), count the bytes each way, checkpoint, and emit
+metrics as events that the driver streams (progress display, MLflow).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import queue
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
 import torch
 
+from fedray.platform import storage
 from fedray.platform.algorithm import Payload, ServerContext, cpu_state, derive_seed, payload_nbytes
-from fedray.platform.client import EVAL_CHUNK, ClientActor, make_client_model
+from fedray.platform.client import EVAL_CHUNK, client_model_state, make_client_model
 from fedray.platform.config import ExperimentConfig, clients_per_round
 from fedray.platform.data import ArrayDataset
 from fedray.platform.models import arch_for_client
+from fedray.platform.pool import Job, WorkerPool
 from fedray.platform.registry import get as get_algorithm
+from fedray.platform.store import StateStore
 from fedray.platform.transport import use_fast_tensor_transport
 
 CHECKPOINT_FILE = "checkpoint.pt"
+EVAL_CLIENTS_PER_JOB = 32  # clients one evaluation call tests: amortises a call, still spreads the work
 
 
 def sample_clients(seed: int, rnd: int, num_clients: int, k: int) -> list[int]:
@@ -61,17 +64,20 @@ def personalized_accuracy(correct: np.ndarray, total: np.ndarray, loss_sum: np.n
     }
 
 
-def balance_clients(train_sizes: list[int], num_actors: int) -> list[int]:
-    """Actor index per client, balancing the training samples each actor holds (largest first onto
-    the least-loaded actor). Clients stay on their actor for the whole run, so a round-robin split of
-    a skewed partition would leave one core idle while the other finishes the big clients."""
-    load = [0] * num_actors
-    placement = [0] * len(train_sizes)
-    for cid in sorted(range(len(train_sizes)), key=lambda c: (-train_sizes[c], c)):
-        target = min(range(num_actors), key=lambda a: (load[a], a))
-        placement[cid] = target
-        load[target] += train_sizes[cid]
-    return placement
+def eval_clients(cfg: ExperimentConfig, rnd: int, selected: list[int]) -> list[int]:
+    """The clients the personalised evaluation covers this round (``eval.clients``)."""
+    policy, n = cfg.eval.clients, cfg.data.num_clients
+    if policy == "selected":
+        return list(selected)
+    if policy == "sample" and cfg.eval.sample_size < n:
+        rng = np.random.default_rng(derive_seed(cfg.seed, rnd, 5))
+        return sorted(rng.choice(n, size=cfg.eval.sample_size, replace=False).tolist())
+    return list(range(n))
+
+
+def policy_suffix(cfg: ExperimentConfig) -> str:
+    """Personalised metrics over a subset of the clients say so in their name."""
+    return "" if cfg.eval.clients == "all" else f"_{cfg.eval.clients}"
 
 
 def scheduling(placement_group) -> dict[str, Any]:
@@ -83,19 +89,21 @@ def scheduling(placement_group) -> dict[str, Any]:
     return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group)}
 
 
-def start_client_actors(
-    cfg: ExperimentConfig, meta: dict[str, Any], num_actors: int, placement_group=None
-) -> list:
-    """The ClientActor pool. The driver starts it together with the Coordinator, so every process
-    imports torch and Lightning at the same time instead of one after the other."""
+def worker_options(cfg: ExperimentConfig, placement_group=None) -> dict[str, Any]:
     r = cfg.ray
-    options = {
+    return {
         "num_cpus": r.num_cpus_per_client,
         "num_gpus": r.num_gpus_per_client,
         **scheduling(placement_group),
     }
-    threads = max(1, int(r.num_cpus_per_client))
-    return [ClientActor.options(**options).remote(cfg, meta, threads) for _ in range(num_actors)]
+
+
+def start_worker(cfg: ExperimentConfig, options: dict[str, Any]):
+    """One ClientActor (the driver starts the first ones while it loads data; the Coordinator starts
+    replacements). Its threads follow the CPUs Ray gives it."""
+    from fedray.platform.client import ClientActor
+
+    return ClientActor.options(**options).remote(cfg, max(1, int(cfg.ray.num_cpus_per_client)))
 
 
 def pool_size(cfg: ExperimentConfig, resources: dict[str, float]) -> int:
@@ -109,12 +117,14 @@ def pool_size(cfg: ExperimentConfig, resources: dict[str, float]) -> int:
     return max(1, min(fit, cfg.data.num_clients))
 
 
+def chunks(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
 class RoundLoop:
     """The coordinator's body. Free of the ``@ray.remote`` decorator so its logic reads plainly."""
 
     def __init__(self) -> None:
-        # Set up in two steps so a Coordinator process can be started before its experiment is known
-        # (see ``fedray.platform.run.ensure_ray``): the constructor only readies the process.
         torch.set_num_threads(1)
         self.events: queue.Queue = queue.Queue()
 
@@ -124,37 +134,30 @@ class RoundLoop:
         meta: dict[str, Any],
         shard_refs: list,
         global_test: ArrayDataset,
-        actors: list,
+        workers: list,
+        options: dict[str, Any],
     ) -> None:
-        """Build the server half and hand every client its shard."""
-        self.cfg = cfg
-        self.meta = meta
-        self.checkpoint_dir: Path | None = None  # set by run()
+        """Build the server half, the state store and the worker pool."""
+        self.cfg, self.meta, self.shards = cfg, meta, shard_refs
         n = cfg.data.num_clients
         archs = [arch_for_client(cfg.model.group, cid) for cid in range(n)]
-        spec = get_algorithm(cfg.algorithm)
         ctx = ServerContext(cfg, n, meta["num_classes"], archs, lambda cid: make_client_model(cfg, cid, meta))
         torch.manual_seed(derive_seed(cfg.seed, 4))
-        self.server = spec.server_cls(ctx)
+        self.server = get_algorithm(cfg.algorithm).server_cls(ctx)
+        self.store = StateStore()
 
-        self.actors = actors
-        placement = balance_clients(meta["train_sizes"], len(self.actors))
-        self.actor_of = {cid: self.actors[placement[cid]] for cid in range(n)}
-        self.clients_of = {a: [cid for cid in range(n) if self.actor_of[cid] is a] for a in self.actors}
-        # the actors load their shards while the test chunks are cut here; one wait for both
-        loading = [a.add_clients.remote([shard_refs[c] for c in cids]) for a, cids in self.clients_of.items()]
+        def spawn():
+            worker = start_worker(cfg, options)
+            worker.setup.remote(meta)  # runs before any job: an actor's calls run in order
+            return worker
+
+        ray.get([w.setup.remote(meta) for w in workers])
+        self.pool = WorkerPool(workers, spawn, pinned=len(workers) >= n)
         # fixed-size chunks summed in chunk order: the same numbers whatever the pool size
-        starts = range(0, len(global_test), EVAL_CHUNK)
-        chunks = {
-            j: global_test.subset(np.arange(s, min(s + EVAL_CHUNK, len(global_test))))
-            for j, s in enumerate(starts)
-        }
-        loading += [
-            a.set_global_test.remote({j: c for j, c in chunks.items() if j % len(self.actors) == k})
-            for k, a in enumerate(self.actors)
+        self.global_chunks = [
+            ray.put(global_test.subset(np.arange(s, min(s + EVAL_CHUNK, len(global_test)))))
+            for s in range(0, len(global_test), EVAL_CHUNK)
         ]
-        ray.get(loading)
-
         self.start_round = 0
         self.history: list[dict[str, float]] = []
         self.cum = {"up": 0, "down": 0}
@@ -178,8 +181,7 @@ class RoundLoop:
     # ------------------------------------------------------------------------------------ the loop
     def run(self, checkpoint_dir: str, stop_after_round: int | None = None) -> dict[str, Any]:
         """Run rounds ``start_round .. rounds-1``; ``stop_after_round`` simulates an interruption."""
-        self.checkpoint_dir = Path(checkpoint_dir)
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_dir = checkpoint_dir
         cfg = self.cfg
         k = clients_per_round(cfg)
         for rnd in range(self.start_round, cfg.rounds):
@@ -197,37 +199,19 @@ class RoundLoop:
         start = time.perf_counter()
         self.emit("round_start", round=rnd + 1, selected=selected)
         downlinks = self.server.configure(rnd, selected)
-        down_bytes = sum(payload_nbytes(downlinks[cid]) for cid in selected)
-        refs_by_payload: dict[int, Any] = {}  # one object-store copy per distinct payload object
-        pending = {}
-        for cid in selected:
-            payload = downlinks[cid]
-            ref = refs_by_payload.setdefault(id(payload), ray.put(payload))
-            pending[self.actor_of[cid].train.remote(cid, rnd, ref)] = cid
-
-        uplinks: dict[int, Payload] = {}
-        client_stats: dict[int, dict[str, float]] = {}
-        failed = []
-        remaining = list(pending)
-        while remaining:
-            ready, remaining = ray.wait(remaining, num_returns=1)
-            cid = pending[ready[0]]
-            try:
-                _, uplink, client_stats[cid] = ray.get(ready[0])
-            except (ray.exceptions.RayError, RuntimeError) as err:  # reported, the round goes on
-                failed.append(cid)
-                self.emit("client_failed", round=rnd + 1, client=cid, error=str(err).splitlines()[0][:300])
-                continue
-            uplinks[cid] = uplink
-            self.emit(
-                "client_done", round=rnd + 1, client=cid, done=len(uplinks) + len(failed), total=len(selected)
-            )
-
+        trained = self.pool.run(self.train_jobs(rnd, selected, downlinks), self.retry_reporter(rnd))
+        uplinks, stats = {}, {}
+        for cid, ((uplink, client_stats), (state_ref,), worker) in sorted(trained.results.items()):
+            self.store.commit(cid, state_ref, worker)  # the uplink is accepted: its state is the truth
+            uplinks[cid], stats[cid] = uplink, client_stats
+        for cid, error in trained.failed.items():
+            self.emit("client_failed", round=rnd + 1, client=cid, error=error)
+        self.server.aggregate(rnd, uplinks)
         up_bytes = sum(payload_nbytes(u) for u in uplinks.values())
-        self.server.aggregate(rnd, dict(sorted(uplinks.items())))
+        down_bytes = sum(payload_nbytes(downlinks[cid]) for cid in selected)
         self.cum["up"] += up_bytes
         self.cum["down"] += down_bytes
-        metrics = mean_stats([client_stats[cid] for cid in sorted(client_stats)])
+        metrics = mean_stats(list(stats.values()))
         metrics.update(
             {
                 "comm/up_bytes": up_bytes,
@@ -235,62 +219,111 @@ class RoundLoop:
                 "comm/up_bytes_cum": self.cum["up"],
                 "comm/down_bytes_cum": self.cum["down"],
                 "clients/selected": len(selected),
-                "clients/failed": len(failed),
+                "clients/failed": len(trained.failed),
+                "clients/retried": len(trained.retried),
             }
         )
         if (rnd + 1) % self.cfg.eval_every == 0 or rnd + 1 == self.cfg.rounds:
-            metrics.update(self.evaluate())
+            evaluation, retried = self.evaluate(rnd, selected)
+            metrics.update(evaluation)
+            metrics["clients/retried"] += retried
         metrics["time/round_s"] = time.perf_counter() - start
         return metrics
 
-    def evaluate(self) -> dict[str, float]:
-        """Every client on its own test split; the global model, if any, on the global test set."""
+    def train_jobs(self, rnd: int, selected: list[int], downlinks: dict[int, Payload]) -> list[Job]:
+        """One job per selected client, largest shards first; one object-store copy per distinct payload."""
+        refs: dict[int, Any] = {}
+        jobs = []
+        for cid in sorted(selected, key=lambda c: (-self.meta["train_sizes"][c], c)):
+            payload = refs.setdefault(id(downlinks[cid]), ray.put(downlinks[cid]))
+            task = self.store.task(cid, self.shards[cid])
+            jobs.append(Job(cid, "train", (task, rnd, payload), self.affinity(cid), returns=2))
+        return jobs
+
+    def affinity(self, cid: int) -> tuple[int, int] | None:
+        """The worker that still caches this client: its own one when every client has a worker."""
+        return self.pool.identity(cid) if self.pool.pinned else self.store.holder.get(cid)
+
+    def retry_reporter(self, rnd: int):
+        def report(key: Any, error: str) -> None:
+            self.emit("client_retried", round=rnd + 1, client=key, error=error)
+
+        return report
+
+    def evaluate(self, rnd: int, selected: list[int]) -> tuple[dict[str, float], int]:
+        """Clients on their own test splits (``eval.clients``), then the global model, if any, on the
+        global test set; both dispatched over the pool like training. Returns (metrics, retried jobs)."""
         payload = self.server.eval_payload()
-        ref = None if payload is None else ray.put(payload)
-        results = ray.get([actor.evaluate.remote(cids, ref) for actor, cids in self.clients_of.items()])
-        rows = sorted(row for part in results for row in part)
-        self.last_client_acc = {cid: c / t for cid, c, t, _ in rows if t > 0}
-        out = personalized_accuracy(*(np.array([r[i] for r in rows], dtype=np.float64) for i in (1, 2, 3)))
+        payload_ref = None if payload is None else ray.put(payload)
+        by_worker: dict[Any, list[int]] = {}
+        for cid in eval_clients(self.cfg, rnd, selected):
+            by_worker.setdefault(self.affinity(cid), []).append(cid)
+        per_job = max(
+            1, min(EVAL_CLIENTS_PER_JOB, math.ceil(sum(map(len, by_worker.values())) / (4 * len(self.pool))))
+        )
+        jobs = [
+            Job(
+                ("clients", group[0]),
+                "evaluate",
+                ([self.store.task(c, self.shards[c]) for c in group], payload_ref),
+                worker,
+            )
+            for worker, cids in by_worker.items()
+            for group in chunks(cids, per_job)
+        ]
         model = self.server.global_model()
         if model is not None:
             state = ray.put(cpu_state(model))
-            parts = sorted(
-                p
-                for a in ray.get([a.evaluate_global.remote(model.arch, state) for a in self.actors])
-                for p in a
-            )
+            jobs += [
+                Job(
+                    ("global", j),
+                    "evaluate_global",
+                    (model.arch, state, {j: [ref]}),
+                    self.pool.identity(j % len(self.pool)),
+                )
+                for j, ref in enumerate(self.global_chunks)
+            ]
+        done = self.pool.run(jobs, self.retry_reporter(rnd))
+        for key, error in done.failed.items():
+            self.emit("client_failed", round=rnd + 1, client=key[1], error=f"evaluation: {error}")
+        rows = sorted(
+            row for (kind, _), (part, _, _) in done.results.items() if kind == "clients" for row in part
+        )
+        self.last_client_acc = {cid: c / t for cid, c, t, _ in rows if t > 0}
+        suffix = policy_suffix(self.cfg)
+        columns = (np.array([r[i] for r in rows], dtype=np.float64) for i in (1, 2, 3))
+        out = {f"{k}{suffix}": v for k, v in personalized_accuracy(*columns).items()}
+        parts = sorted(
+            row for (kind, _), (part, _, _) in done.results.items() if kind == "global" for row in part
+        )
+        if parts:
             correct, total, loss = (sum(p[i] for p in parts) for i in (1, 2, 3))
             out["acc/global"] = correct / max(total, 1)
             out["loss/global"] = loss / max(total, 1)
-        return out
+        return out, len(done.retried)
 
     # ------------------------------------------------------------------------------------ state
     def save_checkpoint(self, done: int) -> None:
-        """Server state, every client's state and the loop's counters, written atomically."""
-        client_states: dict[int, Any] = {}
-        for part in ray.get([actor.get_state.remote(cids) for actor, cids in self.clients_of.items()]):
-            client_states.update(part)
+        """The committed store (only states new since the last checkpoint are written), the server
+        state and the loop's counters; the checkpoint file lands atomically, last."""
         state = {
             "round": done,
             "server": self.server.state_dict(),
-            "clients": client_states,
+            "states": self.store.write(self.checkpoint_dir),
             "history": self.history,
             "cum": self.cum,
             "last_client_acc": self.last_client_acc,
             "torch_rng": torch.get_rng_state(),
         }
-        path = self.checkpoint_dir / CHECKPOINT_FILE
-        tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-        self.emit("checkpoint", round=done, path=str(path))
+        path = storage.join(self.checkpoint_dir, CHECKPOINT_FILE)
+        storage.save_torch(state, path)
+        self.store.prune(self.checkpoint_dir)
+        self.emit("checkpoint", round=done, path=path)
 
     def load_checkpoint(self, checkpoint_dir: str) -> int:
-        path = Path(checkpoint_dir) / CHECKPOINT_FILE
-        state = torch.load(path, weights_only=False)
+        state = storage.load_torch(storage.join(checkpoint_dir, CHECKPOINT_FILE))
         self.server.load_state_dict(state["server"])
-        clients = state["clients"]
-        ray.get([a.set_state.remote({c: clients[c] for c in cids}) for a, cids in self.clients_of.items()])
+        self.store.read(checkpoint_dir, state["states"])
         self.history = state["history"]
         self.cum = state["cum"]
         self.last_client_acc = state["last_client_acc"]
@@ -308,11 +341,29 @@ class RoundLoop:
             "global_model": None if model is None else {k: v.cpu() for k, v in model.state_dict().items()},
         }
 
-    def client_models(self) -> dict[int, dict[str, torch.Tensor]]:
-        out: dict[int, dict[str, torch.Tensor]] = {}
-        for part in ray.get([actor.models.remote(cids) for actor, cids in self.clients_of.items()]):
-            out.update(part)
-        return dict(sorted(out.items()))
+    def client_models(self, limit: int) -> tuple[dict[int, dict[str, torch.Tensor]], str]:
+        """The personalised models worth logging, and a line saying what was left out and why.
+
+        Clients evaluated with the global model have nothing of their own to show; a client never
+        selected still has its initial model; above ``limit`` clients none are logged."""
+        if self.server.eval_payload() is not None:
+            return {}, "client models not logged: clients are evaluated with the global model"
+        trained = sorted(self.store.refs)
+        if len(trained) > limit:
+            return (
+                {},
+                f"client models not logged: {len(trained)} trained clients > tracking.log_client_models={limit}",
+            )
+        never = self.cfg.data.num_clients - len(trained)
+        note = (
+            f"{never} never-selected clients still hold their initial model and are not logged"
+            if never
+            else ""
+        )
+        return {cid: client_model_state(s) for cid, s in self.store.states(trained).items()}, note
+
+    def shutdown(self) -> None:
+        self.pool.shutdown()
 
 
 # Two concurrent calls: run() in one thread, poll() from the driver in the other. The env var gives

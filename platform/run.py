@@ -8,10 +8,13 @@ last checkpoint, logging into the same MLflow run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import signal
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -20,8 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import yaml
 
-from fedray.platform.config import ExperimentConfig, load_config, save_yaml
+from fedray.platform import storage
+from fedray.platform.config import ExperimentConfig, build_config, config_yaml
 from fedray.platform.data import (
     Federation,
     build_federation,
@@ -31,6 +36,7 @@ from fedray.platform.data import (
     majority_baseline,
     write_split,
 )
+from fedray.platform.pool import first_line
 from fedray.platform.progress import Progress, mb
 from fedray.platform.tracking import TAG_CHECKPOINT, RunTracker, checkpoint_dir_of, run_name
 from fedray.platform.transport import use_fast_tensor_transport
@@ -118,17 +124,10 @@ def federation_meta(fed: Federation) -> dict[str, Any]:
 # partitioning data, not after the first ClientActor lands on a worker.
 PRELOAD = {"preload_python_modules": ["fedray.platform.client"]}
 
-# A Coordinator process started by ensure_ray(spare_coordinator=True), keyed by the Ray job that owns it.
-_spare_coordinators: dict[str, Any] = {}
 
-
-def ensure_ray(cfg: ExperimentConfig, *, spare_coordinator: bool = False) -> None:
-    """Join ``RAY_ADDRESS`` / ``ray.address`` if given; otherwise start a local Ray with this machine's CPUs.
-
-    Ray prestarts one worker process per CPU for the ClientActors; ``spare_coordinator`` also starts
-    the next run's Coordinator process now, for drivers that start Ray ahead of their runs (notebooks,
-    benchmarks), so that run does not wait for a process to boot and import torch and Lightning.
-    """
+def ensure_ray(cfg: ExperimentConfig) -> None:
+    """Join ``RAY_ADDRESS`` / ``ray.address`` if given; otherwise start a local Ray with this machine's CPUs
+    (Ray prestarts one worker process per CPU for the ClientActors)."""
     import ray
 
     if not ray.is_initialized():
@@ -143,26 +142,10 @@ def ensure_ray(cfg: ExperimentConfig, *, spare_coordinator: bool = False) -> Non
         else:
             ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), _system_config=PRELOAD, **kwargs)
     use_fast_tensor_transport()  # the shards and the global test set leave as raw bytes
-    job = ray.get_runtime_context().get_job_id()
-    if spare_coordinator and job not in _spare_coordinators:
-        from fedray.platform.coordinator import Coordinator
-
-        _spare_coordinators.clear()  # handles from an earlier Ray session are dead
-        _spare_coordinators[job] = Coordinator.remote()
 
 
-def take_coordinator(placement_group=None):
-    """The spare Coordinator of this Ray session when there is one (outside Tune's placement
-    groups), else a new one."""
-    import ray
-
-    from fedray.platform.coordinator import Coordinator, scheduling
-
-    if placement_group is None:
-        spare = _spare_coordinators.pop(ray.get_runtime_context().get_job_id(), None)
-        if spare is not None:
-            return spare
-    return Coordinator.options(**scheduling(placement_group)).remote()
+class RunAborted(RuntimeError):
+    """The run cannot go on (its Coordinator died); the message says how to resume. One line."""
 
 
 def log_partition(tracker: RunTracker, fed: Federation, baseline: dict[str, float]) -> None:
@@ -187,6 +170,65 @@ def baseline_metrics(fed: Federation) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------- driver
 
 
+@dataclass
+class Runtime:
+    """The run's processes: the Coordinator and the first ClientActors, started together."""
+
+    coordinator: Any
+    workers: list
+    worker_options: dict[str, Any]
+
+    def stop(self) -> None:
+        import ray
+
+        try:  # the Coordinator kills the workers it started as replacements
+            ray.get(self.coordinator.shutdown.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - a dead Coordinator: its replacements died with their owner
+            pass
+        for actor in [self.coordinator, *self.workers]:
+            ray.kill(actor)
+
+
+def start_runtime(cfg: ExperimentConfig, placement_group=None, num_actors: int | None = None) -> Runtime:
+    """Start the Coordinator and the worker pool without waiting: every process imports torch and
+    Lightning at the same time, while the driver goes on."""
+    import ray
+
+    from fedray.platform.coordinator import Coordinator, pool_size, scheduling, start_worker, worker_options
+
+    size = num_actors or pool_size(cfg, ray.available_resources() or ray.cluster_resources())
+    options = worker_options(cfg, placement_group)
+    workers = [start_worker(cfg, options) for _ in range(size)]
+    return Runtime(Coordinator.options(**scheduling(placement_group)).remote(), workers, options)
+
+
+def stream_rounds(runtime: Runtime, run_ref, cfg: ExperimentConfig, tracker: RunTracker, on_round) -> dict:
+    """Show and log the Coordinator's events until its ``run`` returns; returns its summary."""
+    import ray
+
+    with Progress(cfg.rounds, f"{cfg.algorithm} on {cfg.data.dataset}", enabled=cfg.progress) as progress:
+        done = False
+        while not done:
+            done = bool(ray.wait([run_ref], timeout=0)[0])
+            for event in ray.get(runtime.coordinator.poll.remote(0.0 if done else 0.5)):
+                progress.handle(event)
+                if event["type"] == "round_end":
+                    tracker.log_metrics(event["metrics"], step=event["round"])
+                    if on_round is not None:
+                        on_round(event["round"], event["metrics"])
+    return ray.get(run_ref)
+
+
+def record_new_run(cfg, fed, baseline, ckpt_dir: str, parent_run_id, tags) -> RunTracker:
+    """A new MLflow run with the config, the partition and the checkpoint directory it resumes from."""
+    tracker = RunTracker(cfg, parent_run_id=parent_run_id, extra_tags=tags)
+    tracker.set_tags({TAG_CHECKPOINT: ckpt_dir})
+    tracker.log_params(cfg)
+    tracker.log_config(cfg)
+    log_partition(tracker, fed, baseline)
+    return tracker
+
+
 def run_experiment(
     cfg: ExperimentConfig,
     *,
@@ -201,68 +243,65 @@ def run_experiment(
     """Run (or resume) one federated experiment end to end and return its numbers.
 
     ``stop_after_round`` stops after that many rounds as an interruption would (the MLflow run is
-    left KILLED, the checkpoint stays); ``on_round`` sees every round's metrics (Ray Tune reporting).
+    left KILLED, the checkpoint stays); ``on_round`` sees every round's metrics (Ray Tune reporting);
+    ``placement_group`` and ``num_actors`` place a Tune trial's processes in its reservation.
     """
     import ray
-
-    from fedray.platform.coordinator import pool_size, start_client_actors
 
     fed = prepare_federation(cfg)  # config and data errors surface here, before Ray
     baseline = baseline_metrics(fed)
     ensure_ray(cfg)
-    meta = federation_meta(fed)
-    size = num_actors or pool_size(cfg, ray.available_resources() or ray.cluster_resources())
-    actors = start_client_actors(cfg, meta, size, placement_group)
-    coordinator = take_coordinator(placement_group)
-    ready = coordinator.setup.remote(
-        cfg, meta, [ray.put(shard) for shard in fed.shards], ray.put(fed.global_test), actors
+    runtime = start_runtime(cfg, placement_group, num_actors)
+    ready = runtime.coordinator.setup.remote(
+        cfg,
+        federation_meta(fed),
+        [ray.put(shard) for shard in fed.shards],
+        fed.global_test,
+        runtime.workers,
+        runtime.worker_options,
     )
     start = time.perf_counter()
     status, tracker = "FAILED", None
     try:
-        ray.get(ready)  # algorithm and client set-up errors surface here
-        if resume_run_id is not None:
-            tracker = RunTracker(cfg, run_id=resume_run_id, parent_run_id=parent_run_id, extra_tags=tags)
-            ckpt_dir = checkpoint_dir_of(resume_run_id, tracker.uri)
-            ray.get(coordinator.load_checkpoint.remote(str(ckpt_dir)))
-            run_ref = coordinator.run.remote(str(ckpt_dir), stop_after_round)
-        else:
-            ckpt_dir = new_checkpoint_dir(cfg)
-            # the rounds start now; the MLflow run is set up while the first one trains, and the
+        with sigterm_as_interrupt():
+            ray.get(ready)  # algorithm and client set-up errors surface here
+            if resume_run_id is not None:
+                tracker = RunTracker(cfg, run_id=resume_run_id, parent_run_id=parent_run_id, extra_tags=tags)
+                ckpt_dir = checkpoint_dir_of(resume_run_id, tracker.uri)
+                ray.get(runtime.coordinator.load_checkpoint.remote(ckpt_dir))
+            else:
+                ckpt_dir = new_checkpoint_dir(cfg)  # before the MLflow run: its tag points here
+            # the rounds start now; a new MLflow run is set up while the first one trains, and the
             # events wait in the Coordinator's queue until the driver streams them
-            run_ref = coordinator.run.remote(str(ckpt_dir), stop_after_round)
-            tracker = RunTracker(cfg, parent_run_id=parent_run_id, extra_tags=tags)
-            tracker.set_tags({TAG_CHECKPOINT: str(ckpt_dir)})
-            tracker.log_params(cfg)
-            tracker.log_config(cfg)
-            log_partition(tracker, fed, baseline)
-        with Progress(cfg.rounds, f"{cfg.algorithm} on {cfg.data.dataset}", enabled=cfg.progress) as progress:
-            done = False
-            while not done:
-                done = bool(ray.wait([run_ref], timeout=0)[0])
-                for event in ray.get(coordinator.poll.remote(0.0 if done else 0.5)):
-                    progress.handle(event)
-                    if event["type"] == "round_end":
-                        tracker.log_metrics(event["metrics"], step=event["round"])
-                        if on_round is not None:
-                            on_round(event["round"], event["metrics"])
-        summary = ray.get(run_ref)
-        result = Result(
-            tracker.run_id,
-            tracker.experiment_id,
-            cfg,
-            summary["history"],
-            summary["client_acc"],
-            summary["finished"],
-            time.perf_counter() - start,
-            extra=baseline,
-        )
-        if summary["finished"]:
-            log_final(tracker, result, summary["global_model"], ray.get(coordinator.client_models.remote()))
-            status = "FINISHED"
-        else:
-            status = "KILLED"
-        return result
+            run_ref = runtime.coordinator.run.remote(ckpt_dir, stop_after_round)
+            if tracker is None:
+                tracker = record_new_run(cfg, fed, baseline, ckpt_dir, parent_run_id, tags)
+            summary = stream_rounds(runtime, run_ref, cfg, tracker, on_round)
+            result = Result(
+                tracker.run_id,
+                tracker.experiment_id,
+                cfg,
+                summary["history"],
+                summary["client_acc"],
+                summary["finished"],
+                time.perf_counter() - start,
+                extra=baseline,
+            )
+            if summary["finished"]:
+                models, note = ray.get(
+                    runtime.coordinator.client_models.remote(cfg.tracking.log_client_models)
+                )
+                log_final(tracker, result, summary["global_model"], models, note)
+            status = "FINISHED" if summary["finished"] else "KILLED"
+            return result
+    except ray.exceptions.RayActorError as err:
+        if tracker is None:
+            raise
+        status = "FAILED"
+        raise RunAborted(
+            f"the Coordinator process died ({first_line(err)}); "
+            f"resume from the last checkpoint with  fedray run --resume {tracker.run_id}"
+        ) from None
     except KeyboardInterrupt:
         status = "KILLED"
         if tracker is not None:
@@ -271,21 +310,39 @@ def run_experiment(
     finally:
         if tracker is not None:
             tracker.end(status)
-        for actor in [coordinator, *actors]:
-            ray.kill(actor)
+        runtime.stop()
 
 
-def new_checkpoint_dir(cfg: ExperimentConfig) -> Path:
-    """``output_dir/<run name>-<time>-<random>``, made before the MLflow run exists (its tag points here)."""
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM (a scheduler preempting the job) stops the run as Ctrl-C does: marked KILLED, with
+    the resume line. Only the main thread can take signals (a Tune trial runs in another)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def new_checkpoint_dir(cfg: ExperimentConfig) -> str:
+    """``<storage path>/<run name>-<time>-<random>``, made before the MLflow run exists (its tag
+    points here) and holding the run's config, so ``--resume`` needs nothing else."""
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    path = Path(cfg.output_dir).resolve() / f"{run_name(cfg)}-{stamp}"
-    path.mkdir(parents=True)
-    save_yaml(cfg, path / "config.yaml")
+    path = storage.join(storage.resolve(cfg.storage_path), f"{run_name(cfg)}-{stamp}")
+    storage.make_dirs(path)
+    storage.write_bytes(storage.join(path, "config.yaml"), config_yaml(cfg).encode())
     return path
 
 
-def log_final(tracker: RunTracker, result: Result, global_model, client_models) -> None:
-    """Per-client final accuracies, the final global model and every client's model."""
+def log_final(tracker: RunTracker, result: Result, global_model, client_models, note: str) -> None:
+    """Per-client final accuracies, the final global model and the personalised client models."""
     frame = pd.DataFrame(
         [{"client": cid, "accuracy": acc} for cid, acc in sorted(result.client_acc.items())],
         columns=["client", "accuracy"],
@@ -293,7 +350,10 @@ def log_final(tracker: RunTracker, result: Result, global_model, client_models) 
     tracker.log_table(frame, "client_accuracy.csv")
     if global_model is not None:
         tracker.log_torch(global_model, "global_model.pt")
-    tracker.log_torch(client_models, "client_models.pt")
+    if client_models:
+        tracker.log_torch(client_models, "client_models.pt")
+    if note:
+        tracker.set_tags({"fedray.client_models": note})
     final = {}
     for key in BEST_KEYS:
         name = key.split("/", 1)[1]
@@ -305,5 +365,5 @@ def log_final(tracker: RunTracker, result: Result, global_model, client_models) 
 
 def resume_experiment(run_id: str, **kwargs: Any) -> Result:
     """Continue an interrupted run from its last checkpoint, to the same final numbers."""
-    cfg = load_config(checkpoint_dir_of(run_id) / "config.yaml")
-    return run_experiment(cfg, resume_run_id=run_id, **kwargs)
+    text = storage.read_bytes(storage.join(checkpoint_dir_of(run_id), "config.yaml")).decode()
+    return run_experiment(build_config(yaml.safe_load(text)), resume_run_id=run_id, **kwargs)

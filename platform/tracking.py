@@ -13,9 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from fedray.platform.config import ExperimentConfig, flatten
+from fedray.platform.config import ExperimentConfig, config_yaml, flatten
 
 TAG_CHECKPOINT = "fedray.checkpoint_dir"
 
@@ -124,7 +122,7 @@ class RunTracker:
             self.log_file(path)
 
     def log_config(self, cfg: ExperimentConfig) -> None:
-        self.log_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), "config.yaml")
+        self.log_text(config_yaml(cfg), "config.yaml")
 
     def log_table(self, frame, name: str) -> None:
         self.log_text(frame.to_csv(index=False), name)
@@ -148,11 +146,12 @@ def experiment_id(client, name: str, uri: str) -> str:
     return client.create_experiment(name, artifact_location=_artifact_root(uri))
 
 
-def checkpoint_dir_of(run_id: str, uri: str | None = None) -> Path:
-    """The checkpoint folder a run recorded, for ``fedray run --resume RUN_ID``."""
+def checkpoint_dir_of(run_id: str, uri: str | None = None) -> str:
+    """The checkpoint folder (a path or a storage URI) a run recorded, for ``fedray run --resume RUN_ID``."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
+    from fedray.platform import storage
     from fedray.platform.config import ConfigError
 
     uri = uri or tracking_uri()
@@ -161,6 +160,6 @@ def checkpoint_dir_of(run_id: str, uri: str | None = None) -> Path:
     except MlflowException:
         raise ConfigError(f"--resume {run_id}: no such run in the MLflow store {uri}") from None
     path = run.data.tags.get(TAG_CHECKPOINT)
-    if not path or not (Path(path) / "checkpoint.pt").is_file():
+    if not path or not storage.exists(storage.join(path, "checkpoint.pt")):
         raise ConfigError(f"--resume {run_id}: the run has no checkpoint to resume from (looked in {path})")
-    return Path(path)
+    return path

@@ -20,6 +20,7 @@ import pandas as pd
 import yaml
 from ray.tune import Callback
 
+from fedray.platform import storage
 from fedray.platform.config import (
     ConfigError,
     ExperimentConfig,
@@ -93,7 +94,7 @@ def prepare_base(config_path: str | None, algorithm: str, overrides: list[str]) 
         raw,
         {
             "progress": False,
-            "output_dir": str(Path(cfg.output_dir).resolve()),
+            "storage_path": storage.resolve(cfg.storage_path),
             "tracking": {"uri": tracking_uri(cfg)},
         },
     )
@@ -145,8 +146,8 @@ def run_sweep(
     check_space(space, base)  # unknown keys, empty choices, invalid values: before Tune starts
     base_cfg = build_config(base)
     name = name or f"sweep-{algorithm}-{base_cfg.name}"
-    storage = Path(base_cfg.output_dir) / "sweeps"
-    path = storage / name
+    sweeps_dir = Path(base_cfg.storage_path).resolve() / "sweeps"  # Tune's state is local to its driver
+    path = sweeps_dir / name
     state_file = path / SWEEP_STATE
     metric = space.metric.replace("/", "_")
 
@@ -186,7 +187,7 @@ def run_sweep(
                 max_concurrent_trials=max_concurrent,
             ),
             run_config=tune.RunConfig(
-                name=name, storage_path=str(storage.resolve()), callbacks=callbacks, verbose=0
+                name=name, storage_path=str(sweeps_dir), callbacks=callbacks, verbose=0
             ),
         )
         state_file.write_text(json.dumps({"parent_run_id": parent.run_id, "algorithm": algorithm}))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -11,6 +13,10 @@ def ray_session():
 
     if not ray.is_initialized():
         from fedray.platform.run import PRELOAD
+
+        # Ray's processes inherit this: workers can import test-only algorithms (tests/killer_algorithm.py)
+        tests_dir = os.path.dirname(__file__)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))
 
         ray.init(
             num_cpus=2,
@@ -27,10 +33,18 @@ def ray_session():
 def client_actor(ray_session):
     """One real ClientActor for a tiny 1-channel 8x8 federation, killed after the test."""
     from fedray.platform.config import load_config
-    from fedray.platform.coordinator import start_client_actors
+    from fedray.platform.coordinator import start_worker
 
-    meta = {"num_classes": 4, "in_channels": 1, "image_size": 8, "mean": [0.0], "std": [1.0], "train_sizes": []}
-    actor = start_client_actors(load_config(None, tiny_overrides()), meta, 1)[0]
+    meta = {
+        "num_classes": 4,
+        "in_channels": 1,
+        "image_size": 8,
+        "mean": [0.0],
+        "std": [1.0],
+        "train_sizes": [],
+    }
+    actor = start_worker(load_config(None, tiny_overrides()), {"num_cpus": 1})
+    ray_session.get(actor.setup.remote(meta))
     yield actor
     ray_session.kill(actor)
 

@@ -4,6 +4,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 
@@ -41,15 +42,21 @@ def test_three_round_run_logs_params_metrics_and_artifacts(mlflow_store):
     artifacts = {a.path for a in client.list_artifacts(result.run_id)}
     assert {"config.yaml", "partition.csv", "partition.png", "client_accuracy.csv", "models"} <= artifacts
     models = {a.path for a in client.list_artifacts(result.run_id, "models")}
-    assert models == {"models/global_model.pt", "models/client_models.pt"}
+    assert models == {"models/global_model.pt"}  # clients are evaluated with the global model
+    assert "global model" in run.data.tags["fedray.client_models"]
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_local_sends_nothing_and_has_no_global_model(mlflow_store):
+def test_local_sends_nothing_and_has_no_global_model(mlflow_store, tmp_path):
     result = run_experiment(load_config(None, tiny_overrides(algorithm="local", rounds=2)))
     assert all(h["comm/up_bytes"] == 0 and h["comm/down_bytes"] == 0 for h in result.history)
     assert result.final["acc/global"] is None
     assert result.final["acc/personal_mean"] > 0.3
+    # personalised models are logged: every client trained, so all four
+    client = MlflowClient(mlflow_store)
+    path = client.download_artifacts(result.run_id, "models/client_models.pt", str(tmp_path))
+    models = torch.load(path, weights_only=False)
+    assert sorted(models) == [0, 1, 2, 3] and all("head.weight" in m for m in models.values())
 
 
 @pytest.mark.usefixtures("ray_session")
@@ -103,23 +110,11 @@ def test_split_written_by_one_run_reproduces_it_in_another(mlflow_store, tmp_pat
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_spare_coordinator_is_used_once_and_checkpoint_dir_is_tagged(mlflow_store):
-    import ray
-
-    from fedray.platform import run as run_module
+def test_checkpoint_dir_is_tagged_and_holds_only_current_states(mlflow_store):
     from fedray.platform.tracking import TAG_CHECKPOINT
 
-    cfg = load_config(None, tiny_overrides(rounds=2, checkpoint_every=1))
-    run_module.ensure_ray(cfg, spare_coordinator=True)
-    job = ray.get_runtime_context().get_job_id()
-    spare = run_module._spare_coordinators[job]
-    assert ray.get(spare.__ray_ready__.remote())
-
-    result = run_experiment(cfg)
-    assert result.finished and job not in run_module._spare_coordinators  # taken by the run...
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(spare.poll.remote(0.0))  # ...and killed with it
-    ckpt_dir = MlflowClient(mlflow_store).get_run(result.run_id).data.tags[TAG_CHECKPOINT]
-    assert (Path(ckpt_dir) / "checkpoint.pt").is_file() and Path(ckpt_dir).name.startswith(
-        "fedavg-synthetic-dir1-s0-"
-    )
+    result = run_experiment(load_config(None, tiny_overrides(rounds=2, checkpoint_every=1)))
+    ckpt_dir = Path(MlflowClient(mlflow_store).get_run(result.run_id).data.tags[TAG_CHECKPOINT])
+    assert (ckpt_dir / "checkpoint.pt").is_file() and ckpt_dir.name.startswith("fedavg-synthetic-dir1-s0-")
+    # every client trained twice: one file each, its second version (the first was pruned)
+    assert sorted(p.name for p in (ckpt_dir / "states").iterdir()) == [f"{c}-v2.pt" for c in range(4)]

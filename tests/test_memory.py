@@ -1,11 +1,14 @@
-"""Freed memory stays in the process: training steps stop faulting their buffers back in.
+"""Freed memory stays in the process: ``retain_freed_memory`` sets glibc's allocator thresholds.
 
-Measured with the FedAvg CNN at batch 50 on 32x32 images, 1 thread: glibc's defaults cost about
-3,500 minor page faults per step on this machine, and after ``retain_freed_memory`` none.
+The tests read glibc's own bookkeeping (``mallinfo2``: how many blocks are mmapped), not page-fault
+counts or timings, which depend on the kernel and on the machine's load. The effect on a training
+step (about 3,500 minor faults per step of the FedAvg CNN at batch 50 before, none after) is
+measured in the README's benchmark notes, not asserted here.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -15,43 +18,51 @@ import pytest
 
 from fedray.platform.memory import retain_freed_memory
 
-glibc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
+glibc = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not hasattr(ctypes.CDLL(None), "mallinfo2"),
+    reason="mallopt and mallinfo2 are glibc's (2.33+)",
+)
 
 
-def page_faults_per_step() -> float:
-    """Minor page faults per training step of the FedAvg CNN, after warm-up steps, in this process."""
-    import resource
-
-    import torch
-    import torch.nn.functional as F
-
-    from fedray.platform.models import build_model
-
-    torch.set_num_threads(1)
-    model = build_model("fedavg_cnn", 3, 32, 10)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x, y = torch.randn(50, 3, 32, 32), torch.randint(0, 10, (50,))
-
-    def steps(n: int) -> None:
-        for _ in range(n):
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-
-    steps(10)  # the heap grows to its working size
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    steps(10)
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10
+class MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
-def faults_in_fresh_process(env: dict | None = None) -> tuple[str, float]:
-    """(what ``retain_freed_memory`` returned, page faults per step) in a new Python process."""
+def block_is_mmapped(nbytes: int = 4 * 2**20) -> bool:
+    """Whether glibc serves an ``nbytes`` block with its own mmap (rather than from the heap) here."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.mallinfo2.restype = MallInfo2
+    before = libc.mallinfo2().hblks
+    block = libc.malloc(nbytes)
+    mapped = libc.mallinfo2().hblks > before
+    libc.free(block)
+    return mapped
+
+
+def in_fresh_process(env: dict | None = None) -> tuple[str, str]:
+    """(what ``retain_freed_memory`` returned, whether a 4 MB block is then mmapped), in a new process."""
     script = textwrap.dedent(
         """
         from fedray.platform.memory import retain_freed_memory
-        from test_memory import page_faults_per_step
+        from test_memory import block_is_mmapped
         print(retain_freed_memory())
-        print(page_faults_per_step())
+        print(block_is_mmapped())
         """
     )
     out = subprocess.run(
@@ -62,30 +73,28 @@ def faults_in_fresh_process(env: dict | None = None) -> tuple[str, float]:
         cwd=os.path.dirname(__file__),
         env={**os.environ, **(env or {})},
     ).stdout.split()
-    return out[0], float(out[1])
+    return out[0], out[1]
 
 
 @glibc
-def test_training_steps_reuse_their_memory_after_retain_freed_memory():
-    took_effect, faults = faults_in_fresh_process()
-    assert took_effect == "True"
-    assert faults < 50  # glibc's defaults: thousands per step (every freed buffer comes back as new pages)
+def test_large_blocks_come_from_the_heap_after_retain_freed_memory():
+    assert in_fresh_process() == ("True", "False")
 
 
 @glibc
 def test_the_users_own_malloc_settings_win():
-    took_effect, _ = faults_in_fresh_process(env={"MALLOC_TRIM_THRESHOLD_": "65536"})
-    assert took_effect == "False"
+    # the user's 64 kB threshold stays: a 4 MB block is still mapped fresh
+    assert in_fresh_process(env={"MALLOC_MMAP_THRESHOLD_": "65536"}) == ("False", "True")
 
 
 @glibc
 def test_client_actors_retain_freed_memory(client_actor):
     import ray
 
-    measure = page_faults_per_step  # runs inside the actor's process, so it travels by value
+    probe = block_is_mmapped  # runs inside the actor's process, so it travels by value
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     try:
-        assert ray.get(client_actor.__ray_call__.remote(lambda _self: measure())) < 50
+        assert ray.get(client_actor.__ray_call__.remote(lambda _self: probe())) is False
     finally:
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 

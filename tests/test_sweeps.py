@@ -123,7 +123,7 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path, mlf
 def test_prepare_base_makes_paths_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     base = prepare_base(None, "fedavg", ["data.root=rel/data"])
-    assert Path(base["output_dir"]).is_absolute() and Path(base["data"]["root"]).is_absolute()
+    assert Path(base["storage_path"]).is_absolute() and Path(base["data"]["root"]).is_absolute()
     assert base["tracking"]["uri"].startswith("sqlite:///") or "://" in base["tracking"]["uri"]
     with pytest.raises(ConfigError):
         check_space(load_space(SPACE_FILES[0]), {"algorithm": "fedavg", "rounds": 0})

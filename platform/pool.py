@@ -1,0 +1,123 @@
+"""The worker pool: ClientActors that take the next job when they go idle, and replace the dead.
+
+Dispatch is dynamic: a job goes to the first idle worker, in the order the jobs were given (the
+Coordinator gives the largest shards first), except that a worker first takes a job for a client
+whose module it still caches, and leaves a job another live worker caches to that worker when
+there is other work. With ``pinned`` (at least as many workers as clients) a job runs only on its
+own worker, so every client keeps its actor for the whole run and no state moves.
+
+A worker that dies (``kill -9``, OOM, a lost node) is replaced by a fresh one in the same slot and
+its job runs again from the client's committed state: faults cost time, not results. A job whose
+own code raises is reported as failed and not retried.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+MAX_RETRIES = 3  # a client that keeps killing its worker (its own OOM) is reported as failed
+
+
+@dataclass
+class Job:
+    """A call of a worker method; the first returned object is waited on, the others kept as refs."""
+
+    key: Any  # what the results are keyed by (a client id, a chunk index)
+    method: str
+    args: tuple
+    prefer: tuple[int, int] | None = None  # (slot, generation) of a worker that caches this job's client
+    returns: int = 1
+    attempts: int = 0
+
+    def submit(self, worker) -> tuple:
+        refs = getattr(worker, self.method).options(num_returns=self.returns).remote(*self.args)
+        return tuple(refs) if self.returns > 1 else (refs,)
+
+
+@dataclass
+class Outcome:
+    results: dict[Any, tuple[Any, tuple, tuple[int, int]]]  # key -> (value, other returned refs, worker)
+    failed: dict[Any, str]  # key -> one-line error
+    retried: list[Any]  # keys re-run after their worker died
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return (text[-1] if text else type(err).__name__)[:300]
+
+
+class WorkerPool:
+    def __init__(self, workers: list, spawn: Callable[[], Any], *, pinned: bool) -> None:
+        self.workers = list(workers)
+        self.generation = [0] * len(self.workers)
+        self.spawn = spawn  # a fresh, set-up worker
+        self.pinned = pinned
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def identity(self, slot: int) -> tuple[int, int]:
+        return (slot, self.generation[slot])
+
+    def replace(self, slot: int) -> None:
+        ray.kill(self.workers[slot], no_restart=True)
+        self.workers[slot] = self.spawn()
+        self.generation[slot] += 1
+
+    def pick(self, queue: list[Job], slot: int) -> Job | None:
+        """The job an idle worker takes next (see the module docstring)."""
+        me = self.identity(slot)
+        if self.pinned:  # a client's job runs on its own slot; jobs of no client run anywhere
+            return next((j for j in queue if j.prefer is None or j.prefer[0] == slot), None)
+        mine = next((j for j in queue if j.prefer == me), None)
+        if mine is not None:
+            return mine
+        live = {self.identity(s) for s in range(len(self.workers))} - {me}
+        free = next((j for j in queue if j.prefer not in live), None)
+        return free if free is not None else (queue[0] if queue else None)
+
+    def run(self, jobs: list[Job], on_retry: Callable[[Any, str], None] | None = None) -> Outcome:
+        """Run every job to an outcome; returns when all are done or failed."""
+        queue = list(jobs)
+        running: dict[Any, tuple[int, Job, tuple]] = {}
+        idle = set(range(len(self.workers)))
+        out = Outcome({}, {}, [])
+        while queue or running:
+            for slot in sorted(idle):
+                job = self.pick(queue, slot)
+                if job is None:
+                    continue
+                queue.remove(job)
+                idle.discard(slot)
+                refs = job.submit(self.workers[slot])
+                running[refs[0]] = (slot, job, refs)
+            if not running:  # cannot happen while every slot holds a worker; never spin
+                raise RuntimeError(f"{len(queue)} jobs left that no worker takes")
+            done, _ = ray.wait(list(running), num_returns=1)
+            slot, job, refs = running.pop(done[0])
+            try:
+                value = ray.get(done[0])
+            except ray.exceptions.RayActorError as err:  # the worker died: replace it, run the job again
+                self.replace(slot)
+                job.attempts += 1
+                if job.attempts > MAX_RETRIES:
+                    out.failed[job.key] = f"its worker died {job.attempts} times: {first_line(err)}"
+                else:
+                    out.retried.append(job.key)
+                    queue.insert(0, job)
+                    if on_retry is not None:
+                        on_retry(job.key, first_line(err))
+            except ray.exceptions.RayError as err:  # the job's own code raised: reported, not retried
+                out.failed[job.key] = first_line(err)
+            else:
+                out.results[job.key] = (value, refs[1:], self.identity(slot))
+            idle.add(slot)
+        return out
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)

@@ -1,0 +1,93 @@
+"""The client state store: every client's last committed state, owned by the run.
+
+A client is its state and its shard, not a process. The store keeps, per client that has ever
+committed, an ObjectRef to its state in Ray's object store (which spills to disk when states outgrow
+memory) plus a version (the number of commits), and which worker produced it, so dispatch can send
+the client back to a worker that still caches its module. A client never selected has no entry: its
+initial model is a function of (seed, client id).
+
+A state is committed only when its uplink is accepted: a client whose worker died or whose code
+raised keeps its previous state, and a retry starts from it.
+
+Checkpoints are incremental: each committed state is written once, as ``states/<cid>-v<version>.pt``
+under the checkpoint directory, and the checkpoint file lists which version of each client is
+current, so a checkpoint of 1,000 clients rewrites only the clients that trained since the last one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from fedray.platform import storage
+
+
+@dataclass
+class ClientTask:
+    """What a worker needs to take up one client: its shard and its committed state.
+
+    Both are ObjectRefs boxed in a list (``[ref]``) so that Ray hands them to the worker unresolved:
+    the worker fetches them only when its cache does not already hold this version of the client.
+    """
+
+    client: int
+    shard: list
+    state: list = field(default_factory=list)  # [] = never committed: the initial model
+    version: int = 0
+
+
+class StateStore:
+    def __init__(self) -> None:
+        self.refs: dict[int, Any] = {}  # client -> ObjectRef of its committed state
+        self.version: dict[int, int] = {}
+        self.holder: dict[int, tuple[int, int]] = {}  # client -> (worker slot, worker generation)
+        self.written: dict[int, int] = {}  # client -> version already in the checkpoint directory
+        self.superseded: list[str] = []  # state files no checkpoint will list once the next one lands
+
+    def task(self, client: int, shard_ref) -> ClientTask:
+        ref = self.refs.get(client)
+        return ClientTask(client, [shard_ref], [] if ref is None else [ref], self.version.get(client, 0))
+
+    def commit(self, client: int, state_ref, holder: tuple[int, int]) -> None:
+        self.refs[client] = state_ref
+        self.version[client] = self.version.get(client, 0) + 1
+        self.holder[client] = holder
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    # ---- checkpoints
+    def write(self, directory: str) -> dict[int, str]:
+        """Write the states committed since the last call; returns the manifest client -> file."""
+        changed = [c for c in self.refs if self.written.get(c) != self.version[c]]
+        for start in range(0, len(changed), 64):  # bounded batches: never every state in memory at once
+            batch = changed[start : start + 64]
+            for client, state in zip(batch, ray.get([self.refs[c] for c in batch])):
+                storage.save_torch(state, storage.join(directory, "states", self.file_name(client)))
+                if client in self.written:
+                    self.superseded.append(f"{client}-v{self.written[client]}.pt")
+                self.written[client] = self.version[client]
+        return {c: self.file_name(c) for c in sorted(self.refs)}
+
+    def prune(self, directory: str) -> None:
+        """Delete the state files the checkpoint just written no longer lists."""
+        for name in self.superseded:
+            storage.delete(storage.join(directory, "states", name))
+        self.superseded.clear()
+
+    def file_name(self, client: int) -> str:
+        return f"{client}-v{self.version[client]}.pt"
+
+    def read(self, directory: str, manifest: dict[int, str]) -> None:
+        """Load the states a checkpoint lists back into the object store."""
+        for client, name in manifest.items():
+            state = storage.load_torch(storage.join(directory, "states", name))
+            self.refs[client] = ray.put(state)
+            self.version[client] = int(name.rsplit("-v", 1)[1].removesuffix(".pt"))
+            self.written[client] = self.version[client]
+        self.holder.clear()  # a resumed run's workers cache nothing yet
+
+    def states(self, clients: list[int]) -> dict[int, Any]:
+        return dict(zip(clients, ray.get([self.refs[c] for c in clients])))

@@ -1,0 +1,45 @@
+"""A FedAvg whose client SIGKILLs its own worker process once, at a chosen round and client.
+
+Registered as ``fedavg_killer`` when this module is imported: in the test process by the tests, and in
+a worker when it unpickles the config's ``KillerConfig`` (Ray ships the driver's ``sys.path``).
+A marker file makes the kill happen once: the re-run of the client on a fresh worker goes through.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer
+from fedray.platform.registry import register
+
+
+class KillerClient(FedAvgClient):
+    def kill_once(self, stage: str) -> None:
+        hp = self.hp
+        right_round = stage == "eval" or self.rnd == hp.round  # evaluation: the client's first one
+        if hp.stage == stage and right_round and self.ctx.client_id == hp.client:
+            marker = Path(hp.marker)
+            if not marker.exists():
+                marker.write_text(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:  # mid-fit: one optimiser step already taken
+            self.kill_once("train")
+        return super().training_step(batch, batch_idx)
+
+    def load_for_eval(self, payload) -> None:
+        self.kill_once("eval")
+        super().load_for_eval(payload)
+
+
+@register("fedavg_killer", server=FedAvgServer, client=KillerClient)
+@dataclass
+class KillerConfig:
+    stage: str = "none"  # train | eval | none
+    round: int = 1  # 0-based round of a training kill
+    client: int = 0
+    marker: str = ""

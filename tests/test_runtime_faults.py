@@ -1,0 +1,44 @@
+"""Faults cost time, not results: a worker killed with SIGKILL mid-round is replaced, its client
+re-runs from its committed state, and the run ends with the numbers of an undisturbed run."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tiny_overrides
+from mlflow.tracking import MlflowClient
+
+import killer_algorithm  # noqa: F401  (registers fedavg_killer in this process)
+from fedray.platform.config import load_config
+from fedray.platform.run import run_experiment
+
+
+def comparable(history):
+    """Per-round metrics without wall times and the retry counter (the only things a fault changes)."""
+    return [
+        {k: v for k, v in h.items() if not k.startswith("time/") and k != "clients/retried"} for h in history
+    ]
+
+
+def killer_run(tmp_path, stage: str, **extra):
+    overrides = tiny_overrides(
+        algorithm="fedavg_killer",
+        rounds=3,
+        **{"fedavg_killer.stage": stage, "fedavg_killer.marker": str(tmp_path / f"{stage}.killed"), **extra},
+    )
+    return run_experiment(load_config(None, overrides))
+
+
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.parametrize("stage", ["train", "eval"])
+def test_sigkill_of_a_worker_mid_round_changes_no_number(mlflow_store, tmp_path, stage):
+    undisturbed = killer_run(tmp_path, "none")
+    disturbed = killer_run(tmp_path, stage)
+
+    assert (tmp_path / f"{stage}.killed").is_file()  # the worker really died
+    assert disturbed.finished
+    assert comparable(disturbed.history) == comparable(undisturbed.history)
+    assert disturbed.client_acc == undisturbed.client_acc
+    assert sum(h["clients/retried"] for h in disturbed.history) == 1
+    assert all(h["clients/failed"] == 0 for h in disturbed.history)
+    logged = MlflowClient(mlflow_store).get_metric_history(disturbed.run_id, "clients/retried")
+    assert sum(m.value for m in logged) == 1
