@@ -9,7 +9,7 @@ PORT ?= 5000
 EXP ?=
 OUT ?=
 
-.PHONY: install run compare sweep report test test-slow lint bench ui clean
+.PHONY: install run compare sweep report test test-slow lint bench bench-scale ui clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,9 @@ test-slow: install  ## the real-data checks (CIFAR-10 JPEGs from ../shared/data)
 
 bench: install  ## fedray vs a plain PyTorch loop on real CIFAR-10
 	$(BIN)/python benchmarks/bench_fedavg_cifar.py $(ARGS)
+
+bench-scale: install  ## FedSSA on CIFAR-10 at 100/1,000/10,000 clients, e.g. make bench-scale ARGS="--clients 100 --rounds 2"
+	$(BIN)/python benchmarks/bench_scale.py $(ARGS)
 
 ui: install  ## the MLflow UI on the project's store
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --port $(PORT)

@@ -320,7 +320,8 @@ class RoundLoop:
         self.store.prune(self.checkpoint_dir)
         self.emit("checkpoint", round=done, path=path)
 
-    def load_checkpoint(self, checkpoint_dir: str) -> int:
+    def load_checkpoint(self, checkpoint_dir: str) -> list[dict[str, float]]:
+        """Restore the run as the checkpoint left it; returns the rounds' metrics so far."""
         state = storage.load_torch(storage.join(checkpoint_dir, CHECKPOINT_FILE))
         self.server.load_state_dict(state["server"])
         self.store.read(checkpoint_dir, state["states"])
@@ -329,7 +330,7 @@ class RoundLoop:
         self.last_client_acc = state["last_client_acc"]
         torch.set_rng_state(state["torch_rng"])
         self.start_round = state["round"]
-        return self.start_round
+        return self.history
 
     def summary(self, finished: bool) -> dict[str, Any]:
         model = self.server.global_model()

@@ -181,10 +181,9 @@ class Runtime:
     def stop(self) -> None:
         import ray
 
-        try:  # the Coordinator kills the workers it started as replacements
+        # the Coordinator kills the workers it started as replacements; a dead one took them with it
+        with contextlib.suppress(ray.exceptions.RayError):
             ray.get(self.coordinator.shutdown.remote(), timeout=10)
-        except Exception:  # noqa: BLE001 - a dead Coordinator: its replacements died with their owner
-            pass
         for actor in [self.coordinator, *self.workers]:
             ray.kill(actor)
 
@@ -217,6 +216,15 @@ def stream_rounds(runtime: Runtime, run_ref, cfg: ExperimentConfig, tracker: Run
                     if on_round is not None:
                         on_round(event["round"], event["metrics"])
     return ray.get(run_ref)
+
+
+def log_unlogged_rounds(tracker: RunTracker, history: list[dict[str, float]]) -> None:
+    """Rounds the checkpoint holds but MLflow missed (the driver was stopped while the Coordinator
+    ran ahead of it): logged now, so a resumed run's curves have no holes."""
+    logged = tracker.last_step("comm/up_bytes")
+    for step, metrics in enumerate(history, start=1):
+        if step > logged:
+            tracker.log_metrics(metrics, step=step)
 
 
 def record_new_run(cfg, fed, baseline, ckpt_dir: str, parent_run_id, tags) -> RunTracker:
@@ -268,7 +276,8 @@ def run_experiment(
             if resume_run_id is not None:
                 tracker = RunTracker(cfg, run_id=resume_run_id, parent_run_id=parent_run_id, extra_tags=tags)
                 ckpt_dir = checkpoint_dir_of(resume_run_id, tracker.uri)
-                ray.get(runtime.coordinator.load_checkpoint.remote(ckpt_dir))
+                history = ray.get(runtime.coordinator.load_checkpoint.remote(ckpt_dir))
+                log_unlogged_rounds(tracker, history)
             else:
                 ckpt_dir = new_checkpoint_dir(cfg)  # before the MLflow run: its tag points here
             # the rounds start now; a new MLflow run is set up while the first one trains, and the

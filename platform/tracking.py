@@ -108,6 +108,10 @@ class RunTracker:
         for i in range(0, len(batch), 1000):
             self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
 
+    def last_step(self, key: str) -> int:
+        """The highest step logged for ``key`` (0 when none)."""
+        return max((m.step for m in self.client.get_metric_history(self.run_id, key)), default=0)
+
     def set_tags(self, tags: dict[str, str]) -> None:
         for k, v in tags.items():
             self.client.set_tag(self.run_id, k, v)

@@ -118,3 +118,30 @@ def test_checkpoint_dir_is_tagged_and_holds_only_current_states(mlflow_store):
     assert (ckpt_dir / "checkpoint.pt").is_file() and ckpt_dir.name.startswith("fedavg-synthetic-dir1-s0-")
     # every client trained twice: one file each, its second version (the first was pruned)
     assert sorted(p.name for p in (ckpt_dir / "states").iterdir()) == [f"{c}-v2.pt" for c in range(4)]
+
+
+def test_eval_policies_pick_clients_and_say_so_in_the_metric_name():
+    from fedray.platform.coordinator import eval_clients, policy_suffix
+
+    cfg = load_config(
+        None, tiny_overrides(**{"data.num_clients": 10, "eval.clients": "sample", "eval.sample_size": 3})
+    )
+    sample = eval_clients(cfg, 4, [1, 2])
+    assert len(sample) == 3 and sample == eval_clients(cfg, 4, [1, 2]) != eval_clients(cfg, 5, [1, 2])
+    assert policy_suffix(cfg) == "_sample"
+    cfg.eval.clients = "selected"
+    assert eval_clients(cfg, 4, [7, 2]) == [7, 2] and policy_suffix(cfg) == "_selected"
+    cfg.eval.clients = "all"
+    assert eval_clients(cfg, 4, [7, 2]) == list(range(10)) and policy_suffix(cfg) == ""
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_selected_only_evaluation_logs_under_its_own_name(mlflow_store):
+    from fedray.platform.coordinator import sample_clients
+
+    cfg = load_config(None, tiny_overrides(rounds=2, **{"train.fraction": 0.5, "eval.clients": "selected"}))
+    result = run_experiment(cfg)
+    last = result.history[-1]
+    assert "acc/personal_mean" not in last and 0 < last["acc/personal_mean_selected"] <= 1
+    assert sorted(result.client_acc) == sample_clients(cfg.seed, 1, 4, 2)  # the last round's two clients
+    assert "acc/global" in last  # the global model is still tested on the global test set

@@ -3,11 +3,11 @@ re-runs from its committed state, and the run ends with the numbers of an undist
 
 from __future__ import annotations
 
+import killer_algorithm  # noqa: F401  (registers fedavg_killer in this process)
 import pytest
 from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 
-import killer_algorithm  # noqa: F401  (registers fedavg_killer in this process)
 from fedray.platform.config import load_config
 from fedray.platform.run import run_experiment
 
