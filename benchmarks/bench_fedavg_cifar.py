@@ -23,6 +23,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -125,16 +128,16 @@ def timed(run, cfg, *, include_ray: bool):
 def timed_fedray(cfg) -> tuple[float, int, Result]:
     import ray
 
-    ensure_ray(cfg, spare_coordinator=True)  # a fresh Ray per repeat: warm prestarted workers each time
+    ensure_ray(cfg)  # a fresh Ray per repeat: warm prestarted workers each time
     try:
         return timed(run_experiment, cfg, include_ray=True)
     finally:
         ray.shutdown()
 
 
-def plain_fedavg(cfg) -> float:
+def plain_fedavg(cfg, on_round=None) -> float:
     """The same FedAvg, written as the single-process loop a researcher would write by hand, from
-    the same cached tensors and the same partition."""
+    the same cached tensors and the same partition. ``on_round(rnd)`` is called after each round."""
     torch.set_num_threads(os.cpu_count() or 1)
     fed = prepare_federation(cfg)
     meta = (fed.in_channels, fed.image_size, fed.num_classes)
@@ -159,9 +162,108 @@ def plain_fedavg(cfg) -> float:
             states.append({k: v.clone() for k, v in local.state_dict().items()})
             weights.append(len(y))
         global_model.load_state_dict(weighted_average(states, weights))
+        if on_round is not None:
+            on_round(rnd + 1)
     x_test = normalize(fed.global_test.x, fed.mean, fed.std)
     correct, total, _ = evaluate_model(global_model, x_test, fed.global_test.y, "cpu")
     return correct / total
+
+
+# ------------------------------------------------------------------------------------------- cold
+
+
+class PeakTreePss:
+    """Peak proportional set size of a process and all its descendants (Ray's raylet, workers and
+    object store included, since a local Ray is started by the driver), sampled every 0.5 s."""
+
+    def __init__(self, pid: int) -> None:
+        self.root = psutil.Process(pid)
+        self.peak = 0
+        self._stop = threading.Event()
+
+    def _sample(self) -> int:
+        total = 0
+        try:
+            procs = [self.root, *self.root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0
+        for proc in procs:
+            try:
+                total += proc.memory_full_info().pss
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return total
+
+    def __enter__(self) -> PeakTreePss:
+        def loop() -> None:
+            while not self._stop.wait(0.5):
+                self.peak = max(self.peak, self._sample())
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def timed_command(argv: list[str], env: dict[str, str]) -> tuple[float, float, int]:
+    """(whole command s, s to the end of round 1, peak tree PSS) of one command, as a user runs it:
+    a fresh process (and, for fedray, a fresh Ray). Round 1 ends when its progress line is printed."""
+    wait_until_idle()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    first_round, tail = None, []
+    with PeakTreePss(proc.pid) as mem:
+        for line in proc.stdout:
+            tail = [*tail[-20:], line]
+            if first_round is None and line.startswith("round") and line.split()[1].startswith("1/"):
+                first_round = time.perf_counter() - t0
+        proc.wait()
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{argv[0]} failed ({proc.returncode}):\n{''.join(tail)}")
+    return seconds, first_round if first_round is not None else seconds, mem.peak
+
+
+def cold_pairs(overrides: list[str], repeats: int, tmp: Path) -> None:
+    """``fedray run`` as one cold command against the plain loop in a fresh process, interleaved."""
+    fedray = str(Path(sys.executable).with_name("fedray"))
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"}
+    fed_argv = [fedray, "run", *[o for o in overrides if not o.startswith("progress")], f"storage_path={tmp}"]
+    plain_argv = [sys.executable, __file__, "--plain-child", *overrides]
+    fed_runs, plain_runs = [], []
+    for rep in range(1, repeats + 1):
+        fed_runs.append(timed_command(fed_argv, env))
+        plain_runs.append(timed_command(plain_argv, env))
+        f, p = fed_runs[-1], plain_runs[-1]
+        print(
+            f"cold pair {rep}: fedray {f[0]:.1f}s (round 1 at {f[1]:.1f}s), plain {p[0]:.1f}s (round 1 at {p[1]:.1f}s)",
+            flush=True,
+        )
+    gib = 2**30
+    med = statistics.median
+    print(f"\n{'cold':<10}{'median s':>10}{'round 1 at s':>14}{'peak PSS GiB':>14}   all runs s")
+    for name, runs in (("fedray", fed_runs), ("plain", plain_runs)):
+        every = " ".join(f"{r[0]:.1f}" for r in runs)
+        print(
+            f"{name:<10}{med(r[0] for r in runs):>10.1f}{med(r[1] for r in runs):>14.1f}"
+            f"{max(r[2] for r in runs) / gib:>14.2f}   {every}"
+        )
+    ratios = sorted(f[0] / p[0] for f, p in zip(fed_runs, plain_runs))
+    print(
+        f"cold ratio fedray/plain = {med(r[0] for r in fed_runs) / med(r[0] for r in plain_runs):.2f} "
+        f"(medians; pairwise {ratios[0]:.2f}-{ratios[-1]:.2f}); round 1 ends "
+        f"{med(r[1] for r in fed_runs) - med(r[1] for r in plain_runs):+.1f}s after the plain loop's"
+    )
+
+
+def plain_child(overrides: list[str]) -> None:
+    """The plain loop as its own process: prints a line per round, as ``fedray run`` does."""
+    cfg = load_config(None, overrides)
+    acc = plain_fedavg(cfg, on_round=lambda rnd: print(f"round {rnd}/{cfg.rounds}", flush=True))
+    print(f"plain global accuracy {100 * acc:.2f} %")
 
 
 def main() -> None:
@@ -178,7 +280,18 @@ def main() -> None:
         "fedray's ClientActors use; a hand-written loop does not have it, so this shows how much "
         "of the ratio it explains",
     )
+    parser.add_argument(
+        "--mode",
+        choices=["cold", "warm", "both"],
+        default="both",
+        help="cold: each side as one fresh command, as a user runs it (fedray run starts its own Ray); "
+        "warm: both clocks inside this process, Ray up before fedray's starts",
+    )
+    parser.add_argument("--cold-repeats", type=int, default=5, help="alternating cold pairs")
+    parser.add_argument("--plain-child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.plain_child is not None:
+        return plain_child(args.plain_child)
     if args.plain_retains_memory and not retain_freed_memory():
         parser.error("--plain-retains-memory: this C library has no mallopt, or MALLOC_*_THRESHOLD_ is set")
 
@@ -210,6 +323,13 @@ def main() -> None:
         f"data: {sum(len(s.train) for s in fed.shards)} training images over {len(fed.shards)} clients, "
         f"{len(fed.global_test)} test images (prepared in {time.perf_counter() - t0:.1f}s)"
     )
+
+    if args.mode in ("cold", "both"):
+        with tempfile.TemporaryDirectory() as tmp:
+            cold_pairs(overrides, args.cold_repeats, Path(tmp))
+        if args.mode == "cold":
+            return
+        print()
 
     fedray_runs, plain_runs = [], []
     for rep in range(1, args.repeats + 1):

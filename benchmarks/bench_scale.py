@@ -70,11 +70,19 @@ class TreePss(PeakMemory):
     and worker processes (Coordinator, ClientActors) all descend from the driver. It is re-listed
     once a second, as PeakMemory re-lists Ray's processes; PSS splits shared pages (torch's
     libraries, Ray's object store) between the processes that map them, so the sum counts them once.
+
+    Reading PSS makes the kernel walk each process's page tables: about 0.1 s of CPU for a run's
+    dozen processes here, so sampling at PeakMemory's 0.2 s would take a third of a core from the
+    run being measured. A sample is therefore taken every ``interval`` seconds (the ticks between
+    return 0, which leaves the peak alone).
     """
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, interval: float) -> None:
         super().__init__(include_ray=True)
         self.root = psutil.Process(pid)
+        self.interval = interval
+        self._due = 0.0
+        self.at_peak: list[tuple[str, int]] = []  # (process, PSS) of the peak sample, largest first
 
     def _find_ray_processes(self) -> None:
         try:
@@ -83,13 +91,35 @@ class TreePss(PeakMemory):
             self._ray = []
 
     def _sample(self) -> int:
-        total = 0
+        now = time.monotonic()
+        if now < self._due:
+            return 0
+        self._due = now + self.interval
+        parts = []
         for proc in self._ray:
             try:
-                total += proc.memory_full_info().pss
+                parts.append((proc, proc.memory_full_info().pss))
             except psutil.Error:
                 continue
+        total = sum(pss for _, pss in parts)
+        if total > self.peak:
+            self.at_peak = sorted(((process_label(p), pss) for p, pss in parts), key=lambda x: -x[1])
         return total
+
+
+def process_label(proc: psutil.Process) -> str:
+    """``ray::ClientActor``, ``raylet``, ``fedray``: what a process is, in a word."""
+    try:
+        cmd = proc.cmdline()
+    except psutil.Error:
+        return "?"
+    if cmd and cmd[0].startswith("ray::"):
+        return cmd[0].split()[0]
+    name = proc.name()
+    if name.startswith("python"):  # the script it runs: fedray, log_monitor.py, ...
+        script = next((arg for arg in cmd[1:] if not arg.startswith("-")), None)
+        return Path(script).name if script else name
+    return name
 
 
 @dataclass
@@ -100,6 +130,7 @@ class Outcome:
     returncode: int
     peak_bytes: int
     log: Path
+    at_peak: list[tuple[str, int]] = field(default_factory=list)
     row: dict = field(default_factory=dict)
     rounds: list[tuple[float, bool]] = field(default_factory=list)  # (round_s, evaluated)
     error: str = ""
@@ -150,12 +181,15 @@ def run_command(args: argparse.Namespace, n: int, root: Path, work: Path) -> Out
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{work / 'mlflow.db'}")
     env.pop("RAY_ADDRESS", None)  # a fresh local Ray, never a cluster this shell points at
     log = work / "fedray.log"
-    wait_until_idle()
+    wait_until_idle()  # gives up after a minute: say so when others' work will be in the timings
+    busy = psutil.cpu_percent(interval=1.0)
+    if busy > 15:
+        print(f"  warning: the machine is busy before N={n} ({busy:.0f}% CPU): timings include others' work")
     with log.open("wb") as out:
         start = time.time()
         proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
-            with TreePss(proc.pid) as mem:
+            with TreePss(proc.pid, args.mem_interval) as mem:
                 try:
                     code = proc.wait(timeout=args.timeout or None)
                 except subprocess.TimeoutExpired:
@@ -175,7 +209,7 @@ def run_command(args: argparse.Namespace, n: int, root: Path, work: Path) -> Out
                     proc.kill()
             raise
         wall = time.time() - start
-    outcome = Outcome(n, cmd, wall, code, mem.peak, log)
+    outcome = Outcome(n, cmd, wall, code, mem.peak, log, mem.at_peak)
     read_metrics(outcome, start, work)
     return outcome
 
@@ -184,10 +218,14 @@ def read_metrics(o: Outcome, cmd_start: float, work: Path) -> None:
     """The run's per-round metrics from the throw-away MLflow store, folded into the table's row."""
     from mlflow.tracking import MlflowClient
 
+    from fedray.platform.tracking import quiet_mlflow
+
+    if not (work / "mlflow.db").exists():  # the command stopped before it made its MLflow run
+        o.error = "no MLflow run"
+        return
+    quiet_mlflow()
     client = MlflowClient(tracking_uri=f"sqlite:///{work / 'mlflow.db'}")
-    experiment = (
-        client.get_experiment_by_name(f"bench-scale-n{o.n}") if (work / "mlflow.db").exists() else None
-    )
+    experiment = client.get_experiment_by_name(f"bench-scale-n{o.n}")
     runs = client.search_runs([experiment.experiment_id]) if experiment else []
     if not runs:
         o.error = "no MLflow run"
@@ -279,9 +317,9 @@ def print_table(outcomes: list[Outcome]) -> None:
     for o in outcomes:
         cells = []
         for (key, _, fmt), width in zip(COLUMNS, widths, strict=True):
-            value = o.row.get(key)
-            if key == "clients":
-                value = o.n
+            value = {"clients": o.n, "wall_s": o.wall_s, "peak_pss_mb": o.peak_bytes / MB}.get(
+                key, o.row.get(key)
+            )
             if value is None or (isinstance(value, float) and math.isnan(value)):
                 cells.append(f"{'-':>{width}}")
             else:
@@ -290,6 +328,19 @@ def print_table(outcomes: list[Outcome]) -> None:
         if o.returncode != 0 or o.error:
             line += f"   FAILED (exit {o.returncode}{', ' + o.error if o.error else ''}; log {o.log})"
         print(line)
+
+
+def peak_breakdown(o: Outcome) -> str:
+    """The peak sample by kind of process: ``2x ray::ClientActor 1630, fedray 710, ...`` (MB)."""
+    kinds: dict[str, list[int]] = {}
+    for label, pss in o.at_peak:
+        kinds.setdefault(label, []).append(pss)
+    ranked = sorted(kinds.items(), key=lambda kv: -sum(kv[1]))
+    return ", ".join(
+        f"{f'{len(v)}x ' if len(v) > 1 else ''}{label} {sum(v) / MB:.0f}"
+        for label, v in ranked
+        if sum(v) >= MB
+    )
 
 
 def write_csv(path: Path, outcomes: list[Outcome]) -> None:
@@ -332,6 +383,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--timeout", type=float, default=0, help="stop a run after this many seconds (0: never)"
+    )
+    parser.add_argument(
+        "--mem-interval", type=float, default=2.0, help="seconds between PSS samples (each costs ~0.1 s CPU)"
     )
     parser.add_argument("--out", type=Path, help="also write the table as CSV here")
     parser.add_argument("--keep", action="store_true", help="keep each run's MLflow store, storage and log")
@@ -378,7 +432,9 @@ def main() -> None:
             tail = outcome.log.read_text(errors="replace").splitlines()[-25:] if outcome.log.exists() else []
             print(f"  exit {outcome.returncode} {outcome.error}; last lines of {outcome.log}:")
             print("\n".join(f"  | {line}" for line in tail))
-        print(f"  wall {outcome.wall_s:.1f}s, peak PSS {outcome.peak_bytes / MB:.0f} MB", flush=True)
+        print(
+            f"  wall {outcome.wall_s:.1f}s, peak PSS {outcome.peak_bytes / MB:.0f} MB: {peak_breakdown(outcome)}"
+        )
 
     print()
     print_table(outcomes)

@@ -65,6 +65,11 @@ class Progress:
             self.console.print(
                 f"[red]round {event['round']}: client {event['client']} failed: {event['error']}"
             )
+        elif kind == "client_retried":
+            self.console.print(
+                f"[yellow]round {event['round']}: worker died running {event['client']}, re-running it "
+                f"from its committed state ({event['error']})"
+            )
         elif kind == "round_end":
             self._round_end(event["round"], event["metrics"])
 
@@ -79,6 +84,8 @@ class Progress:
             f"  up {mb(m['comm/up_bytes']):.2f} MB  down {mb(m['comm/down_bytes']):.2f} MB"
             f"  loss {m.get('loss/train', float('nan')):.3f}  {m['time/round_s']:.1f}s"
         )
+        if m.get("clients/retried"):
+            line += f"  retried {int(m['clients/retried'])}"
         if self._bar is not None:
             self._bar.update(self._task, completed=rnd, status=line.split("  ", 1)[1])
             self._bar.console.print(line, highlight=False)

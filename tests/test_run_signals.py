@@ -85,7 +85,7 @@ def test_a_dead_coordinator_is_one_line_with_the_resume_command(tmp_path):
     proc = start_run(tmp_path)
     wait_for_round(proc, 1)
     coordinator_of(proc).kill()  # SIGKILL
-    out, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     _, run = only_run(tmp_path)
     last = err.strip().splitlines()[-1]
