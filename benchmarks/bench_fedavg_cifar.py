@@ -172,50 +172,16 @@ def plain_fedavg(cfg, on_round=None) -> float:
 # ------------------------------------------------------------------------------------------- cold
 
 
-class PeakTreePss:
-    """Peak proportional set size of a process and all its descendants (Ray's raylet, workers and
-    object store included, since a local Ray is started by the driver), sampled every 0.5 s."""
-
-    def __init__(self, pid: int) -> None:
-        self.root = psutil.Process(pid)
-        self.peak = 0
-        self._stop = threading.Event()
-
-    def _sample(self) -> int:
-        total = 0
-        try:
-            procs = [self.root, *self.root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return 0
-        for proc in procs:
-            try:
-                total += proc.memory_full_info().pss
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        return total
-
-    def __enter__(self) -> PeakTreePss:
-        def loop() -> None:
-            while not self._stop.wait(0.5):
-                self.peak = max(self.peak, self._sample())
-
-        self._thread = threading.Thread(target=loop, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def timed_command(argv: list[str], env: dict[str, str]) -> tuple[float, float, int]:
     """(whole command s, s to the end of round 1, peak tree PSS) of one command, as a user runs it:
     a fresh process (and, for fedray, a fresh Ray). Round 1 ends when its progress line is printed."""
+    from bench_scale import TreePss  # PSS of the whole process tree, sampled every 2 s (cheaply)
+
     wait_until_idle()
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     first_round, tail = None, []
-    with PeakTreePss(proc.pid) as mem:
+    with TreePss(proc.pid, interval=2.0) as mem:
         for line in proc.stdout:
             tail = [*tail[-20:], line]
             if first_round is None and line.startswith("round") and line.split()[1].startswith("1/"):

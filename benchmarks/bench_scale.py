@@ -25,8 +25,14 @@ What each column means (seconds unless said):
 - ``eval round``: mean ``time/round_s`` of the rounds with evaluation (training + evaluation).
 - ``after``: wall - setup - all rounds: checkpoints, final artifacts, Ray and process teardown.
 - ``peak PSS MB``: peak proportional set size of the command's whole process tree (driver, Ray's
-  GCS, raylet, Coordinator and ClientActors), so memory shared between processes counts once.
+  GCS, raylet, Coordinator and ClientActors), so memory shared between processes counts once;
+  sampled every ``--mem-interval`` seconds (reading PSS costs CPU), the peak sample split by process
+  on each N's line above the table.
 - ``wall``: the whole command, process start to exit.
+
+Before each N the machine is left to go idle (a warning says when it would not); processes of the
+command that outlive it are named and ended. A failed run keeps its MLflow store, storage and log in
+a temporary folder (named in the table); ``--keep`` keeps every run's.
 
     make bench-scale ARGS="--clients 100,1000 --rounds 3"
     python benchmarks/bench_scale.py --clients 100 --rounds 2 --out /tmp/scale.csv
@@ -36,6 +42,7 @@ What each column means (seconds unless said):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import math
 import os
@@ -83,12 +90,25 @@ class TreePss(PeakMemory):
         self.interval = interval
         self._due = 0.0
         self.at_peak: list[tuple[str, int]] = []  # (process, PSS) of the peak sample, largest first
+        self.seen: dict[int, psutil.Process] = {}  # every descendant ever listed
 
     def _find_ray_processes(self) -> None:
         try:
             self._ray = [self.root, *self.root.children(recursive=True)]
         except psutil.Error:  # the command has exited
             self._ray = []
+        self.seen.update((p.pid, p) for p in self._ray[1:])
+
+    def leftovers(self) -> list[psutil.Process]:
+        """Descendants still alive after the command exited (a Ray it did not shut down)."""
+        alive = []
+        for proc in self.seen.values():
+            try:  # is_running() also checks the pid was not reused
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(proc)
+            except psutil.Error:
+                continue
+        return alive
 
     def _sample(self) -> int:
         now = time.monotonic()
@@ -113,8 +133,8 @@ def process_label(proc: psutil.Process) -> str:
         cmd = proc.cmdline()
     except psutil.Error:
         return "?"
-    if cmd and cmd[0].startswith("ray::"):
-        return cmd[0].split()[0]
+    if cmd and cmd[0].startswith("ray::"):  # ray::ClientActor, or ray::ClientActor.train while it runs one
+        return cmd[0].split()[0].split(".")[0]
     name = proc.name()
     if name.startswith("python"):  # the script it runs: fedray, log_monitor.py, ...
         script = next((arg for arg in cmd[1:] if not arg.startswith("-")), None)
@@ -188,18 +208,20 @@ def run_command(args: argparse.Namespace, n: int, root: Path, work: Path) -> Out
     with log.open("wb") as out:
         start = time.time()
         proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
+        mem = TreePss(proc.pid, args.mem_interval)
         try:
-            with TreePss(proc.pid, args.mem_interval) as mem:
+            with mem:
                 try:
                     code = proc.wait(timeout=args.timeout or None)
                 except subprocess.TimeoutExpired:
-                    print(f"  N={n}: over --timeout {args.timeout}s, stopping it (SIGTERM)", flush=True)
+                    print(f"  N={n}: over --timeout {args.timeout:g}s, stopping it (SIGTERM)", flush=True)
                     proc.send_signal(signal.SIGTERM)  # fedray ends the run as KILLED, like Ctrl-C
                     try:
                         code = proc.wait(timeout=120)
                     except subprocess.TimeoutExpired:
                         proc.kill()
                         code = proc.wait()
+            wall = time.time() - start
         except BaseException:  # Ctrl-C here: stop our command and its Ray, then stop
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
@@ -208,14 +230,33 @@ def run_command(args: argparse.Namespace, n: int, root: Path, work: Path) -> Out
                 except subprocess.TimeoutExpired:
                     proc.kill()
             raise
-        wall = time.time() - start
+        finally:
+            stop_leftovers(mem, n)
     outcome = Outcome(n, cmd, wall, code, mem.peak, log, mem.at_peak)
     read_metrics(outcome, start, work)
     return outcome
 
 
+def stop_leftovers(mem: TreePss, n: int) -> None:
+    """End the processes this command started that outlived it (only those, by pid), so the next
+    N starts on an idle machine; a normal ``fedray run`` leaves none."""
+    alive = mem.leftovers()
+    if not alive:
+        return
+    names = ", ".join(sorted({process_label(p) for p in alive}))
+    print(f"  N={n}: {len(alive)} processes outlived the command ({names}); ending them", flush=True)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, still = psutil.wait_procs(alive, timeout=10)
+    for proc in still:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+
+
 def read_metrics(o: Outcome, cmd_start: float, work: Path) -> None:
     """The run's per-round metrics from the throw-away MLflow store, folded into the table's row."""
+    from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
     from fedray.platform.tracking import quiet_mlflow
@@ -233,7 +274,7 @@ def read_metrics(o: Outcome, cmd_start: float, work: Path) -> None:
     run = runs[0]
     params = run.data.params
 
-    def history(key: str) -> dict[int, object]:
+    def history(key: str) -> dict[int, Metric]:
         return {m.step: m for m in client.get_metric_history(run.info.run_id, key)}
 
     round_s, client_s = history("time/round_s"), history("time/client_s")
