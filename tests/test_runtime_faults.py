@@ -28,10 +28,17 @@ def killer_run(tmp_path, stage: str, **extra):
     return run_experiment(load_config(None, overrides))
 
 
-@pytest.mark.usefixtures("ray_session")
+@pytest.fixture(scope="module")
+def undisturbed(ray_session, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("undisturbed")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp / 'mlflow.db'}")
+        mp.chdir(tmp)
+        return killer_run(tmp, "none")
+
+
 @pytest.mark.parametrize("stage", ["train", "eval"])
-def test_sigkill_of_a_worker_mid_round_changes_no_number(mlflow_store, tmp_path, stage):
-    undisturbed = killer_run(tmp_path, "none")
+def test_sigkill_of_a_worker_mid_round_changes_no_number(undisturbed, mlflow_store, tmp_path, stage):
     disturbed = killer_run(tmp_path, stage)
 
     assert (tmp_path / f"{stage}.killed").is_file()  # the worker really died
