@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -27,7 +26,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -44,6 +43,13 @@ pytestmark = pytest.mark.skipif(not RAY_CLI.exists(), reason="the ray CLI is not
 DRIVER = r"""
 import json, os, sys, time
 
+start = time.monotonic()
+
+
+def note(what):  # phase times in driver.log, shown when the driver fails
+    print(f"{time.monotonic() - start:6.1f} s  {what}", flush=True)
+
+
 import ray
 from mlflow.tracking import MlflowClient
 from ray.util.state import list_actors
@@ -51,14 +57,27 @@ from ray.util.state import list_actors
 from fedray.platform.config import load_config
 from fedray.platform.run import ensure_ray, resume_experiment, run_experiment
 
-overrides, out_path = json.loads(sys.argv[1]), sys.argv[2]
-t0 = time.time(); print("imported", t0, flush=True)
+overrides, out_path, head_up = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+note("imported")
+MlflowClient().search_experiments()  # creates the sqlite store (seconds) while the nodes start
+while not os.path.exists(head_up):  # the head is up once this file exists
+    time.sleep(0.1)
 ensure_ray(load_config(None, overrides))  # what run_experiment does first: join RAY_ADDRESS
 deadline = time.monotonic() + 60
 while sum(node["Alive"] for node in ray.nodes()) < 2:
     if time.monotonic() > deadline:
         sys.exit("the worker node never joined the cluster")
     time.sleep(0.2)
+note("joined, both nodes up")
+
+
+def all_cpus_free():
+    # run_experiment sizes its pool by ray.available_resources(): wait until they show both nodes'
+    # CPUs (the worker node's appear a moment after it joins; ray.kill is asynchronous, so the last
+    # run's ClientActors may still hold theirs), or it starts a single ClientActor
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def actors():
@@ -67,7 +86,7 @@ def actors():
 
 
 def record(result, before):
-    print(result.run_id, time.time() - t0, result.wall_time_s, flush=True)
+    note(f"run {result.run_id} done: {len(result.history)} rounds")
     new = [v for k, v in actors().items() if k not in before]
     return {
         "run_id": result.run_id,
@@ -79,13 +98,15 @@ def record(result, before):
     }
 
 
-print("joined", time.time() - t0, flush=True)
 out = {"nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])}
+all_cpus_free()
 before = actors()
 out["full"] = record(run_experiment(load_config(None, overrides)), before)
+all_cpus_free()
 before = actors()
 out["stopped"] = record(run_experiment(load_config(None, overrides), stop_after_round=2), before)
 out["stopped_status"] = MlflowClient().get_run(out["stopped"]["run_id"]).info.status
+all_cpus_free()
 before = actors()
 out["resumed"] = record(resume_experiment(out["stopped"]["run_id"]), before)
 with open(out_path, "w") as f:
@@ -103,32 +124,50 @@ def without_timing(history):
     return [{k: v for k, v in h.items() if not k.startswith("time/")} for h in history]
 
 
-@contextmanager
-def ray_node(args: list[str], env: dict[str, str], cwd: Path, log: Path):
-    """``ray start --block ...``: yields once the node is up; SIGTERM to its pid stops all its processes."""
+def start_node(stack: ExitStack, args: list[str], env: dict[str, str], cwd: Path, log: Path):
+    """``ray start --block ...`` in the background, stopped when ``stack`` closes: SIGTERM to its pid
+    makes it stop every process it started."""
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [str(RAY_CLI), "start", "--block", "--disable-usage-stats", *args],
+            # no log monitor (nor, on the head, autoscaler monitor): nothing here reads them
+            [str(RAY_CLI), "start", "--block", "--disable-usage-stats", "--include-log-monitor=false", *args],
             env=env,
             cwd=cwd,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: a last-resort kill reaches only this node
         )
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while b"Ray runtime started" not in log.read_bytes():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"ray start {' '.join(args)} did not come up:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGTERM)  # `ray start --block` then stops the processes it started
+
+    def stop_node():
+        proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+    stack.callback(stop_node)
+    return proc
+
+
+def wait_until_up(proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while b"Ray runtime started" not in log.read_bytes():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"{' '.join(proc.args)} did not come up:\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+
+
+def wait_for_port(proc: subprocess.Popen, log: Path, host: str, port: int) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"{' '.join(proc.args)}: no GCS on port {port}:\n{log.read_text()[-3000:]}")
+            time.sleep(0.1)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -174,66 +213,74 @@ def test_stopped_run_resumes_on_a_two_node_cluster_with_token_auth(mlflow_store,
     overrides = [o for o in overrides if not o.startswith("ray.max_actors=")]  # sized by the cluster's CPUs
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
-    out = tmp_path / "driver.json"
+    out, head_up = tmp_path / "driver.json", tmp_path / "head-up"
 
-    print("start", time.time())
     with ExitStack() as stack:
         # socket paths must stay under 107 characters: a short temp dir per node, not tmp_path
         temp = [stack.enter_context(tempfile.TemporaryDirectory(prefix="fr-", dir="/tmp")) for _ in range(2)]
-        stack.enter_context(
-            ray_node(
-                [
-                    "--head",
-                    f"--node-ip-address={ip}",
-                    f"--port={port}",
-                    f"--dashboard-port={dashboard_port}",
-                    f"--ray-client-server-port={client_port}",
-                    "--include-dashboard=true",
-                    "--num-cpus=1",
-                    "--object-store-memory=150000000",
-                    f"--temp-dir={temp[0]}",
-                ],
-                node_env(RAY_AUTH_TOKEN_PATH=str(token_file)),
-                dirs["head-cwd"],
-                tmp_path / "head.log",
+        # the driver imports torch and Lightning while the nodes start, then waits for the head (a file
+        # this test writes), joins and waits for the worker node; the worker node starts once the
+        # head's GCS answers, while the head still starts its dashboard
+        head_log, worker_log, driver_log = (tmp_path / f"{n}.log" for n in ("head", "worker", "driver"))
+        head = start_node(
+            stack,
+            [
+                "--head",
+                f"--node-ip-address={ip}",
+                f"--port={port}",
+                f"--dashboard-port={dashboard_port}",
+                f"--ray-client-server-port={client_port}",
+                "--no-monitor",
+                "--include-dashboard=true",  # the state API (where the actors ran) goes through it
+                "--num-cpus=1",
+                "--object-store-memory=150000000",
+                f"--temp-dir={temp[0]}",
+            ],
+            node_env(RAY_AUTH_TOKEN_PATH=str(token_file)),
+            dirs["head-cwd"],
+            head_log,
+        )
+        with open(driver_log, "wb") as log:
+            driver = subprocess.Popen(  # MLFLOW_TRACKING_URI: the mlflow_store fixture's, from os.environ
+                [sys.executable, str(script), json.dumps(overrides), str(out), str(head_up)],
+                env=node_env(RAY_AUTH_TOKEN_PATH=str(token_file), RAY_ADDRESS=address),
+                cwd=dirs["driver-cwd"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
+        stack.callback(stop, driver)  # on a failure, before the head goes
+        wait_for_port(head, head_log, ip, port)
+        worker = start_node(
+            stack,
+            [
+                f"--address={address}",
+                f"--node-ip-address={ip}",
+                "--num-cpus=1",
+                "--object-store-memory=150000000",
+                f"--temp-dir={temp[1]}",
+            ],
+            node_env(RAY_AUTH_TOKEN=token),
+            dirs["worker-cwd"],
+            worker_log,
         )
-        # the driver imports torch and Lightning while the worker node starts; it waits for the node
-        driver_env = node_env(RAY_AUTH_TOKEN_PATH=str(token_file), RAY_ADDRESS=address)
-        driver = subprocess.Popen(
-            [sys.executable, str(script), json.dumps(overrides), str(out)],
-            env=driver_env,
-            cwd=dirs["driver-cwd"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        stack.enter_context(
-            ray_node(
-                [
-                    f"--address={address}",
-                    f"--node-ip-address={ip}",
-                    "--num-cpus=1",
-                    "--object-store-memory=150000000",
-                    f"--temp-dir={temp[1]}",
-                ],
-                node_env(RAY_AUTH_TOKEN=token),
-                dirs["worker-cwd"],
-                tmp_path / "worker.log",
-            )
-        )
-        stack.callback(stop, driver)  # on a failure below, before the nodes go
+        wait_until_up(head, head_log)
+        head_up.touch()
+        wait_until_up(worker, worker_log)
+
         # the cluster enforces the token: the head's HTTP API refuses a request without it
         api = f"http://127.0.0.1:{dashboard_port}/api/v0/actors"  # the dashboard listens on localhost
         assert http_status(api) == 401
         assert http_status(api, "not-the-token") == 403
         assert http_status(api, token) == 200
 
-        log, _ = driver.communicate(timeout=240)
-        print(time.time(), log.decode()[-3000:])
-        assert driver.returncode == 0, log.decode(errors="replace")[-5000:]
+        driver.wait(timeout=300)
+        assert driver.returncode == 0, driver_log.read_text()[-5000:]
+        for node in (worker, head):
+            node.send_signal(signal.SIGTERM)  # the nodes stop (seconds) while the results are checked
+        check(json.loads(out.read_text()), mlflow_store, dirs)
 
-    print("end", time.time())
-    report = json.loads(out.read_text())
+
+def check(report: dict, mlflow_store: str, dirs: dict[str, Path]) -> None:
     full, stopped, resumed = report["full"], report["stopped"], report["resumed"]
 
     # the run stopped after round 2 and was left KILLED; resumed, it finished under the same run id
