@@ -248,6 +248,8 @@ class FedCrossConfig:
         "dynamic_alpha_rounds",
         "dynamic_alpha_start_round",
     )  # scaled by --scale
+    CLIENT_FIELDS: ClassVar[tuple[str, ...]] = ("num_middleware",)  # scaled like data.num_clients
+    MIN_PARTICIPANTS: ClassVar[int] = 2  # cross-aggregation needs a collaborator
     alpha: float = 0.99  # cross-aggregation self weight (paper default; range [0.5, 1))
     selection: Selection = "lowest_similarity"  # CoModelSel; the paper's main experiments use lowest
     num_middleware: int | None = (

@@ -6,13 +6,19 @@ the clients that hold it, and clients distil toward the global mean logits of ea
 
 .. math::  \\bar F^{(c)} = \\frac{1}{|N_c|} \\sum_{i \\in N_c} \\frac{1}{|D_{i,c}|}
            \\sum_{(x,y) \\in D_{i,c}} f_i(x), \\qquad
-           L_i = \\ell_{ce}(f_i(x), y) + \\lambda \\, \\mathrm{MSE}(f_i(x), \\bar F^{(y)})
+           L_i = \\ell_{ce}(f_i(x), y) + \\lambda \\, \\ell_{ce}\\big(\\sigma(f_i(x)), \\sigma(\\bar F^{(y)})\\big)
+
+with ``sigma`` the softmax: a soft-target cross-entropy toward the global mean logits of the sample's
+class (the FD paper; HtFLlib at the FedL2G paper's time). ``feddistill.loss=mse`` uses
+``MSE(f_i(x), F^(y))`` instead (later HtFLlib).
 
 Only ``C`` numbers per class travel, and heads may differ (any model group). Every function is
-FedProto's (:mod:`fedray.algorithms.fedproto`); this module only picks the logit space.
+FedProto's (:mod:`fedray.algorithms.fedproto`); this module picks the logit space and the loss.
 
 Spec choices (no FD spec; HtFLlib's ``clientdistill``/``serverdistill``, FedL2G's baseline, is followed):
-- Distillation = MSE on logits with weight ``lam`` (HtFLlib), not the paper's cross-entropy on softmaxes.
+- Distillation = soft-target cross-entropy with weight ``lam``; samples of classes without a global
+  mean add 0 (as in FedProto's pull).
+- Evaluation: the client's own head (HtFLlib), ``feddistill.eval=prototype`` = nearest global mean logits.
 - Plain mean over the clients holding a class (HtFLlib); ``feddistill.weighted=true`` weights by counts.
 - A client's own logits are not removed from the global mean it distils toward (HtFLlib).
 - Mean logits come from one eval-mode pass after local training (HtFLlib collects them during training).
@@ -21,12 +27,21 @@ Spec choices (no FD spec; HtFLlib's ``clientdistill``/``serverdistill``, FedL2G'
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
+import torch
 from torch import Tensor
 
 from fedray.algorithms.fedproto import FedProtoClient, FedProtoConfig, FedProtoServer
 from fedray.platform.algorithm import ServerContext
 from fedray.platform.registry import register
+
+
+def soft_target_ce(logits: Tensor, targets: Tensor, mask: Tensor, y: Tensor) -> Tensor:
+    """``mean over B of -sum_c softmax(targets[y])_c * log_softmax(logits)_c``; rows with ``mask[y]``
+    False add 0. Shape: ``logits [B, C]``, ``targets [C, C]``, ``mask [C]`` bool, ``y [B]`` -> scalar."""
+    per_sample = -(torch.softmax(targets[y], 1) * torch.log_softmax(logits, 1)).sum(1)
+    return (per_sample * mask[y].to(logits.dtype)).sum() / len(y)
 
 
 class FedDistillServer(FedProtoServer):
@@ -39,9 +54,16 @@ class FedDistillClient(FedProtoClient):
         """Global "prototypes" live in the logit space."""
         return logits
 
+    def regulariser(self, rep: Tensor, y: Tensor) -> Tensor:
+        if self.hp.loss == "mse":
+            return super().regulariser(rep, y)
+        return soft_target_ce(rep, self.targets, self.has_target, y)
+
 
 @register("feddistill", server=FedDistillServer, client=FedDistillClient)
 @dataclass
 class FedDistillConfig(FedProtoConfig):
-    lam: float = 1.0  # weight of the logit-distillation MSE
+    lam: float = 1.0  # weight of the distillation term
     weighted: bool = False  # plain mean over the holders of a class (HtFLlib)
+    loss: Literal["soft_ce", "mse"] = "soft_ce"  # the FD paper's soft targets, or MSE on logits
+    eval: Literal["prototype", "head"] = "head"  # HtFLlib scores FD with the client's own head

@@ -20,7 +20,8 @@ During the first ``warmup_rounds`` rounds clients skip local training (steps 1, 
 
 Spec choices:
 - pi is exact autograd through the pseudo step (double backward), not Eq. 9 literally (§6.1).
-- Quiz = the first ``quiz_size`` train samples, fixed, never trained on; B^s re-drawn each round (§6.3).
+- Quiz = ``quiz_size`` train samples drawn once by a permutation seeded by (seed, client), fixed for the
+  run, never trained on; B^s re-drawn each round (§6.3).
   A client with fewer than 2*quiz_size train samples holds out half of them instead.
 - G starts N(0, 1) (nn.Embedding's init, §6.4); server SGD has no momentum; server_clip=100 ([code], §6.4).
 - Per-class mean over the clients that sent the class, not weighted by n_i; unsent classes get 0 (§6.2, 6.8).
@@ -40,7 +41,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from fedray.algorithms.fedproto import shared_feature_dim
-from fedray.platform.algorithm import ClientModule, Payload, Server, ServerContext, derive_seed
+from fedray.platform.algorithm import ClientContext, ClientModule, Payload, Server, ServerContext, derive_seed
 from fedray.platform.config import ConfigError, ExperimentConfig
 from fedray.platform.data import ArrayDataset
 from fedray.platform.models import FedModel
@@ -158,14 +159,21 @@ class FedL2GServer(Server):
 # ------------------------------------------------------------------------------------------- client half
 
 
+def quiz_seed(ctx: ClientContext) -> int:
+    return derive_seed(ctx.cfg.seed, ctx.client_id, 13)
+
+
 class FedL2GClient(ClientModule):
     """Trains on the study set with CE + guide (Eq. 4); uploads the non-zero rows of pi (Eqs. 5-6)."""
 
     def __init__(self, model: FedModel, ctx) -> None:
         super().__init__(model, ctx)
         n_quiz = min(self.hp.quiz_size, ctx.num_train // 2)
-        self.quiz = ctx.train.subset(range(n_quiz))  # fixed for the run, never trained on
-        self.study = ctx.train.subset(range(n_quiz, ctx.num_train))
+        # a seeded draw, fixed per (seed, client) for the run and never trained on: shards are stored
+        # class by class, so the first samples would make a one-class quiz
+        order = torch.randperm(ctx.num_train, generator=torch.Generator().manual_seed(quiz_seed(ctx)))
+        self.quiz = ctx.train.subset(order[:n_quiz].sort().values)
+        self.study = ctx.train.subset(order[n_quiz:].sort().values)
         self.register_buffer("guide", torch.zeros(0), persistent=False)  # G, from every downlink
 
     def training_data(self) -> ArrayDataset:
@@ -175,7 +183,6 @@ class FedL2GClient(ClientModule):
         return 0 if rnd < self.hp.warmup_rounds else super().local_epochs(rnd)
 
     def receive(self, rnd: int, payload: Payload) -> None:
-        self.rnd = rnd
         self.guide = payload["guide"].to(self.guide.device)
 
     def guided(self, logits: Tensor, z: Tensor) -> Tensor:

@@ -24,12 +24,16 @@ which FedL2G's baselines use, is followed):
 - Guide loss = MSE over all B*d entries, samples of classes without a global prototype add 0 (HtFLlib).
 - Prototypes are computed after local training in one eval-mode, no-grad pass over the train split (HtFLlib).
 - The global prototypes are rebuilt each round from that round's uploads only (official code, HtFLlib).
-- Accuracy is the local model's own head (the platform's evaluation), not nearest-prototype inference.
+- Evaluation as in the paper, PFLlib and HtFLlib: a sample is predicted as the class of the nearest
+  global prototype, ``argmin_j ||h_i(x) - C_j||`` (classes without one are never predicted); the
+  reported loss is the cross-entropy of the negative squared distances. ``fedproto.eval=head``
+  scores with the local model's own head instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -75,6 +79,13 @@ def prototype_loss(z: Tensor, targets: Tensor, mask: Tensor, y: Tensor) -> Tenso
     """
     keep = mask[y].unsqueeze(1).to(z.dtype)  # [B, 1]
     return ((z - targets[y]) ** 2 * keep).sum() / z.numel()
+
+
+def nearest_prototype_scores(z: Tensor, protos: Tensor, mask: Tensor) -> Tensor:
+    """Scores whose argmax is the nearest global prototype: ``-||z - C_j||^2``, ``-inf`` where
+    ``mask[j]`` is False. Shape: ``z [B, d]``, ``protos [C, d]``, ``mask [C]`` bool -> ``[B, C]``."""
+    scores = -torch.cdist(z, protos.to(z.dtype)).pow(2)
+    return scores.masked_fill(~mask, float("-inf"))
 
 
 def stack_uploads(
@@ -137,6 +148,11 @@ class FedProtoServer(Server):
         )
         self.protos, self.mask = aggregate_prototypes(protos, counts, self.hp.weighted)
 
+    def eval_payload(self) -> Payload | None:
+        if self.hp.eval != "prototype" or self.protos is None:
+            return None  # each client's own head
+        return {"protos": self.protos, "mask": self.mask}
+
 
 # ------------------------------------------------------------------------------------------- client half
 
@@ -155,10 +171,18 @@ class FedProtoClient(ClientModule):
         return z
 
     def receive(self, rnd: int, payload: Payload) -> None:
-        self.rnd = rnd
         if "protos" in payload:
             self.targets = payload["protos"].to(self.targets.device)
             self.has_target = payload["mask"].to(self.has_target.device)
+
+    def load_for_eval(self, payload: Payload) -> None:
+        self.receive(self.rnd, payload)  # the global prototypes, for eval_logits
+
+    def eval_logits(self, x: Tensor) -> Tensor:
+        if self.hp.eval != "prototype" or self.has_target.numel() == 0:
+            return self.model(x)
+        logits, z = self.model.forward_with_features(x)
+        return nearest_prototype_scores(self.guided(logits, z), self.targets, self.has_target)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
@@ -167,9 +191,13 @@ class FedProtoClient(ClientModule):
         self.record("loss/train", loss)
         if self.has_target.numel() == 0:  # round 0: no global prototypes yet
             return loss
-        reg = prototype_loss(self.guided(logits, z), self.targets, self.has_target, y)
+        reg = self.regulariser(self.guided(logits, z), y)
         self.record("loss/proto", reg)
         return loss + self.hp.lam * reg
+
+    def regulariser(self, rep: Tensor, y: Tensor) -> Tensor:
+        """Eq. 5's pull toward the global prototype of each sample's class."""
+        return prototype_loss(rep, self.targets, self.has_target, y)
 
     @torch.no_grad()
     def upload(self) -> Payload:
@@ -192,6 +220,7 @@ class FedProtoClient(ClientModule):
 class FedProtoConfig:
     lam: float = 1.0  # lambda of Eq. 5
     weighted: bool = True  # Eq. 6 sample-count weights; false = plain mean over holders (official code)
+    eval: Literal["prototype", "head"] = "prototype"  # nearest global prototype (paper) or the own head
 
     def validate(self, cfg: ExperimentConfig) -> None:
         if self.lam < 0:

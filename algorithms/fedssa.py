@@ -22,6 +22,8 @@ Spec choices:
 - The global header starts from a random Linear init drawn by the server from the run seed (§7.5/7.6).
 - Downlink carries only the S_k rows (§7.4); the first one is the whole header (S_k not yet known).
 - Uplink = seen rows + their int64 class indices (Sec. 4.1), not Sec. 4.3's zero-padded full header.
+  ``fedssa.comm=full_header`` sends the whole header each way instead (unseen rows zero on the way up,
+  the server reads S_k from the non-zero rows), to compare with the paper's Fig. 5 communication costs.
 - Aggregation over this round's uploaders (Alg. 1); ``aggregate_all_latest`` = [code]'s variant (§7.3).
 - That variant averages the latest rows of every client heard from so far; never-heard clients count nothing.
 - Defaults mu0 = 0.5, T_stable = 45 from [code] (§7.7); mu0 = 0 allowed (Table 5 B ablation: mu = 0).
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -82,6 +84,15 @@ def scatter_rows(rows: list[Tensor], classes: list[Tensor], num_classes: int) ->
     return headers, seen
 
 
+def seen_rows_of(uplink: Payload) -> Payload:
+    """An uplink as seen rows and classes; a zero-padded full header gives its non-zero rows."""
+    if "header" not in uplink:
+        return uplink
+    header = uplink["header"]
+    classes = header.ne(0).any(1).nonzero().squeeze(1)
+    return {"rows": header[classes], "classes": classes}
+
+
 # ------------------------------------------------------------------------------------------- server half
 
 
@@ -97,6 +108,8 @@ class FedSSAServer(LGFedAvgServer):
 
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
         first = {"header": self.header.clone()}  # S_k not known yet: whole header, put in the store once
+        if self.hp.comm == "full_header":
+            return {cid: first for cid in selected}
         return {
             cid: {"seen_rows": self.header[self.seen_classes[cid]]} if cid in self.seen_classes else first
             for cid in selected
@@ -105,6 +118,7 @@ class FedSSAServer(LGFedAvgServer):
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
         if not uplinks:
             return
+        uplinks = {cid: seen_rows_of(u) for cid, u in uplinks.items()}
         classes = [u["classes"] for u in uplinks.values()]
         self.seen_classes.update(zip(uplinks, classes))
         headers, seen = scatter_rows([u["rows"] for u in uplinks.values()], classes, self.ctx.num_classes)
@@ -113,6 +127,9 @@ class FedSSAServer(LGFedAvgServer):
             self.latest[cids], self.latest_seen[cids] = headers, seen
             headers, seen = self.latest, self.latest_seen
         self.header = classwise_mean(headers, seen, self.header)
+
+    def eval_payload(self) -> Payload | None:
+        return None  # each client is tested with its own model, header included
 
 
 # ------------------------------------------------------------------------------------------- client half
@@ -136,7 +153,10 @@ class FedSSAClient(ClientModule):
         self.record("fedssa/mu", mu)
 
     def upload(self) -> Payload:
-        return {"rows": header_rows(self.model)[self.seen_idx], "classes": self.seen_idx.clone()}
+        rows = header_rows(self.model)
+        if self.hp.comm == "full_header":  # Sec. 4.3: the whole header, unseen rows zero
+            return {"header": torch.where(self.seen[:, None], rows, 0)}
+        return {"rows": rows[self.seen_idx], "classes": self.seen_idx.clone()}
 
 
 @register("fedssa", server=FedSSAServer, client=FedSSAClient)
@@ -146,6 +166,7 @@ class FedSSAConfig:
     mu0: float = 0.5  # [code] default; the paper tunes it in (0, 1]
     t_stable: int = 45  # [code] homogeneous runs (2 for heterogeneous); spec §7.7
     aggregate_all_latest: bool = False  # True: [code]'s mean over all clients' latest rows (spec §7.3)
+    comm: Literal["seen_rows", "full_header"] = "seen_rows"  # what travels: S_k's rows or the whole header
 
     def validate(self, cfg: ExperimentConfig) -> None:
         if not 0 <= self.mu0 <= 1:

@@ -14,14 +14,16 @@ extractor is left alone). Plain cross-entropy on the whole model (base ``ClientM
 Spec choices:
 - The global header starts from PyTorch's Linear init U(-1/sqrt(d), 1/sqrt(d)), drawn once by the server
   from the run seed (fedssa.md §7.5/7.6), so every client trains on the same header at round 0.
-- Personalised evaluation: no global model; each client is tested with its own extractor and the header it
-  last trained (fedssa.md §4).
+- Personalised evaluation as in the LG-FedAvg paper and HtFLlib: each client is tested with its own
+  extractor and the current global header, sent to every client before evaluation
+  (``lgfedavg.eval_head: global``); ``local`` tests with the header the client last trained instead.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -90,6 +92,9 @@ class LGFedAvgServer(Server):
         weights = torch.tensor([float(u["num_samples"]) for u in uplinks.values()])
         self.header = average_headers(headers, weights)
 
+    def eval_payload(self) -> Payload | None:
+        return {"header": self.header} if self.hp.eval_head == "global" else None
+
 
 # ------------------------------------------------------------------------------------------- client half
 
@@ -104,8 +109,13 @@ class LGFedAvgClient(ClientModule):
     def upload(self) -> Payload:
         return {"header": header_rows(self.model), "num_samples": self.ctx.num_train}
 
+    def load_for_eval(self, payload: Payload) -> None:
+        load_header_rows(self.model, payload["header"])  # own extractor, global header
+
 
 @register("lgfedavg", server=LGFedAvgServer, client=LGFedAvgClient)
 @dataclass
 class LGFedAvgConfig:
-    """No hyperparameters beyond ``train.*``: the header is the model's ``head``."""
+    """The header is the model's ``head``; training uses ``train.*``."""
+
+    eval_head: Literal["global", "local"] = "global"  # the header clients are tested with

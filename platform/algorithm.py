@@ -144,9 +144,15 @@ class ClientModule(L.LightningModule):
         self._optimizer_state: dict[str, Any] | None = None  # kept only with train.keep_optimizer_state
 
     # ---- the contract
-    def receive(self, rnd: int, payload: Payload) -> None:
-        """Load / fuse what came down. Default: a full model state under ``"model"``."""
+    def begin_round(self, rnd: int, payload: Payload) -> None:
+        """What the platform calls (not to override): sets ``self.rnd``, on which the client's data
+        order and seeded draws depend, then ``receive``."""
         self.rnd = rnd
+        self.receive(rnd, payload)
+
+    def receive(self, rnd: int, payload: Payload) -> None:
+        """Load / fuse what came down (``self.rnd`` is already ``rnd``). Default: a full model state
+        under ``"model"``."""
         if "model" in payload:
             self.model.load_state_dict(payload["model"])
 
@@ -163,6 +169,11 @@ class ClientModule(L.LightningModule):
     def load_for_eval(self, payload: Payload) -> None:
         """Load the server's evaluation payload (global-model algorithms) before a local test."""
         self.model.load_state_dict(payload["model"])
+
+    def eval_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Class scores ``[B, C]`` for the platform's evaluation: accuracy is their argmax, the loss
+        their cross-entropy. Default: the model's head."""
+        return self.model(x)
 
     def local_epochs(self, rnd: int) -> int:
         """Epochs of local training this round (0 skips ``Trainer.fit``, e.g. FedL2G's warm-up)."""
@@ -204,6 +215,12 @@ class ClientModule(L.LightningModule):
         out = {k: float(np.mean(v)) for k, v in self._stats.items() if v}
         self._stats = {}
         return out
+
+
+def tests_with_global_model(client_cls: type[ClientModule], eval_payload: Payload | None) -> bool:
+    """Whether every client is tested with the one global model (the default ``load_for_eval`` of
+    a server payload) rather than with a module of its own."""
+    return eval_payload is not None and client_cls.load_for_eval is ClientModule.load_for_eval
 
 
 # --------------------------------------------------------------------------------------------- data

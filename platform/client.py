@@ -13,13 +13,21 @@ import logging
 import time
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 import torch
 
-from fedray.platform.algorithm import ClientContext, ClientModule, Payload, batch_loader, derive_seed
+from fedray.platform.algorithm import (
+    ClientContext,
+    ClientModule,
+    Payload,
+    batch_loader,
+    derive_seed,
+    tests_with_global_model,
+)
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.data import ArrayDataset, ClientShard, normalize
 from fedray.platform.memory import retain_freed_memory
@@ -63,15 +71,22 @@ def make_client_model(cfg: ExperimentConfig, client_id: int, meta: dict[str, Any
 
 @torch.no_grad()
 def evaluate_model(
-    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: str, batch: int = EVAL_BATCH
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    device: str,
+    batch: int = EVAL_BATCH,
+    scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ):
-    """(correct, total, summed CE loss) of ``model`` on a normalised tensor dataset."""
+    """(correct, total, summed CE loss) of ``model`` on a normalised tensor dataset; ``scores`` (a
+    client's ``eval_logits``) replaces the plain forward pass."""
     was_training = model.training
     model.eval().to(device)
+    forward = scores or model
     correct, loss = 0, 0.0
     for i in range(0, len(y), batch):
         xb, yb = x[i : i + batch].to(device), y[i : i + batch].to(device)
-        logits = model(xb)
+        logits = forward(xb)
         correct += int((logits.argmax(1) == yb).sum())
         loss += float(torch.nn.functional.cross_entropy(logits, yb, reduction="sum"))
     model.train(was_training)
@@ -178,7 +193,7 @@ class ClientHost:
             # seeded before receive: every draw a client makes depends on (seed, round, client) only,
             # never on which worker runs it or what that worker ran before
             torch.manual_seed(derive_seed(self.cfg.seed, rnd, task.client, 2))
-            module.receive(rnd, payload)
+            module.begin_round(rnd, payload)
             epochs = module.local_epochs(rnd)
             if epochs > 0:
                 trainer = L.Trainer(
@@ -207,7 +222,7 @@ class ClientHost:
         module is evaluated, after ``load_for_eval`` when there is a payload, and restored after.
         """
         shared = None
-        if payload is not None and self.spec.client_cls.load_for_eval is ClientModule.load_for_eval:
+        if tests_with_global_model(self.spec.client_cls, payload):
             shared = self.global_model(
                 arch_for_client(self.cfg.model.group, tasks[0].client), payload["model"]
             )
@@ -221,7 +236,8 @@ class ClientHost:
             saved = None if payload is None else {k: v.clone() for k, v in module.state_dict().items()}
             if payload is not None:
                 module.load_for_eval(payload)
-            out.append((task.client, *evaluate_model(module.model, data.test_x, data.test_y, self.device)))
+            scored = evaluate_model(module, data.test_x, data.test_y, self.device, scores=module.eval_logits)
+            out.append((task.client, *scored))
             if saved is not None:
                 module.load_state_dict(saved)  # evaluation never changes a committed state
             module.to("cpu")

@@ -242,7 +242,10 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. rounds=30")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r}: {yaml_problem(err)}") from None
         node = tree
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -263,12 +266,23 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML parse error as one line: what is wrong and where (1-based line and column)."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}not valid YAML ({problem})"
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     with path.open() as fh:
-        raw = yaml.safe_load(fh) or {}
+        try:
+            raw = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {str(path)!r}: {yaml_problem(err)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {str(path)!r}: top level must be a mapping")
     return raw
@@ -413,24 +427,37 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def scaled_count(value: int, factor: float, floor: int = 1) -> int:
+    """``value * factor`` rounded, kept at ``floor`` or more unless it was 0 (0 means off)."""
+    return 0 if value == 0 else max(floor, round(value * factor))
+
+
 def scale(cfg: ExperimentConfig, factor: float) -> ExperimentConfig:
     """Shrink a paper setting for a CPU: rounds, clients and the algorithm's round counts times ``factor``.
 
     Algorithm configs name their round-valued fields in a ``ROUND_FIELDS`` class attribute (e.g.
-    FedL2G's ``warmup_rounds``) so a warm-up keeps its share of the run. Data size is untouched:
-    add ``data.train_subset=N`` for that.
+    FedL2G's ``warmup_rounds``) so a warm-up keeps its share of the run; a round count stays >= 1
+    (0 stays 0: off). The participation fraction is kept, so K = C * N shrinks with N, but never
+    below the clients an algorithm needs per round (``MIN_PARTICIPANTS``: FedCross cross-aggregates
+    2 or more); fields that fix K themselves (``CLIENT_FIELDS``) shrink like N. Data size is
+    untouched: add ``data.train_subset=N`` for that.
     """
     if not 0 < factor <= 1:
         raise ConfigError(f"--scale {factor}: must be in (0, 1]")
+    algo = cfg.algo
+    need = getattr(algo, "MIN_PARTICIPANTS", 1)
     out = dataclasses.replace(cfg)
-    out.rounds = max(1, round(cfg.rounds * factor))
-    out.data = dataclasses.replace(cfg.data, num_clients=max(2, round(cfg.data.num_clients * factor)))
+    out.rounds = scaled_count(cfg.rounds, factor)
+    n = max(2, need, round(cfg.data.num_clients * factor))
+    out.data = dataclasses.replace(cfg.data, num_clients=n)
     out.eval_every = min(cfg.eval_every, out.rounds)
-    if cfg.algo is not None:
-        changes = {
-            name: max(0, round(getattr(cfg.algo, name) * factor))
-            for name in getattr(cfg.algo, "ROUND_FIELDS", ())
-        }
-        out.algo = dataclasses.replace(cfg.algo, **changes)
+    if algo is not None:
+        changes = {name: scaled_count(getattr(algo, name), factor) for name in getattr(algo, "ROUND_FIELDS", ())}
+        for name in getattr(algo, "CLIENT_FIELDS", ()):
+            if getattr(algo, name) is not None:
+                changes[name] = min(n, scaled_count(getattr(algo, name), factor, floor=need))
+        out.algo = dataclasses.replace(algo, **changes)
+    if clients_per_round(out) < need:
+        out.train = dataclasses.replace(cfg.train, fraction=min(1.0, need / n))
     validate(out)
     return out

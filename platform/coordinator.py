@@ -18,7 +18,14 @@ import ray
 import torch
 
 from fedray.platform import storage
-from fedray.platform.algorithm import Payload, ServerContext, cpu_state, derive_seed, payload_nbytes
+from fedray.platform.algorithm import (
+    Payload,
+    ServerContext,
+    cpu_state,
+    derive_seed,
+    payload_nbytes,
+    tests_with_global_model,
+)
 from fedray.platform.client import EVAL_CHUNK, client_model_state, make_client_model
 from fedray.platform.config import ExperimentConfig, clients_per_round
 from fedray.platform.data import ArrayDataset
@@ -347,7 +354,7 @@ class RoundLoop:
 
         Clients evaluated with the global model have nothing of their own to show; a client never
         selected still has its initial model; above ``limit`` clients none are logged."""
-        if self.server.eval_payload() is not None:
+        if tests_with_global_model(get_algorithm(self.cfg.algorithm).client_cls, self.server.eval_payload()):
             return {}, "client models not logged: clients are evaluated with the global model"
         trained = sorted(self.store.refs)
         if len(trained) > limit:

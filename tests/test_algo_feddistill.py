@@ -16,10 +16,11 @@ def make_client(*overrides: str) -> FedDistillClient:
     return FedDistillClient(flatten_model(), ctx)
 
 
-def test_defaults_plain_mean_and_lam_one():
+def test_defaults_plain_mean_lam_one_soft_targets_head_scoring():
     cfg = load_config(None, ["algorithm=feddistill"])
     assert isinstance(cfg.algo, FedDistillConfig)
     assert cfg.algo.lam == 1.0 and cfg.algo.weighted is False
+    assert cfg.algo.loss == "soft_ce" and cfg.algo.eval == "head"
 
 
 def test_client_uploads_per_class_mean_logits():
@@ -46,8 +47,26 @@ def test_server_plain_mean_of_logits_over_holders_and_heterogeneous_models_allow
     assert server.mask.tolist() == [True, True, True, False]
 
 
-def test_training_step_distils_logits_toward_the_global_class_means():
+def test_training_step_distils_with_soft_targets_from_the_global_class_means():
     client = make_client("feddistill.lam=2.0")
+    x, y = X[1:], Y[1:]  # classes 0, 2, 2: logits [3,3,6] (x = [3,2,1,0]), [0,1,8], [2,3,6]
+    plain = F.cross_entropy(client.model(x), y)
+    targets = torch.tensor([[0.0, 0, 0], [0, 0, 0], [1, 2, 7]])
+    client.receive(1, {"protos": targets, "mask": torch.tensor([False, False, True])})
+    # by hand: p = softmax([1,2,7]); each class-2 sample adds -sum_c p_c log softmax(logits)_c, the
+    # class-0 sample (no global mean) adds 0; the sum is divided by B = 3, times lam 2
+    p = torch.exp(torch.tensor([1.0, 2, 7])) / torch.exp(torch.tensor([1.0, 2, 7])).sum()
+
+    def log_softmax(v):
+        v = torch.tensor(v)
+        return v - torch.log(torch.exp(v).sum())
+
+    soft = -(p * log_softmax([0.0, 1, 8])).sum() - (p * log_softmax([2.0, 3, 6])).sum()
+    assert_close(client.training_step((x, y), 0), plain + 2.0 * soft / 3)
+
+
+def test_mse_option_distils_logits_toward_the_global_class_means():
+    client = make_client("feddistill.lam=2.0", "feddistill.loss=mse")
     x, y = X[2:], Y[2:]  # class 2: logits [0,1,8] (x = [0,0,0,8]) and [2,3,6] (x = [2,2,2,0])
     plain = F.cross_entropy(client.model(x), y)
     targets = torch.tensor([[0.0, 0, 0], [0, 0, 0], [1, 2, 7]])

@@ -196,20 +196,41 @@ def test_server_defaults_per_variant_and_feature_dim():
 # ------------------------------------------------------------------------------------------- client
 
 
-def make_client(*overrides: str, model: FedModel | None = None, n: int = 25) -> FedL2GClient:
+def make_client(
+    *overrides: str,
+    model: FedModel | None = None,
+    n: int = 25,
+    labels: torch.Tensor | None = None,
+    cid: int = 0,
+) -> FedL2GClient:
     cfg = load_config(None, ["algorithm=fedl2g", "fedl2g.warmup_rounds=3", *overrides])
     x = torch.arange(n, dtype=torch.float32).view(n, 1, 1, 1).expand(n, 1, 8, 8).contiguous()  # x = index
-    data = float_data(x, torch.arange(n) % 3)
+    data = float_data(x, torch.arange(n) % 3 if labels is None else labels)
     torch.manual_seed(0)
     model = model or build_model("cnn_small", 1, 8, 3)
-    return FedL2GClient(model, ClientContext(0, cfg, 3, data, torch.bincount(data.y, minlength=3)))
+    return FedL2GClient(model, ClientContext(cid, cfg, 3, data, torch.bincount(data.y, minlength=3)))
+
+
+def quiz_ids(client: FedL2GClient) -> list[int]:
+    return [int(v) for v in client.quiz.x[:, 0, 0, 0]]
 
 
 def test_client_never_trains_on_the_quiz_samples():
     client = make_client()
-    assert client.quiz.x[:, 0, 0, 0].tolist() == list(range(10))  # the first quiz_size samples
+    assert len(quiz_ids(client)) == 10
     seen = torch.cat([x[:, 0, 0, 0] for x, _ in client.train_dataloader()])
-    assert sorted(seen.tolist()) == list(range(10, 25))
+    assert sorted(seen.tolist() + quiz_ids(client)) == list(range(25))  # disjoint, together the shard
+
+
+def test_quiz_on_class_sorted_data_holds_several_classes():
+    # imagefolder shards are stored class by class: the first 10 samples would all be class 0
+    labels = torch.tensor([0] * 12 + [1] * 12 + [2] * 12)
+    client = make_client(n=36, labels=labels)
+    assert len(set(client.quiz.y.tolist())) >= 2
+    # fixed per (seed, client): the same client gets the same quiz, another client or seed another one
+    assert quiz_ids(make_client(n=36, labels=labels)) == quiz_ids(client)
+    assert quiz_ids(make_client(n=36, labels=labels, cid=1)) != quiz_ids(client)
+    assert quiz_ids(make_client("seed=1", n=36, labels=labels)) != quiz_ids(client)
 
 
 def test_warmup_skips_local_training():

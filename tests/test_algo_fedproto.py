@@ -11,6 +11,7 @@ from fedray.algorithms.fedproto import (
     FedProtoServer,
     aggregate_prototypes,
     class_prototypes,
+    nearest_prototype_scores,
     prototype_loss,
     shared_feature_dim,
     stack_uploads,
@@ -139,3 +140,51 @@ def test_training_step_adds_lam_times_the_prototype_pull():
     client.receive(1, {"protos": targets, "mask": torch.tensor([True, False, False])})
     # (z - [2,2,2,2])^2 = [1,0,1,4] + [1,0,1,4] -> 12 / 8 = 1.5; times lam 0.5 = 0.75
     assert_close(client.training_step((x, y), 0), plain + 0.75)
+
+
+def test_nearest_prototype_scores_by_hand():
+    z = torch.tensor([[0.0, 0.0], [3.0, 1.0]])
+    protos = torch.tensor([[1.0, 0.0], [3.0, 0.0], [0.0, 0.0]])
+    mask = torch.tensor([True, True, False])
+    # squared distances: row 0 -> 1, 9, (0 but masked); row 1 -> 5, 1, (10)
+    scores = nearest_prototype_scores(z, protos, mask)
+    assert_close(scores[:, :2], torch.tensor([[-1.0, -9.0], [-5.0, -1.0]]))
+    assert torch.isinf(scores[:, 2]).all()
+    assert scores.argmax(1).tolist() == [0, 1]  # class 2 is nearest to row 0 but has no prototype
+
+
+def test_evaluation_predicts_the_nearest_global_prototype_by_default():
+    cfg = load_config(None, ["algorithm=fedproto"])
+    archs = ["flat"] * 2
+    server = FedProtoServer(ServerContext(cfg, 2, 3, archs, lambda cid: flatten_model()))
+    server.aggregate(
+        0,
+        {
+            0: {
+                "classes": torch.tensor([0, 2]),
+                "protos": torch.tensor([[0.0, 0, 0, 0], [8, 8, 8, 8]]),
+                "counts": torch.tensor([1, 1]),
+            }
+        },
+    )
+    payload = server.eval_payload()
+    client = make_client(FedProtoClient, "fedproto")
+    client.load_for_eval(payload)
+    x = torch.tensor([[1.0, 1, 1, 1], [7, 7, 7, 7]]).view(2, 1, 2, 2)
+    # head logits of x = [1,1,1,1]: [1, 2, 4] -> class 2; the nearest prototype is class 0's
+    assert client.model(x).argmax(1).tolist() == [2, 2]
+    assert client.eval_logits(x).argmax(1).tolist() == [0, 2]
+    # the option: score with the head, and no evaluation payload travels
+    head = FedProtoServer(
+        ServerContext(
+            load_config(None, ["algorithm=fedproto", "fedproto.eval=head"]),
+            2,
+            3,
+            archs,
+            lambda cid: flatten_model(),
+        )
+    )
+    assert head.eval_payload() is None
+    head_client = make_client(FedProtoClient, "fedproto", "fedproto.eval=head")
+    head_client.load_for_eval(payload)
+    assert head_client.eval_logits(x).argmax(1).tolist() == [2, 2]

@@ -164,6 +164,25 @@ def test_downlink_is_whole_header_at_first_contact_then_seen_rows_only():
     assert payload_nbytes(down[1]) == 4 * 3 * 4  # client 1 not heard from yet
 
 
+def test_full_header_comm_counts_the_whole_header_each_way_and_aggregates_the_same():
+    # C = 10, S_k = {2, 5, 7}, d = 128: 10 * 129 * 4 bytes up (unseen rows zero) and down, every round
+    client = client_for([0, 0, 4, 0, 0, 1, 0, 9, 0, 0], ["fedssa.comm=full_header"])
+    up = client.upload()
+    assert payload_nbytes(up) == 10 * 129 * 4
+    assert up["header"][[0, 1, 3, 4, 6, 8, 9]].abs().sum() == 0
+    assert_close(up["header"][[2, 5, 7]], client_for([0, 0, 4, 0, 0, 1, 0, 9, 0, 0]).upload()["rows"])
+
+    rows = {0: torch.tensor([[1.0, 1, 1], [2.0, 2, 2]]), 1: torch.tensor([[4.0, 4, 4], [6.0, 6, 6]])}
+    classes = {0: torch.tensor([0, 1]), 1: torch.tensor([1, 2])}
+    seen = server_for([])
+    seen.aggregate(0, {c: {"rows": rows[c], "classes": classes[c]} for c in rows})
+    full = server_for(["fedssa.comm=full_header"])
+    padded = {c: {"header": torch.zeros(4, 3).index_copy(0, classes[c], rows[c])} for c in rows}
+    full.aggregate(0, padded)
+    assert torch.equal(full.header, seen.header)
+    assert all(payload_nbytes(d) == 4 * 3 * 4 for d in full.configure(1, [0, 1, 2]).values())
+
+
 # ------------------------------------------------------------------------------------------ server
 
 
@@ -208,7 +227,7 @@ def test_aggregate_all_latest_keeps_stale_rows_of_earlier_uploaders():
 
 def test_config_defaults_and_validation():
     cfg = load_config(None, ["algorithm=fedssa"])
-    assert cfg.algo == FedSSAConfig(mu0=0.5, t_stable=45, aggregate_all_latest=False)
+    assert cfg.algo == FedSSAConfig(mu0=0.5, t_stable=45, aggregate_all_latest=False, comm="seen_rows")
     for bad in (["fedssa.mu0=1.5"], ["fedssa.mu0=-0.1"], ["fedssa.t_stable=0"]):
         try:
             load_config(None, ["algorithm=fedssa", *bad])

@@ -83,4 +83,28 @@ def test_server_round_sample_weighted():
     h0, h2 = torch.tensor([[4.0, 0.0], [0.0, 8.0]]), torch.tensor([[0.0, 4.0], [4.0, 0.0]])
     server.aggregate(0, {0: {"header": h0, "num_samples": 10}, 2: {"header": h2, "num_samples": 30}})
     assert_close(server.header, torch.tensor([[1.0, 3.0], [3.0, 2.0]]))
-    assert server.global_model() is None and server.eval_payload() is None
+    # no global model; by default every client is tested with the global header (the paper, HtFLlib)
+    assert server.global_model() is None
+    assert torch.equal(server.eval_payload()["header"], server.header)
+    local = LGFedAvgServer(
+        ServerContext(
+            load_config(None, ["algorithm=lgfedavg", "lgfedavg.eval_head=local"]),
+            3,
+            2,
+            ["identity"] * 3,
+            make,
+        )
+    )
+    assert local.eval_payload() is None  # each client's own last header
+
+
+def test_load_for_eval_puts_the_global_header_on_the_own_extractor():
+    cfg = load_config(None, ["algorithm=lgfedavg"])
+    torch.manual_seed(0)
+    model = build_model("cnn_small", 1, 8, 10)
+    client = LGFedAvgClient(model, ClientContext(1, cfg, 10, Shard(12)))
+    features = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("head.")}
+    header = torch.randn(10, model.head.in_features + 1)
+    client.load_for_eval({"header": header})
+    assert torch.equal(header_rows(model), header)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in features.items())

@@ -61,6 +61,18 @@ def test_missing_config_file_is_clear(capsys):
     assert "does-not-exist.yaml' does not exist" in capsys.readouterr().err
 
 
+def test_malformed_yaml_is_one_line_naming_file_line_and_column(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("seed: 1\nrounds: [1, 2\nalgorithm: fedavg\n")  # the bracket never closes
+    assert main(["run", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert f"config file '{bad}': line 3, column 10: not valid YAML" in err, err
+    assert main(["run", "rounds=[1,"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "override 'rounds=[1,': line 1" in err, err
+
+
 def test_algorithm_section_and_override_reach_the_algorithm_config():
     cfg = load_config("configs/quickstart.yaml", ["algorithm=fedprox", "fedprox.mu=0.25", "rounds=3"])
     assert cfg.algo.mu == 0.25 and cfg.rounds == 3

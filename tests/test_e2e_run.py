@@ -109,17 +109,6 @@ def test_split_written_by_one_run_reproduces_it_in_another(mlflow_store, tmp_pat
     assert metrics["best_round/personal_mean"] in (1, 2)
 
 
-@pytest.mark.usefixtures("ray_session")
-def test_checkpoint_dir_is_tagged_and_holds_only_current_states(mlflow_store):
-    from fedray.platform.tracking import TAG_CHECKPOINT
-
-    result = run_experiment(load_config(None, tiny_overrides(rounds=2, checkpoint_every=1)))
-    ckpt_dir = Path(MlflowClient(mlflow_store).get_run(result.run_id).data.tags[TAG_CHECKPOINT])
-    assert (ckpt_dir / "checkpoint.pt").is_file() and ckpt_dir.name.startswith("fedavg-synthetic-dir1-s0-")
-    # every client trained twice: one file each, its second version (the first was pruned)
-    assert sorted(p.name for p in (ckpt_dir / "states").iterdir()) == [f"{c}-v2.pt" for c in range(4)]
-
-
 def test_eval_policies_pick_clients_and_say_so_in_the_metric_name():
     from fedray.platform.coordinator import eval_clients, policy_suffix
 
@@ -136,12 +125,24 @@ def test_eval_policies_pick_clients_and_say_so_in_the_metric_name():
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_selected_only_evaluation_logs_under_its_own_name(mlflow_store):
+def test_selected_only_evaluation_and_a_checkpoint_of_current_states_only(mlflow_store):
     from fedray.platform.coordinator import sample_clients
+    from fedray.platform.tracking import TAG_CHECKPOINT
 
-    cfg = load_config(None, tiny_overrides(rounds=2, **{"train.fraction": 0.5, "eval.clients": "selected"}))
+    cfg = load_config(
+        None,
+        tiny_overrides(rounds=2, checkpoint_every=1, **{"train.fraction": 0.5, "eval.clients": "selected"}),
+    )
     result = run_experiment(cfg)
     last = result.history[-1]
     assert "acc/personal_mean" not in last and 0 < last["acc/personal_mean_selected"] <= 1
     assert sorted(result.client_acc) == sample_clients(cfg.seed, 1, 4, 2)  # the last round's two clients
     assert "acc/global" in last  # the global model is still tested on the global test set
+
+    # the checkpoint directory is tagged; it holds one file per client that trained, at its latest
+    # version (each round's checkpoint pruned the versions it superseded)
+    ckpt_dir = Path(MlflowClient(mlflow_store).get_run(result.run_id).data.tags[TAG_CHECKPOINT])
+    assert (ckpt_dir / "checkpoint.pt").is_file() and ckpt_dir.name.startswith("fedavg-synthetic-dir1-s0-")
+    trained = sample_clients(cfg.seed, 0, 4, 2) + sample_clients(cfg.seed, 1, 4, 2)
+    expected = sorted(f"{c}-v{trained.count(c)}.pt" for c in set(trained))
+    assert sorted(p.name for p in (ckpt_dir / "states").iterdir()) == expected

@@ -20,7 +20,7 @@ FEDRAY = str(Path(sys.executable).with_name("fedray"))
 
 
 def start_run(tmp_path, *extra: str) -> subprocess.Popen:
-    args = [a for a in tiny_overrides(rounds=40, checkpoint_every=1) if not a.startswith("progress")]
+    args = [a for a in tiny_overrides(rounds=8, checkpoint_every=1) if not a.startswith("progress")]
     return subprocess.Popen(
         [FEDRAY, "run", *args, "ray.num_cpus=2", *extra],
         cwd=tmp_path,
@@ -65,7 +65,7 @@ def test_sigterm_stops_the_run_as_ctrl_c_and_it_resumes(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert client.get_run(run.info.run_id).info.status == "FINISHED"
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "acc/global")]
-    assert sorted(steps) == list(range(1, 41))  # none lost, none twice
+    assert sorted(steps) == list(range(1, 9))  # none lost, none twice
 
 
 def coordinator_of(proc: subprocess.Popen) -> psutil.Process:

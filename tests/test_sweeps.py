@@ -63,7 +63,7 @@ def test_invalid_space_fails_before_tune_starts(tmp_path, params, needle, monkey
     assert not (tmp_path / ".fedray").exists()
 
 
-def _tiny_space(tmp_path, mus=(0.0, 0.01, 0.1, 1.0)):
+def _tiny_space(tmp_path, mus=(0.0, 1.0)):
     path = tmp_path / "space.yaml"
     space = {
         "search": "grid",
@@ -76,18 +76,18 @@ def _tiny_space(tmp_path, mus=(0.0, 0.01, 0.1, 1.0)):
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_four_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store):
+def test_two_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store):
     result = run_sweep("fedprox", space_file=_tiny_space(tmp_path), overrides=tiny_overrides(rounds=2))
 
-    assert len(result.trials) == 4 and set(result.trials["status"]) == {"ok"}
+    assert len(result.trials) == 2 and set(result.trials["status"]) == {"ok"}
     client = MlflowClient(mlflow_store)
     parent = client.get_run(result.parent_run_id)
     assert parent.data.tags["fedray.kind"] == "sweep" and parent.info.status == "FINISHED"
     children = client.search_runs(
         [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'"
     )
-    assert len(children) == 4
-    assert sorted(float(c.data.params["fedprox.mu"]) for c in children) == [0.0, 0.01, 0.1, 1.0]
+    assert len(children) == 2
+    assert sorted(float(c.data.params["fedprox.mu"]) for c in children) == [0.0, 1.0]
     for child in children:
         assert child.data.tags["sweep_id"] == result.path.name
         assert [m.step for m in client.get_metric_history(child.info.run_id, "acc/global")] == [1, 2]
@@ -100,23 +100,23 @@ def test_four_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store):
 
 @pytest.mark.usefixtures("ray_session")
 def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path, mlflow_store):
-    space = _tiny_space(tmp_path, mus=(0.0, 0.1, 1.0))
-    overrides = tiny_overrides(rounds=1)
+    space = _tiny_space(tmp_path, mus=(0.0, 1.0))
+    overrides = tiny_overrides(rounds=1, **{"train.local_epochs": 1})
     first = run_sweep(
         "fedprox", space_file=space, overrides=overrides, max_concurrent=1, _stop_after_trials=1
     )
-    assert 1 <= (first.trials["rounds"] == 1).sum() < 3
+    assert (first.trials["rounds"] == 1).sum() == 1
     assert MlflowClient(mlflow_store).get_run(first.parent_run_id).info.status == "KILLED"
 
     resumed = run_sweep("fedprox", space_file=space, overrides=overrides, resume=True)
-    assert len(resumed.trials) == 3 and (resumed.trials["rounds"] == 1).all()
+    assert len(resumed.trials) == 2 and (resumed.trials["rounds"] == 1).all()
     client = MlflowClient(mlflow_store)
     children = client.search_runs(
         [client.get_run(first.parent_run_id).info.experiment_id],
         filter_string=f"tags.mlflow.parentRunId = '{first.parent_run_id}'",
     )
     mus = sorted(float(c.data.params["fedprox.mu"]) for c in children)
-    assert mus == [0.0, 0.1, 1.0]  # each trial ran exactly once: the finished one was not redone
+    assert mus == [0.0, 1.0]  # each trial ran exactly once: the finished one was not redone
     assert resumed.parent_run_id == first.parent_run_id
 
 
