@@ -55,8 +55,7 @@ class FedAvgServer(Server):
         self.model = ctx.make_model(0)
 
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
-        down = {"model": cpu_state(self.model)}  # one object for all: put in the object store once
-        return {cid: down for cid in selected}
+        return self.broadcast(selected, {"model": cpu_state(self.model)})
 
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
         if not uplinks:

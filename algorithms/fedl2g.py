@@ -141,8 +141,7 @@ class FedL2GServer(Server):
         self.optimizer = torch.optim.SGD(self.guide.parameters(), lr=self.hp.eta_s)
 
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
-        down = {"guide": self.guide.weight.detach().clone()}  # one object: into the object store once
-        return {cid: down for cid in selected}
+        return self.broadcast(selected, {"guide": self.guide.weight.detach().clone()})
 
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
         uploads = [(u["classes"], u["rows"]) for u in uplinks.values() if len(u["classes"])]
@@ -174,7 +173,7 @@ class FedL2GClient(ClientModule):
         order = torch.randperm(ctx.num_train, generator=torch.Generator().manual_seed(quiz_seed(ctx)))
         self.quiz = ctx.train.subset(order[:n_quiz].sort().values)
         self.study = ctx.train.subset(order[n_quiz:].sort().values)
-        self.register_buffer("guide", torch.zeros(0), persistent=False)  # G, from every downlink
+        self.hold("guide", torch.zeros(0))  # G, from every downlink
 
     def training_data(self) -> ArrayDataset:
         return self.study
@@ -183,7 +182,7 @@ class FedL2GClient(ClientModule):
         return 0 if rnd < self.hp.warmup_rounds else super().local_epochs(rnd)
 
     def receive(self, rnd: int, payload: Payload) -> None:
-        self.guide = payload["guide"].to(self.guide.device)
+        self.hold("guide", payload["guide"])
 
     def guided(self, logits: Tensor, z: Tensor) -> Tensor:
         return z if self.hp.variant == "f" else logits

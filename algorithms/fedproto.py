@@ -136,7 +136,7 @@ class FedProtoServer(Server):
 
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
         down = {} if self.protos is None else {"protos": self.protos.clone(), "mask": self.mask.clone()}
-        return {cid: down for cid in selected}
+        return self.broadcast(selected, down)
 
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
         if not uplinks:
@@ -162,9 +162,9 @@ class FedProtoClient(ClientModule):
 
     def __init__(self, model, ctx) -> None:
         super().__init__(model, ctx)
-        # buffers so Lightning moves them with the model; rebuilt from every downlink, not checkpointed
-        self.register_buffer("targets", torch.zeros(0), persistent=False)
-        self.register_buffer("has_target", torch.zeros(0, dtype=torch.bool), persistent=False)
+        # rebuilt from every downlink: held, not checkpointed
+        self.hold("targets", torch.zeros(0))
+        self.hold("has_target", torch.zeros(0, dtype=torch.bool))
 
     def guided(self, logits: Tensor, z: Tensor) -> Tensor:
         """The representation that prototypes live in: features (FedProto)."""
@@ -172,8 +172,8 @@ class FedProtoClient(ClientModule):
 
     def receive(self, rnd: int, payload: Payload) -> None:
         if "protos" in payload:
-            self.targets = payload["protos"].to(self.targets.device)
-            self.has_target = payload["mask"].to(self.has_target.device)
+            self.hold("targets", payload["protos"])
+            self.hold("has_target", payload["mask"])
 
     def load_for_eval(self, payload: Payload) -> None:
         self.receive(self.rnd, payload)  # the global prototypes, for eval_logits

@@ -12,25 +12,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils import parameters_to_vector
 
 from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer, require_homogeneous
 from fedray.platform.config import ConfigError, ExperimentConfig
 from fedray.platform.registry import register
 
 
-def proximal_term(params: list[torch.Tensor], anchor: list[torch.Tensor]) -> torch.Tensor:
-    """Sum of squared L2 distances ``||w - w^t||^2`` over all parameter tensors."""
-    return sum(((p - a) ** 2).sum() for p, a in zip(params, anchor, strict=True))
+def proximal_term(params: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """``||w - w^t||^2`` of the flattened parameter vectors ``[P]``."""
+    return ((params - anchor) ** 2).sum()
 
 
 class FedProxClient(FedAvgClient):
     def receive(self, rnd: int, payload) -> None:
         super().receive(rnd, payload)
-        self.anchor = [p.detach().clone() for p in self.model.parameters()]
+        self.hold("anchor", parameters_to_vector(self.model.parameters()).detach())  # w^t
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
-        prox = proximal_term(list(self.model.parameters()), self.anchor)
+        prox = proximal_term(parameters_to_vector(self.model.parameters()), self.anchor)
         self.record("loss/prox", prox)
         return loss + self.hp.mu / 2 * prox
 

@@ -196,7 +196,7 @@ class FedSCServer(FedAvgServer):
                 "consistent": self.consistent,
                 "consistent_mask": self.consistent_mask,
             }
-        return {cid: down for cid in selected}
+        return self.broadcast(selected, down)
 
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
         super().aggregate(rnd, uplinks)  # sample-weighted FedAvg over this round's participants
@@ -217,22 +217,15 @@ class FedSCServer(FedAvgServer):
 class FedSCClient(FedAvgClient):
     """CE + RPCL + CPDR on the received global model; uploads prototypes and class counts.
 
-    R, O and U are per-round inputs, not client state: non-persistent buffers (they follow the module
-    to the GPU and stay out of checkpoints); ``receive`` replaces them every round.
+    R, O and U are per-round inputs, not client state: held (they follow the module to its device
+    and stay out of checkpoints); ``receive`` replaces them every round.
     """
-
-    def __init__(self, model, ctx) -> None:
-        super().__init__(model, ctx)
-        for name in ("relational", "relational_mask", "consistent", "consistent_mask", "scale"):
-            self.register_buffer(name, None, persistent=False)
 
     def receive(self, rnd: int, payload: Payload) -> None:
         super().receive(rnd, payload)
-        self.relational = payload.get("relational")
-        self.relational_mask = payload.get("relational_mask")
-        self.consistent = payload.get("consistent")
-        self.consistent_mask = payload.get("consistent_mask")
-        self.scale = None
+        for name in ("relational", "relational_mask", "consistent", "consistent_mask"):
+            self.hold(name, payload.get(name))
+        self.hold("scale", None)
 
     @torch.no_grad()
     def local_features(self, batch: int = 1024) -> tuple[Tensor, Tensor]:

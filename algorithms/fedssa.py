@@ -109,7 +109,7 @@ class FedSSAServer(LGFedAvgServer):
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
         first = {"header": self.header.clone()}  # S_k not known yet: whole header, put in the store once
         if self.hp.comm == "full_header":
-            return {cid: first for cid in selected}
+            return self.broadcast(selected, first)
         return {
             cid: {"seen_rows": self.header[self.seen_classes[cid]]} if cid in self.seen_classes else first
             for cid in selected

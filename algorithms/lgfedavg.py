@@ -82,8 +82,7 @@ class LGFedAvgServer(Server):
         self.header = init_header(ctx.num_classes, d, derive_seed(ctx.cfg.seed, 4, 1))
 
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
-        down = {"header": self.header.clone()}  # one object for all: put in the object store once
-        return {cid: down for cid in selected}
+        return self.broadcast(selected, {"header": self.header.clone()})
 
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
         if not uplinks:

@@ -103,9 +103,14 @@ class Server:
         self.hp = ctx.cfg.algo
 
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
-        """Downlink per selected client. Return the same dict object for clients that get the same
-        payload: it is put in Ray's object store once (bytes are still counted per client)."""
-        return {cid: {} for cid in selected}
+        """Downlink per selected client; :meth:`broadcast` when every client gets the same one."""
+        return self.broadcast(selected, {})
+
+    @staticmethod
+    def broadcast(selected: list[int], payload: Payload) -> dict[int, Payload]:
+        """The same downlink for every selected client: Ray's object store holds it once (its bytes
+        are still counted per client)."""
+        return dict.fromkeys(selected, payload)
 
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
         """Fold this round's uplinks (sorted by client id) into the server state."""
@@ -204,6 +209,20 @@ class ClientModule(L.LightningModule):
 
     def data_seed(self) -> int:
         return derive_seed(self.ctx.cfg.seed, self.rnd, self.ctx.client_id, 1)
+
+    # ---- tensors kept between calls
+    def hold(self, name: str, value: torch.Tensor | None) -> None:
+        """Keep ``value`` as ``self.<name>`` between calls: a non-persistent buffer, cast to the model's
+        device and floating dtype now and moved with the module later (``.to``, Lightning's device
+        placement, ``.double()``), which a plain tensor attribute is not. Not checkpointed: for what
+        a client receives or derives each round."""
+        if value is not None:
+            ref = next(self.model.parameters())
+            value = value.to(ref.device, ref.dtype if value.is_floating_point() else None)
+        if name in self._buffers:
+            self._buffers[name] = value
+        else:
+            self.register_buffer(name, value, persistent=False)
 
     # ---- per-fit statistics (cheaper than self.log, and they travel back with the uplink)
     def record(self, name: str, value: torch.Tensor | float) -> None:

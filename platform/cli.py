@@ -19,10 +19,12 @@ def _run(args: argparse.Namespace) -> int:
     from fedray.platform.progress import print_table, summary_table
     from fedray.platform.run import resume_experiment, run_experiment
 
+    if args.stop_after is not None and args.stop_after < 1:
+        raise ConfigError(f"--stop-after {args.stop_after}: must be >= 1 round")
     if args.resume:
         if args.config or args.overrides:
             raise ConfigError("--resume RUN_ID takes no config or overrides: the run's own config is used")
-        result = resume_experiment(args.resume)
+        result = resume_experiment(args.resume, stop_after_round=args.stop_after)
     else:
         config, overrides = args.config, list(args.overrides)
         if config and "=" in config:  # `fedray run rounds=5`: overrides only, default config
@@ -30,7 +32,7 @@ def _run(args: argparse.Namespace) -> int:
         cfg = load_config(config, overrides)
         if args.scale is not None:
             cfg = scale(cfg, args.scale)
-        result = run_experiment(cfg)
+        result = run_experiment(cfg, stop_after_round=args.stop_after)
     row = result.summary_row()
     best = result.best("acc/personal_mean")
     row["best personal %"] = None if best is None else round(100 * best, 2)
@@ -42,6 +44,8 @@ def _run(args: argparse.Namespace) -> int:
     print(
         f"MLflow run id: {result.run_id}   (make ui, experiment {result.config.tracking.experiment or result.config.name!r})"
     )
+    if not result.finished:
+        print(f"stopped after round {len(result.history)}: resume with  fedray run --resume {result.run_id}")
     return 0
 
 
@@ -68,6 +72,7 @@ def _sweep(args: argparse.Namespace) -> int:
         overrides=args.overrides,
         resume=args.resume,
         name=args.name,
+        stop_after_trials=args.stop_after_trials,
     )
     rows = [{k: _short(v) for k, v in row.items()} for row in result.trials.to_dict("records")]
     print_table(summary_table(rows, title=f"sweep {result.path.name}: {len(rows)} trials"))
@@ -96,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--scale", type=float, help="shrink rounds and clients by this factor (paper configs on a CPU)"
     )
+    run.add_argument(
+        "--stop-after",
+        type=int,
+        metavar="ROUNDS",
+        help="stop (resumably) once this many rounds are done, e.g. to fit a job's time limit",
+    )
     run.set_defaults(func=_run)
 
     from fedray.dashboards.report import add_report_parser
@@ -114,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--config", help="experiment YAML (default: configs/quickstart.yaml)")
     sweep.add_argument("--name", help="sweep name (default: sweep-<algo>-<config name>)")
     sweep.add_argument("--resume", action="store_true", help="continue an interrupted sweep")
+    sweep.add_argument(
+        "--stop-after-trials", type=int, metavar="N", help="stop (resumably) once N trials have finished"
+    )
     sweep.add_argument("overrides", nargs="*", help="key=value overrides for every trial")
     sweep.set_defaults(func=_sweep)
     return parser

@@ -205,7 +205,10 @@ class ClientHost:
                     num_sanity_val_steps=0,
                 )
                 trainer.fit(module)
-            uplink = module.upload()
+            # Lightning's teardown leaves the module on the CPU: upload (FedSC's prototype pass, FedL2G's
+            # double backward) runs where training ran
+            uplink = module.to(self.device).upload()
+            module.to("cpu")  # cached modules wait in host memory, not on the GPU
         except BaseException:
             self.modules.pop(task.client, None)  # half-trained: the committed state stays the truth
             raise

@@ -131,9 +131,12 @@ def run_sweep(
     resume: bool = False,
     name: str | None = None,
     max_concurrent: int | None = None,
-    _stop_after_trials: int | None = None,
+    stop_after_trials: int | None = None,
 ) -> SweepResult:
-    """Run (or ``resume``) a sweep of ``algorithm`` and return its trial table and best config."""
+    """Run (or ``resume``) a sweep of ``algorithm`` and return its trial table and best config.
+
+    ``stop_after_trials`` stops the sweep as Ctrl-C would once that many trials have finished (a job
+    with a time budget); ``--resume`` continues it."""
     from ray import tune
 
     from fedray.platform.run import ensure_ray
@@ -170,7 +173,7 @@ def run_sweep(
         resources=trial_resources(base_cfg),
     )
     lines = _TrialLines(space.metric)
-    callbacks = [lines] + ([_InterruptAfterTrials(_stop_after_trials)] if _stop_after_trials else [])
+    callbacks = [lines] + ([InterruptAfterTrials(stop_after_trials)] if stop_after_trials else [])
     if resume:
         tuner = tune.Tuner.restore(str(path), trainable, resume_errored=True)
     else:
@@ -239,9 +242,9 @@ class _TrialLines(Callback):
         self._ended(trial, "FAILED")
 
 
-class _InterruptAfterTrials(Callback):
-    """Sends this process a Ctrl-C once ``n`` trials have finished: the user's interruption, automated
-    for the resume test. Tune saves the sweep's state and stops, exactly as on a real Ctrl-C."""
+class InterruptAfterTrials(Callback):
+    """Sends this process a Ctrl-C once ``n`` trials have finished: Tune saves the sweep's state and
+    stops, exactly as on a real Ctrl-C, and ``--resume`` goes on from there."""
 
     _armed: ClassVar[set[str]] = set()  # Tune pickles callbacks into the sweep state: fire once only
 

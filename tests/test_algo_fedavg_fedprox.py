@@ -26,17 +26,15 @@ def test_weighted_average_equal_weights_is_plain_mean():
 
 
 def test_proximal_term_value_by_hand():
-    # ||(1,2)-(0,0)||^2 + ||(3)-(1)||^2 = 1 + 4 + 4 = 9
-    params = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]
-    anchor = [torch.zeros(2), torch.tensor([1.0])]
-    assert proximal_term(params, anchor).item() == 9.0
+    # ||(1,2,3)-(0,0,1)||^2 = 1 + 4 + 4 = 9
+    assert proximal_term(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.0, 0.0, 1.0])).item() == 9.0
 
 
 def test_proximal_gradient_is_mu_times_distance():
     mu = 0.3
     w = torch.tensor([1.0, -2.0, 0.5], requires_grad=True)
     w0 = torch.tensor([0.5, 1.0, 0.5])
-    (mu / 2 * proximal_term([w], [w0])).backward()
+    (mu / 2 * proximal_term(w, w0)).backward()
     assert_close(w.grad, mu * (w.detach() - w0))
 
 

@@ -103,7 +103,7 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path, mlf
     space = _tiny_space(tmp_path, mus=(0.0, 1.0))
     overrides = tiny_overrides(rounds=1, **{"train.local_epochs": 1})
     first = run_sweep(
-        "fedprox", space_file=space, overrides=overrides, max_concurrent=1, _stop_after_trials=1
+        "fedprox", space_file=space, overrides=overrides, max_concurrent=1, stop_after_trials=1
     )
     assert (first.trials["rounds"] == 1).sum() == 1
     assert MlflowClient(mlflow_store).get_run(first.parent_run_id).info.status == "KILLED"
