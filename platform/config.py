@@ -63,6 +63,7 @@ class DataConfig:
     download: bool = False  # torchvision sets: download only when the user asks
     num_clients: int = 10
     train_subset: int | None = None  # use a stratified random subset of the training pool (benchmarks)
+    normalize: str = "dataset"  # per-channel statistics of the pool, or "<mean>,<std>" (PFLlib: 0.5,0.5)
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     split: SplitConfig = field(default_factory=SplitConfig)
     # synthetic set only: how big and how hard
@@ -344,6 +345,9 @@ def validate(cfg: ExperimentConfig) -> None:
         d.dataset in known_datasets(),
         f"data.dataset={d.dataset!r}: unknown dataset; known: {', '.join(known_datasets())}",
     )
+    from fedray.platform.data.federation import parse_normalize
+
+    parse_normalize(d.normalize)
     _check(p.alpha > 0, f"data.partition.alpha={p.alpha}: the Dirichlet concentration must be > 0")
     _check(
         p.classes_per_client >= 1, f"data.partition.classes_per_client={p.classes_per_client}: must be >= 1"

@@ -114,3 +114,21 @@ def test_heatmap_writes_a_png(digits, tmp_path):
     histogram_heatmap(fed, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 5000
+
+
+def test_normalisation_from_the_pool_or_fixed_and_recorded_in_the_provenance(digits, tmp_path):
+    from fedray.platform.data import write_split
+    from fedray.platform.data.split_file import read_split_file
+
+    cfg = DataConfig(dataset="digits", num_clients=4)
+    pooled = build_federation(digits, cfg, seed=0)
+    assert (pooled.mean, pooled.std) == (digits.mean, digits.std)  # the pool's per-channel statistics
+    fixed = build_federation(digits, DataConfig(dataset="digits", num_clients=4, normalize="0.5,0.5"), seed=0)
+    assert fixed.mean == (0.5,) and fixed.std == (0.5,)  # PFLlib's (x - 0.5) / 0.5, every channel
+    assert [s.train.y.tolist() for s in fixed.shards] == [s.train.y.tolist() for s in pooled.shards]
+    write_split(fixed, tmp_path / "split.json")
+    provenance = read_split_file(str(tmp_path / "split.json"))["provenance"]
+    assert provenance["normalize"] == {"mode": "0.5,0.5", "mean": [0.5], "std": [0.5]}
+    for bad in ("0.5", "a,b", "0.5,0"):
+        with pytest.raises(ConfigError, match="data.normalize"):
+            build_federation(digits, DataConfig(dataset="digits", num_clients=4, normalize=bad), seed=0)

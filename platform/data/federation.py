@@ -204,10 +204,36 @@ def official_test_shares(
     return [n_train + t.astype(np.int64) for t in tests]
 
 
+def parse_normalize(spec: str) -> tuple[float, float] | None:
+    """``data.normalize``: ``dataset`` (None: the training pool's per-channel statistics) or
+    ``<mean>,<std>`` for every channel (PFLlib and HtFLlib: ``0.5,0.5``)."""
+    if spec == "dataset":
+        return None
+    try:
+        mean, std = (float(v) for v in str(spec).split(","))
+    except ValueError:
+        raise ConfigError(
+            f"data.normalize={spec!r}: expected dataset or <mean>,<std>, e.g. 0.5,0.5"
+        ) from None
+    if std <= 0:
+        raise ConfigError(f"data.normalize={spec!r}: the std must be > 0")
+    return mean, std
+
+
 def build_federation(bundle: DatasetBundle, cfg: DataConfig, seed: int) -> Federation:
-    """Partition the pool among clients and split each share (see the module docstring)."""
-    if cfg.partition.kind == "file":
-        return federation_from_file(bundle, cfg)
+    """Partition the pool among clients and split each share (see the module docstring), and set
+    the input normalisation ``data.normalize`` asks for (recorded in the split file's provenance)."""
+    fed = (
+        federation_from_file(bundle, cfg) if cfg.partition.kind == "file" else partitioned(bundle, cfg, seed)
+    )
+    fixed = parse_normalize(cfg.normalize)
+    if fixed is not None:
+        fed.mean, fed.std = (fixed[0],) * fed.in_channels, (fixed[1],) * fed.in_channels
+    fed.provenance["normalize"] = {"mode": cfg.normalize, "mean": list(fed.mean), "std": list(fed.std)}
+    return fed
+
+
+def partitioned(bundle: DatasetBundle, cfg: DataConfig, seed: int) -> Federation:
     s = cfg.split
     merged = s.convention == "merged"
     if s.convention == "official_test" and s.test != 0:
