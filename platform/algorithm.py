@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedray.platform.augment import crop_flip
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.data import ArrayDataset
 from fedray.platform.models import FedModel
@@ -193,6 +194,16 @@ class ClientModule(L.LightningModule):
         # Lightning builds a fresh optimizer in every fit(); carry the old state over when asked to
         if self.ctx.cfg.train.keep_optimizer_state and self._optimizer_state is not None:
             self.trainer.optimizers[0].load_state_dict(self._optimizer_state)
+        self._augment_gen = torch.Generator().manual_seed(
+            derive_seed(self.ctx.cfg.seed, self.rnd, self.ctx.client_id, 3)
+        )
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """``data.augment``: training batches only, on the training device."""
+        if self.ctx.cfg.data.augment == "crop_flip" and self.trainer.training:
+            x, y = batch
+            batch = (crop_flip(x, self._augment_gen), y)
+        return batch
 
     def on_train_end(self) -> None:
         if self.ctx.cfg.train.keep_optimizer_state:

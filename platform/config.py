@@ -64,6 +64,7 @@ class DataConfig:
     num_clients: int = 10
     train_subset: int | None = None  # use a stratified random subset of the training pool (benchmarks)
     normalize: str = "dataset"  # per-channel statistics of the pool, or "<mean>,<std>" (PFLlib: 0.5,0.5)
+    augment: Literal["none", "crop_flip"] = "none"  # on clients' training batches: 4-px crop + flip
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     split: SplitConfig = field(default_factory=SplitConfig)
     # synthetic set only: how big and how hard

@@ -130,5 +130,5 @@ def test_normalisation_from_the_pool_or_fixed_and_recorded_in_the_provenance(dig
     provenance = read_split_file(str(tmp_path / "split.json"))["provenance"]
     assert provenance["normalize"] == {"mode": "0.5,0.5", "mean": [0.5], "std": [0.5]}
     for bad in ("0.5", "a,b", "0.5,0"):
-        with pytest.raises(ConfigError, match="data.normalize"):
+        with pytest.raises(ConfigError, match=r"data\.normalize"):
             build_federation(digits, DataConfig(dataset="digits", num_clients=4, normalize=bad), seed=0)
