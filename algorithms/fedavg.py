@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from fedray.platform.algorithm import ClientModule, Payload, Server, cpu_state
-from fedray.platform.config import ConfigError, ExperimentConfig
+from fedray.platform.algorithm_config import AlgorithmConfig
+from fedray.platform.config import ExperimentConfig
+from fedray.platform.errors import ConfigError
 from fedray.platform.registry import register
 
 
@@ -74,6 +76,6 @@ class FedAvgClient(ClientModule):
 
 @register("fedavg", server=FedAvgServer, client=FedAvgClient)
 @dataclass
-class FedAvgConfig:
+class FedAvgConfig(AlgorithmConfig):
     def validate(self, cfg: ExperimentConfig) -> None:
         require_homogeneous(cfg)

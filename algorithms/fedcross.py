@@ -48,7 +48,9 @@ from torch import Tensor, nn
 
 from fedray.algorithms.fedavg import require_homogeneous
 from fedray.platform.algorithm import ClientModule, Payload, Server, ServerContext, cpu_state, derive_seed
-from fedray.platform.config import ConfigError, ExperimentConfig, clients_per_round
+from fedray.platform.algorithm_config import AlgorithmConfig
+from fedray.platform.config import ExperimentConfig, clients_per_round
+from fedray.platform.errors import ConfigError
 from fedray.platform.registry import register
 
 Selection = Literal["in_order", "highest_similarity", "lowest_similarity"]
@@ -242,7 +244,7 @@ class FedCrossClient(ClientModule):
 
 @register("fedcross", server=FedCrossServer, client=FedCrossClient)
 @dataclass
-class FedCrossConfig:
+class FedCrossConfig(AlgorithmConfig):
     ROUND_FIELDS: ClassVar[tuple[str, ...]] = (
         "propeller_rounds",
         "dynamic_alpha_rounds",

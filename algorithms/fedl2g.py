@@ -42,8 +42,10 @@ from torch.func import functional_call
 
 from fedray.algorithms.fedproto import shared_feature_dim
 from fedray.platform.algorithm import ClientContext, ClientModule, Payload, Server, ServerContext, derive_seed
-from fedray.platform.config import ConfigError, ExperimentConfig
+from fedray.platform.algorithm_config import AlgorithmConfig
+from fedray.platform.config import ExperimentConfig
 from fedray.platform.data import ArrayDataset
+from fedray.platform.errors import ConfigError
 from fedray.platform.models import FedModel
 from fedray.platform.registry import register
 
@@ -216,7 +218,7 @@ class FedL2GClient(ClientModule):
 
 @register("fedl2g", server=FedL2GServer, client=FedL2GClient)
 @dataclass
-class FedL2GConfig:
+class FedL2GConfig(AlgorithmConfig):
     ROUND_FIELDS: ClassVar[tuple[str, ...]] = ("warmup_rounds",)  # scaled by --scale
     variant: Variant = "f"  # "f": guide features (M = K); "l": guide logits (M = C)
     server_lr: float | None = None  # eta_s; null = the paper's default for the variant: 100 (f), 0.1 (l)

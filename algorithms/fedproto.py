@@ -39,7 +39,9 @@ import torch
 from torch import Tensor
 
 from fedray.platform.algorithm import ClientModule, Payload, Server, ServerContext, batch_loader
-from fedray.platform.config import ConfigError, ExperimentConfig
+from fedray.platform.algorithm_config import AlgorithmConfig
+from fedray.platform.config import ExperimentConfig
+from fedray.platform.errors import ConfigError
 from fedray.platform.registry import register
 
 # ------------------------------------------------------------------------------------------- math
@@ -217,7 +219,7 @@ class FedProtoClient(ClientModule):
 
 @register("fedproto", server=FedProtoServer, client=FedProtoClient)
 @dataclass
-class FedProtoConfig:
+class FedProtoConfig(AlgorithmConfig):
     lam: float = 1.0  # lambda of Eq. 5
     weighted: bool = True  # Eq. 6 sample-count weights; false = plain mean over holders (official code)
     eval: Literal["prototype", "head"] = "prototype"  # nearest global prototype (paper) or the own head

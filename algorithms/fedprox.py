@@ -15,7 +15,9 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer, require_homogeneous
-from fedray.platform.config import ConfigError, ExperimentConfig
+from fedray.platform.algorithm_config import AlgorithmConfig
+from fedray.platform.config import ExperimentConfig
+from fedray.platform.errors import ConfigError
 from fedray.platform.registry import register
 
 
@@ -38,7 +40,7 @@ class FedProxClient(FedAvgClient):
 
 @register("fedprox", server=FedAvgServer, client=FedProxClient)
 @dataclass
-class FedProxConfig:
+class FedProxConfig(AlgorithmConfig):
     mu: float = 0.01  # FedCross paper: 0.01 on CIFAR-10, 0.001 on CIFAR-100
 
     def validate(self, cfg: ExperimentConfig) -> None:

@@ -51,7 +51,9 @@ from torch import Tensor
 
 from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer, require_homogeneous
 from fedray.platform.algorithm import Payload, cpu_state
-from fedray.platform.config import ConfigError, ExperimentConfig
+from fedray.platform.algorithm_config import AlgorithmConfig
+from fedray.platform.config import ExperimentConfig
+from fedray.platform.errors import ConfigError
 from fedray.platform.registry import register
 
 # --------------------------------------------------------------------------------------------- math
@@ -263,7 +265,7 @@ class FedSCClient(FedAvgClient):
 
 @register("fedsc", server=FedSCServer, client=FedSCClient)
 @dataclass
-class FedSCConfig:
+class FedSCConfig(AlgorithmConfig):
     tau: float = 0.05  # RPCL temperature (paper Fig. 5: best 0.05)
     neighbors: int = 2  # M angular neighbours per relational prototype (paper Fig. 5: best 2)
     cpdr: Literal["mse", "l1"] = "mse"  # spec §7.7: MSE (code) by default, l1 = Eq. 15 literally

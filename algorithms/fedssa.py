@@ -41,7 +41,9 @@ from torch import Tensor
 
 from fedray.algorithms.lgfedavg import LGFedAvgServer, header_rows, load_header_rows
 from fedray.platform.algorithm import ClientModule, Payload
-from fedray.platform.config import ConfigError, ExperimentConfig
+from fedray.platform.algorithm_config import AlgorithmConfig
+from fedray.platform.config import ExperimentConfig
+from fedray.platform.errors import ConfigError
 from fedray.platform.registry import register
 
 # ------------------------------------------------------------------------------------------- math
@@ -161,7 +163,7 @@ class FedSSAClient(ClientModule):
 
 @register("fedssa", server=FedSSAServer, client=FedSSAClient)
 @dataclass
-class FedSSAConfig:
+class FedSSAConfig(AlgorithmConfig):
     ROUND_FIELDS: ClassVar[tuple[str, ...]] = ("t_stable",)  # scaled by --scale
     mu0: float = 0.5  # [code] default; the paper tunes it in (0, 1]
     t_stable: int = 45  # [code] homogeneous runs (2 for heterogeneous); spec §7.7

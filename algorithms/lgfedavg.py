@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from fedray.platform.algorithm import ClientModule, Payload, Server, derive_seed
+from fedray.platform.algorithm_config import AlgorithmConfig
 from fedray.platform.models import FedModel
 from fedray.platform.registry import register
 
@@ -114,7 +115,7 @@ class LGFedAvgClient(ClientModule):
 
 @register("lgfedavg", server=LGFedAvgServer, client=LGFedAvgClient)
 @dataclass
-class LGFedAvgConfig:
+class LGFedAvgConfig(AlgorithmConfig):
     """The header is the model's ``head``; training uses ``train.*``."""
 
     eval_head: Literal["global", "local"] = "global"  # the header clients are tested with

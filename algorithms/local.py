@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedray.platform.algorithm import ClientModule, Server
+from fedray.platform.algorithm_config import AlgorithmConfig
 from fedray.platform.registry import register
 
 
@@ -19,5 +20,5 @@ class LocalClient(ClientModule):
 
 @register("local", server=Server, client=LocalClient)
 @dataclass
-class LocalConfig:
+class LocalConfig(AlgorithmConfig):
     pass

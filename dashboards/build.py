@@ -24,7 +24,7 @@ from fedray.dashboards import load
 from fedray.dashboards import summary as sm
 from fedray.dashboards.html import Cell, Section, figure, heading, page, paragraph, table
 from fedray.dashboards.load import KIND_TAG, ExperimentRuns
-from fedray.platform.config import ConfigError
+from fedray.platform.errors import ConfigError
 from fedray.platform.progress import mb
 
 METRIC = "acc/personal_mean"  # the metric that ranks sweep configurations and defines the target

@@ -15,7 +15,7 @@ from typing import Any
 
 import pandas as pd
 
-from fedray.platform.config import ConfigError
+from fedray.platform.errors import ConfigError
 
 # Per-round metrics the report draws; other keys stay in the store.
 HISTORY_KEYS = (

@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fedray.platform.config import ConfigError
+from fedray.platform.errors import ConfigError
 
 
 def build_report(

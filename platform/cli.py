@@ -10,7 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from fedray.platform.config import ConfigError, load_config, scale
+from fedray.platform.config import load_config, scale
+from fedray.platform.errors import ConfigError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 

@@ -24,14 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from fedray.platform.config import (
-    ConfigError,
-    ExperimentConfig,
-    build_config,
-    load_yaml,
-    merge,
-    parse_overrides,
-)
+from fedray.platform.config import ExperimentConfig, build_config, load_yaml, merge, parse_overrides
+from fedray.platform.errors import ConfigError
 from fedray.platform.progress import mb
 
 

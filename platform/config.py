@@ -19,10 +19,9 @@ from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A config value a user has to fix. The message is one line."""
-
+from fedray.platform import registry
+from fedray.platform.algorithm_config import AlgorithmConfig
+from fedray.platform.errors import ConfigError
 
 # --------------------------------------------------------------------------------------------- sections
 
@@ -140,7 +139,7 @@ class ExperimentConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     # hyperparameters of the chosen algorithm, as that algorithm's own dataclass
-    algo: Any = None
+    algo: AlgorithmConfig | None = None  # the algorithm's own section
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict; the algorithm section appears under the algorithm's name."""
@@ -292,8 +291,6 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def build_config(raw: dict[str, Any]) -> ExperimentConfig:
     """Turn a nested dict into a validated :class:`ExperimentConfig`."""
-    from fedray.platform import registry  # registry imports config for its types
-
     raw = dict(raw)
     algorithm = str(raw.get("algorithm", ExperimentConfig.algorithm)).lower()
     raw["algorithm"] = algorithm
@@ -400,20 +397,15 @@ def validate(cfg: ExperimentConfig) -> None:
         cfg.tracking.log_client_models >= 0,
         f"tracking.log_client_models={cfg.tracking.log_client_models}: must be >= 0 (0 = never)",
     )
-    validate_algo = getattr(cfg.algo, "validate", None)
-    if validate_algo is not None:
-        validate_algo(cfg)
+    if cfg.algo is not None:
+        cfg.algo.validate(cfg)
 
 
 def clients_per_round(cfg: ExperimentConfig) -> int:
-    """K = max(1, round(C * N)): the number of clients sampled each round.
-
-    An algorithm whose own hyperparameter fixes K (FedCross's ``num_middleware``) says so through a
-    ``participants()`` method on its config, which wins over ``train.fraction`` when it returns a number.
-    """
-    fixed = getattr(cfg.algo, "participants", None)
-    k = fixed() if fixed is not None else None
-    return k if k is not None else max(1, round(cfg.train.fraction * cfg.data.num_clients))
+    """K = max(1, round(C * N)): the number of clients sampled each round, unless the algorithm's
+    own hyperparameter fixes K (FedCross's ``num_middleware``, through ``participants()``)."""
+    fixed = cfg.algo.participants() if cfg.algo is not None else None
+    return fixed if fixed is not None else max(1, round(cfg.train.fraction * cfg.data.num_clients))
 
 
 def config_yaml(cfg: ExperimentConfig) -> str:
@@ -440,25 +432,24 @@ def scaled_count(value: int, factor: float, floor: int = 1) -> int:
 def scale(cfg: ExperimentConfig, factor: float) -> ExperimentConfig:
     """Shrink a paper setting for a CPU: rounds, clients and the algorithm's round counts times ``factor``.
 
-    Algorithm configs name their round-valued fields in a ``ROUND_FIELDS`` class attribute (e.g.
-    FedL2G's ``warmup_rounds``) so a warm-up keeps its share of the run; a round count stays >= 1
-    (0 stays 0: off). The participation fraction is kept, so K = C * N shrinks with N, but never
-    below the clients an algorithm needs per round (``MIN_PARTICIPANTS``: FedCross cross-aggregates
-    2 or more); fields that fix K themselves (``CLIENT_FIELDS``) shrink like N. Data size is
+    The algorithm's ``ROUND_FIELDS`` (e.g. FedL2G's ``warmup_rounds``) shrink too, so a warm-up keeps
+    its share of the run; a round count stays >= 1 (0 stays 0: off). The participation fraction is
+    kept, so K = C * N shrinks with N, but never below the algorithm's ``MIN_PARTICIPANTS`` (FedCross
+    cross-aggregates 2 or more); its ``CLIENT_FIELDS`` (counts that fix K) shrink like N. Data size is
     untouched: add ``data.train_subset=N`` for that.
     """
     if not 0 < factor <= 1:
         raise ConfigError(f"--scale {factor}: must be in (0, 1]")
     algo = cfg.algo
-    need = getattr(algo, "MIN_PARTICIPANTS", 1)
+    need = algo.MIN_PARTICIPANTS if algo is not None else 1
     out = dataclasses.replace(cfg)
     out.rounds = scaled_count(cfg.rounds, factor)
     n = max(2, need, round(cfg.data.num_clients * factor))
     out.data = dataclasses.replace(cfg.data, num_clients=n)
     out.eval_every = min(cfg.eval_every, out.rounds)
     if algo is not None:
-        changes = {name: scaled_count(getattr(algo, name), factor) for name in getattr(algo, "ROUND_FIELDS", ())}
-        for name in getattr(algo, "CLIENT_FIELDS", ()):
+        changes = {name: scaled_count(getattr(algo, name), factor) for name in algo.ROUND_FIELDS}
+        for name in algo.CLIENT_FIELDS:
             if getattr(algo, name) is not None:
                 changes[name] = min(n, scaled_count(getattr(algo, name), factor, floor=need))
         out.algo = dataclasses.replace(algo, **changes)

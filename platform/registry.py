@@ -5,7 +5,7 @@ config dataclass::
 
     @register("fedprox", server=FedAvgServer, client=FedProxClient)
     @dataclass
-    class FedProxConfig:
+    class FedProxConfig(AlgorithmConfig):
         mu: float = 0.01
 
 ``get(name)`` imports the algorithm modules on first use, so ``algorithm=fedprox`` on the command
@@ -20,7 +20,8 @@ import pkgutil
 from dataclasses import dataclass
 from importlib import metadata
 
-from fedray.platform.config import ConfigError
+from fedray.platform.algorithm_config import AlgorithmConfig
+from fedray.platform.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ def register(name: str, *, server: type, client: type):
     """Class decorator for an algorithm's config dataclass; binds name -> (server, client, config)."""
 
     def wrap(config_cls: type) -> type:
+        if not issubclass(config_cls, AlgorithmConfig):
+            raise TypeError(f"algorithm {name!r}: {config_cls.__name__} must derive from AlgorithmConfig")
         key = name.lower()
         existing = _REGISTRY.get(key)
         if existing is not None and existing.module != config_cls.__module__:

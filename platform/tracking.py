@@ -156,7 +156,7 @@ def checkpoint_dir_of(run_id: str, uri: str | None = None) -> str:
     from mlflow.tracking import MlflowClient
 
     from fedray.platform import storage
-    from fedray.platform.config import ConfigError
+    from fedray.platform.errors import ConfigError
 
     uri = uri or tracking_uri()
     try:

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from fedray.platform.config import ConfigError, build_config, load_yaml, merge, parse_overrides
+from fedray.platform.config import build_config, load_yaml, merge, parse_overrides
+from fedray.platform.errors import ConfigError
 
 SPACES_DIR = Path(__file__).resolve().parent / "spaces"
 KINDS = ("grid", "choice", "uniform", "loguniform", "randint", "quniform")

@@ -21,14 +21,8 @@ import yaml
 from ray.tune import Callback
 
 from fedray.platform import storage
-from fedray.platform.config import (
-    ConfigError,
-    ExperimentConfig,
-    build_config,
-    load_yaml,
-    merge,
-    parse_overrides,
-)
+from fedray.platform.config import ExperimentConfig, build_config, load_yaml, merge, parse_overrides
+from fedray.platform.errors import ConfigError
 from fedray.sweeps.space import SearchSpace, check_space, load_space, space_path, trial_config
 
 SWEEP_STATE = "fedray_sweep.json"  # parent run id and settings, for --resume

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer
+from fedray.platform.algorithm_config import AlgorithmConfig
 from fedray.platform.registry import register
 
 
@@ -38,7 +39,7 @@ class KillerClient(FedAvgClient):
 
 @register("fedavg_killer", server=FedAvgServer, client=KillerClient)
 @dataclass
-class KillerConfig:
+class KillerConfig(AlgorithmConfig):
     stage: str = "none"  # train | eval | none
     round: int = 1  # 0-based round of a training kill
     client: int = 0

@@ -20,7 +20,8 @@ from fedray.algorithms.fedcross import (
     unflatten_state,
 )
 from fedray.platform.algorithm import ServerContext
-from fedray.platform.config import ConfigError, clients_per_round, load_config
+from fedray.platform.config import clients_per_round, load_config
+from fedray.platform.errors import ConfigError
 from fedray.platform.models import FedModel
 
 # v0 = (1, 0), v1 = (1, 1), v2 = (10, 20):

@@ -17,8 +17,9 @@ from fedray.algorithms.fedproto import (
     stack_uploads,
 )
 from fedray.platform.algorithm import ClientContext, ServerContext
-from fedray.platform.config import ConfigError, load_config
+from fedray.platform.config import load_config
 from fedray.platform.data import ArrayDataset
+from fedray.platform.errors import ConfigError
 from fedray.platform.models import FedModel, arch_for_client, build_model
 
 # two clients, four classes, d = 1:  A holds class 0 (1 sample, proto 1) and class 2 (3 samples, proto 4);

@@ -317,7 +317,8 @@ def test_server_builds_r_and_o_from_participants_and_sends_them():
 
 
 def test_config_validation():
-    from fedray.platform.config import ConfigError, load_config
+    from fedray.platform.config import load_config
+    from fedray.platform.errors import ConfigError
 
     assert load_config(None, ["algorithm=fedsc"]).algo.tau == 0.05
     for bad in (["fedsc.tau=0"], ["fedsc.neighbors=-1"], ["fedsc.cpdr=l2"], ["model.group=small_hetero"]):

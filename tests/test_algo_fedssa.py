@@ -18,7 +18,8 @@ from fedray.algorithms.fedssa import (
     mu_schedule,
 )
 from fedray.platform.algorithm import ClientContext, ServerContext, payload_nbytes
-from fedray.platform.config import ConfigError, load_config
+from fedray.platform.config import load_config
+from fedray.platform.errors import ConfigError
 from fedray.platform.models import FedModel, build_model
 
 

@@ -10,6 +10,7 @@ import torch
 from conftest import tiny_overrides
 
 from fedray.platform.algorithm import ClientModule, Server, ServerContext
+from fedray.platform.algorithm_config import AlgorithmConfig
 from fedray.platform.client import ClientHost, make_client_model
 from fedray.platform.config import clients_per_round, load_config
 from fedray.platform.registry import available, register
@@ -33,7 +34,7 @@ class DrawingClient(ClientModule):
 
 @register("drawing_probe", server=Server, client=DrawingClient)
 @dataclass
-class DrawingConfig:
+class DrawingConfig(AlgorithmConfig):
     epochs: int = 0
 
 

@@ -6,7 +6,7 @@ from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 
 from fedray.platform.compare import load_comparison, run_comparison
-from fedray.platform.config import ConfigError
+from fedray.platform.errors import ConfigError
 
 
 def _write(tmp_path, runs, seeds=(0,)):

@@ -3,7 +3,8 @@
 import pytest
 
 from fedray.platform.cli import main
-from fedray.platform.config import ConfigError, load_config
+from fedray.platform.config import load_config
+from fedray.platform.errors import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -77,3 +78,17 @@ def test_algorithm_section_and_override_reach_the_algorithm_config():
     cfg = load_config("configs/quickstart.yaml", ["algorithm=fedprox", "fedprox.mu=0.25", "rounds=3"])
     assert cfg.algo.mu == 0.25 and cfg.rounds == 3
     assert cfg.to_dict()["fedprox"] == {"mu": 0.25}
+
+
+def test_an_algorithm_config_must_derive_from_the_typed_base():
+    from dataclasses import dataclass
+
+    from fedray.platform.algorithm import ClientModule, Server
+    from fedray.platform.registry import register
+
+    with pytest.raises(TypeError, match="must derive from AlgorithmConfig"):
+
+        @register("untyped", server=Server, client=ClientModule)
+        @dataclass
+        class Untyped:
+            lr: float = 0.1

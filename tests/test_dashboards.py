@@ -22,7 +22,8 @@ from mlflow.tracking import MlflowClient
 
 from fedray.dashboards import summary as sm
 from fedray.dashboards.report import add_report_parser, build_report
-from fedray.platform.config import ConfigError, load_config
+from fedray.platform.config import load_config
+from fedray.platform.errors import ConfigError
 
 EXP = "dash_compare"
 SECTIONS = ["summary", "accuracy-round", "accuracy-comm", "client-accuracy", "sweep", "partition", "runs"]

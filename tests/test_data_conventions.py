@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedray.platform.config import ConfigError, DataConfig, PartitionConfig, SplitConfig, load_config
+from fedray.platform.config import DataConfig, PartitionConfig, SplitConfig, load_config
 from fedray.platform.data import (
     ClientShard,
     Federation,
@@ -21,6 +21,7 @@ from fedray.platform.data import (
 )
 from fedray.platform.data.datasets import ArrayDataset
 from fedray.platform.data.partition import SPLIT_STREAM, SUBSET_STREAM, stream_rng
+from fedray.platform.errors import ConfigError
 
 
 @pytest.fixture(scope="module")

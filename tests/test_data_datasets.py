@@ -12,7 +12,7 @@ import torch
 import torchvision
 from PIL import Image
 
-from fedray.platform.config import ConfigError, DataConfig, PartitionConfig
+from fedray.platform.config import DataConfig, PartitionConfig
 from fedray.platform.data import datasets
 from fedray.platform.data.datasets import (
     ArrayDataset,
@@ -23,6 +23,7 @@ from fedray.platform.data.datasets import (
     load_dataset,
     normalize,
 )
+from fedray.platform.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("isolated_home")  # from conftest
 

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from fedray.platform.config import ConfigError, DataConfig, PartitionConfig, SplitConfig
+from fedray.platform.config import DataConfig, PartitionConfig, SplitConfig
 from fedray.platform.data import build_federation, histogram_heatmap, load_dataset
 from fedray.platform.data.datasets import ArrayDataset, DatasetBundle
+from fedray.platform.errors import ConfigError
 
 
 @pytest.fixture(scope="module")

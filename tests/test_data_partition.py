@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedray.platform.config import ConfigError, PartitionConfig
+from fedray.platform.config import PartitionConfig
 from fedray.platform.data.partition import (
     apply_plan,
     dirichlet,
@@ -17,6 +17,7 @@ from fedray.platform.data.partition import (
     shards,
     stratified_split,
 )
+from fedray.platform.errors import ConfigError
 
 NUM_CLASSES = 10
 LABELS = np.random.default_rng(123).permutation(np.repeat(np.arange(NUM_CLASSES), 100))  # 1000, balanced

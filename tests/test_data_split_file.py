@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from fedray.platform.config import ConfigError, DataConfig, PartitionConfig, SplitConfig
+from fedray.platform.config import DataConfig, PartitionConfig, SplitConfig
 from fedray.platform.data import (
     build_federation,
     check_data,
@@ -23,6 +23,7 @@ from fedray.platform.data import (
     write_split,
 )
 from fedray.platform.data.datasets import _read_cache
+from fedray.platform.errors import ConfigError
 
 PARTS = ("train", "val", "test")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedray.platform.config import ConfigError
+from fedray.platform.errors import ConfigError
 from fedray.platform.models import (
     FeaturePool,
     FedModel,

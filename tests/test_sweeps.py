@@ -7,7 +7,8 @@ import yaml
 from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 
-from fedray.platform.config import ConfigError, load_yaml
+from fedray.platform.config import load_yaml
+from fedray.platform.errors import ConfigError
 from fedray.sweeps.space import SPACES_DIR, check_space, load_space, trial_config
 from fedray.sweeps.tune_sweep import prepare_base, run_sweep
 

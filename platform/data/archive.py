@@ -5,7 +5,7 @@ from __future__ import annotations
 import tarfile
 from pathlib import Path
 
-from fedray.platform.config import ConfigError
+from fedray.platform.errors import ConfigError
 
 
 def unpack_image_archive(archive: str | Path, target: str | Path) -> Path:

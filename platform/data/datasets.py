@@ -46,7 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedray.platform.config import ConfigError, DataConfig
+from fedray.platform.config import DataConfig
+from fedray.platform.errors import ConfigError
 
 CACHE_VERSION = 1  # bump when the cache layout changes: old files are then ignored
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".tif", ".tiff")

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedray.platform.config import ConfigError, DataConfig
+from fedray.platform.config import DataConfig
 from fedray.platform.data.datasets import ArrayDataset, DatasetBundle
 from fedray.platform.data.partition import (
     OFFICIAL_TEST_STREAM,
@@ -71,6 +71,7 @@ from fedray.platform.data.split_file import (
     resolve_split,
     split_path,
 )
+from fedray.platform.errors import ConfigError
 
 if TYPE_CHECKING:
     import pandas as pd

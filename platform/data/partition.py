@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fedray.platform.config import ConfigError, PartitionConfig
+from fedray.platform.config import PartitionConfig
+from fedray.platform.errors import ConfigError
 
 RngLike = np.random.Generator | int
 

@@ -48,7 +48,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedray.platform.config import ConfigError, DataConfig
+from fedray.platform.config import DataConfig
+from fedray.platform.errors import ConfigError
 
 if TYPE_CHECKING:
     from fedray.platform.data.datasets import DatasetBundle

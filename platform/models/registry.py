@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from fedray.platform.config import ConfigError
+from fedray.platform.errors import ConfigError
 from fedray.platform.models.base import FeaturePool, FedModel
 
 # builder(in_channels, image_size[, style=...]) -> (feature extractor, feature_dim)
