@@ -17,7 +17,7 @@ from torch import nn
 from fedray.platform.algorithm import ClientModule, Payload, Server, cpu_state
 from fedray.platform.algorithm_config import AlgorithmConfig
 from fedray.platform.config import ExperimentConfig
-from fedray.platform.errors import ConfigError
+from fedray.platform.models.checks import require_homogeneous
 from fedray.platform.registry import register
 
 
@@ -39,16 +39,6 @@ def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]
         else:
             out[key] = first.clone()
     return out
-
-
-def require_homogeneous(cfg: ExperimentConfig) -> None:
-    from fedray.platform.models import model_group
-
-    if len(set(model_group(cfg.model.group))) > 1:
-        raise ConfigError(
-            f"algorithm={cfg.algorithm} averages whole models, so model.group={cfg.model.group!r} "
-            "(heterogeneous) cannot be used; pick a single architecture"
-        )
 
 
 class FedAvgServer(Server):

@@ -46,11 +46,11 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
-from fedray.algorithms.fedavg import require_homogeneous
 from fedray.platform.algorithm import ClientModule, Payload, Server, ServerContext, cpu_state, derive_seed
 from fedray.platform.algorithm_config import AlgorithmConfig
 from fedray.platform.config import ExperimentConfig, clients_per_round
 from fedray.platform.errors import ConfigError
+from fedray.platform.models.checks import require_homogeneous
 from fedray.platform.registry import register
 
 Selection = Literal["in_order", "highest_similarity", "lowest_similarity"]

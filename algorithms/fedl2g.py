@@ -40,13 +40,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from fedray.algorithms.fedproto import shared_feature_dim
 from fedray.platform.algorithm import ClientContext, ClientModule, Payload, Server, ServerContext, derive_seed
 from fedray.platform.algorithm_config import AlgorithmConfig
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ConfigError
 from fedray.platform.models import FedModel
+from fedray.platform.models.checks import shared_feature_dim
 from fedray.platform.registry import register
 
 Variant = Literal["f", "l"]

@@ -42,20 +42,11 @@ from fedray.platform.algorithm import ClientModule, Payload, Server, ServerConte
 from fedray.platform.algorithm_config import AlgorithmConfig
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.errors import ConfigError
+from fedray.platform.models.checks import shared_feature_dim
+from fedray.platform.prototypes import class_prototypes, scatter_rows
 from fedray.platform.registry import register
 
 # ------------------------------------------------------------------------------------------- math
-
-
-def class_prototypes(z: Tensor, y: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
-    """Eq. 4: per-class mean of the representations, and the per-class sample counts.
-
-    Shape: ``z [B, d]``, ``y [B]`` int64 -> ``protos [C, d]`` (zero rows for absent classes),
-    ``counts [C]`` int64.
-    """
-    counts = torch.bincount(y, minlength=num_classes)
-    sums = z.new_zeros(num_classes, z.shape[1]).index_add_(0, y, z)
-    return sums / counts.clamp(min=1).unsqueeze(1).to(z.dtype), counts
 
 
 def aggregate_prototypes(protos: Tensor, counts: Tensor, weighted: bool = True) -> tuple[Tensor, Tensor]:
@@ -90,37 +81,6 @@ def nearest_prototype_scores(z: Tensor, protos: Tensor, mask: Tensor) -> Tensor:
     return scores.masked_fill(~mask, float("-inf"))
 
 
-def stack_uploads(
-    classes: list[Tensor], protos: list[Tensor], counts: list[Tensor], num_classes: int
-) -> tuple[Tensor, Tensor]:
-    """Dense ``protos [K, C, d]`` and ``counts [K, C]`` from K clients' held classes ``[k_i]``, rows
-    ``[k_i, d]`` and counts ``[k_i]``, with one indexed write."""
-    who = torch.repeat_interleave(torch.arange(len(classes)), torch.tensor([len(c) for c in classes]))
-    cls = torch.cat(classes)
-    dense = protos[0].new_zeros(len(classes), num_classes, protos[0].shape[1])
-    dense[who, cls] = torch.cat(protos)
-    dense_counts = torch.zeros(len(classes), num_classes, dtype=torch.int64)
-    dense_counts[who, cls] = torch.cat(counts).to(torch.int64)
-    return dense, dense_counts
-
-
-def shared_feature_dim(ctx: ServerContext) -> int:
-    """The representation size ``d`` every client's model shares; ConfigError when they differ.
-
-    Models are built on the meta device (no memory, no init cost), one per distinct architecture.
-    """
-    first = {arch: cid for cid, arch in reversed(list(enumerate(ctx.client_archs)))}
-    with torch.device("meta"):
-        dims = {arch: ctx.make_model(cid).feature_dim for arch, cid in first.items()}
-    if len(set(dims.values())) > 1:
-        found = ", ".join(f"{a}: {d}" for a, d in dims.items())
-        raise ConfigError(
-            f"model.group={ctx.cfg.model.group!r}: algorithm={ctx.cfg.algorithm} needs one feature size "
-            f"across the group, got {found}; pool the members to one size (name@K)"
-        )
-    return next(iter(dims.values()))
-
-
 # ------------------------------------------------------------------------------------------- server half
 
 
@@ -144,10 +104,10 @@ class FedProtoServer(Server):
         if not uplinks:
             return
         ups = list(uplinks.values())
-        protos, counts = stack_uploads(
-            [u["classes"] for u in ups], [u["protos"] for u in ups], [u["counts"] for u in ups],
-            self.ctx.num_classes,
-        )
+        classes = [u["classes"] for u in ups]
+        protos, _ = scatter_rows([u["protos"] for u in ups], classes, self.ctx.num_classes)
+        counts, _ = scatter_rows([u["counts"][:, None] for u in ups], classes, self.ctx.num_classes)
+        counts = counts[..., 0].to(torch.int64)
         self.protos, self.mask = aggregate_prototypes(protos, counts, self.hp.weighted)
 
     def eval_payload(self) -> Payload | None:

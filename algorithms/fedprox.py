@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils import parameters_to_vector
 
-from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer, require_homogeneous
+from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer
 from fedray.platform.algorithm_config import AlgorithmConfig
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.errors import ConfigError
+from fedray.platform.models.checks import require_homogeneous
 from fedray.platform.registry import register
 
 

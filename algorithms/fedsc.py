@@ -49,24 +49,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer, require_homogeneous
+from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer
 from fedray.platform.algorithm import Payload, cpu_state
 from fedray.platform.algorithm_config import AlgorithmConfig
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.errors import ConfigError
+from fedray.platform.models.checks import require_homogeneous
+from fedray.platform.prototypes import class_prototypes
 from fedray.platform.registry import register
 
 # --------------------------------------------------------------------------------------------- math
-
-
-def class_prototypes(z: Tensor, y: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
-    """Per-class mean feature ``c^j`` (Eq. 3-4) and class counts ``n^j``.
-
-    Shape: z ``[N, d]``, y ``[N]`` -> prototypes ``[C, d]`` (zero rows for absent classes), counts ``[C]``.
-    """
-    counts = torch.bincount(y, minlength=num_classes)
-    sums = torch.zeros(num_classes, z.shape[1], dtype=z.dtype, device=z.device).index_add_(0, y, z)
-    return sums / counts.clamp_min(1).unsqueeze(1).to(z.dtype), counts
 
 
 def relational_prototypes(protos: Tensor, mask: Tensor, neighbors: int) -> Tensor:

@@ -39,11 +39,13 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
-from fedray.algorithms.lgfedavg import LGFedAvgServer, header_rows, load_header_rows
+from fedray.algorithms.lgfedavg import LGFedAvgServer
 from fedray.platform.algorithm import ClientModule, Payload
 from fedray.platform.algorithm_config import AlgorithmConfig
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.errors import ConfigError
+from fedray.platform.models.header import header_rows, load_header_rows
+from fedray.platform.prototypes import scatter_rows
 from fedray.platform.registry import register
 
 # ------------------------------------------------------------------------------------------- math
@@ -72,18 +74,6 @@ def classwise_mean(headers: Tensor, seen: Tensor, previous: Tensor) -> Tensor:
     count = seen.sum(0)[:, None]  # [C, 1]
     total = torch.where(seen[..., None], headers, 0).sum(0)
     return torch.where(count > 0, total / count.clamp(min=1), previous)
-
-
-def scatter_rows(rows: list[Tensor], classes: list[Tensor], num_classes: int) -> tuple[Tensor, Tensor]:
-    """Dense ``headers [K, C, d+1]`` and ``seen [K, C]`` from K clients' seen rows ``[|S_k|, d+1]`` and
-    class indices ``[|S_k|]``, with one indexed write."""
-    who = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(c) for c in classes]))
-    cls = torch.cat(classes)
-    headers = rows[0].new_zeros(len(rows), num_classes, rows[0].shape[1])
-    headers[who, cls] = torch.cat(rows)
-    seen = torch.zeros(len(rows), num_classes, dtype=torch.bool)
-    seen[who, cls] = True
-    return headers, seen
 
 
 def seen_rows_of(uplink: Payload) -> Payload:

@@ -13,14 +13,14 @@ from fedray.algorithms.fedproto import (
     class_prototypes,
     nearest_prototype_scores,
     prototype_loss,
-    shared_feature_dim,
-    stack_uploads,
 )
 from fedray.platform.algorithm import ClientContext, ServerContext
 from fedray.platform.config import load_config
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ConfigError
 from fedray.platform.models import FedModel, arch_for_client, build_model
+from fedray.platform.models.checks import shared_feature_dim
+from fedray.platform.prototypes import scatter_rows
 
 # two clients, four classes, d = 1:  A holds class 0 (1 sample, proto 1) and class 2 (3 samples, proto 4);
 # B holds class 0 (3 samples, proto 3) and class 1 (2 samples, proto 7); nobody holds class 3.
@@ -96,10 +96,13 @@ def test_prototype_loss_by_hand():
     assert_close(loss, torch.tensor(0.5))
 
 
-def test_stack_uploads_scatters_rows_into_dense_tensors():
+def test_scatter_rows_makes_dense_tensors_of_per_client_class_rows():
     ups = [UPLINK_A, UPLINK_B]
-    protos, counts = stack_uploads(*([u[k] for u in ups] for k in ("classes", "protos", "counts")), 4)
-    assert_close(counts, COUNTS)
+    classes = [u["classes"] for u in ups]
+    protos, held = scatter_rows([u["protos"] for u in ups], classes, 4)
+    counts, _ = scatter_rows([u["counts"][:, None] for u in ups], classes, 4)
+    assert_close(counts[..., 0].to(torch.int64), COUNTS)
+    assert held.tolist() == (COUNTS > 0).tolist()
     assert_close(protos[0], PROTOS[0])
     assert_close(protos[1, :2], PROTOS[1, :2])
 

@@ -1,0 +1,31 @@
+"""Per-class tensors that several algorithms exchange: class means of representations (FedProto's,
+FD's and FedSC's prototypes) and the dense ``[K, C, ...]`` view of per-client class-indexed rows
+(FedProto's prototypes, FedSSA's header rows)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def class_prototypes(z: Tensor, y: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
+    """Per-class mean of the representations, and the per-class sample counts.
+
+    Shape: ``z [N, d]``, ``y [N]`` int64 -> ``protos [C, d]`` (zero rows for absent classes),
+    ``counts [C]`` int64.
+    """
+    counts = torch.bincount(y, minlength=num_classes)
+    sums = z.new_zeros(num_classes, z.shape[1]).index_add_(0, y, z)
+    return sums / counts.clamp(min=1).unsqueeze(1).to(z.dtype), counts
+
+
+def scatter_rows(rows: list[Tensor], classes: list[Tensor], num_classes: int) -> tuple[Tensor, Tensor]:
+    """Dense ``[K, C, m]`` rows and a ``[K, C]`` bool mask of which are present, from K clients' rows
+    ``[k_i, m]`` for their classes ``[k_i]``, with one indexed write."""
+    who = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(c) for c in classes]))
+    cls = torch.cat(classes)
+    dense = rows[0].new_zeros(len(rows), num_classes, rows[0].shape[1])
+    dense[who, cls] = torch.cat(rows)
+    present = torch.zeros(len(rows), num_classes, dtype=torch.bool)
+    present[who, cls] = True
+    return dense, present
