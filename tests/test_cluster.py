@@ -4,7 +4,8 @@ Two ``ray start --block`` processes on this machine (a head and a worker node, 1
 its own temp dir and working directory, both stopped by pid) form the cluster; a separate driver
 process joins it through ``RAY_ADDRESS``, as the README's cluster recipe does, runs an uninterrupted
 experiment, one stopped after round 2 and its resume, and reports what it saw as JSON. The test's own
-Ray (the session's ``ray_session`` fixture) is never touched.
+Ray (the session's ``ray_session`` fixture) is never touched. This is the suite's test that a resumed
+run ends with the numbers of an uninterrupted one (``test_run_signals`` resumes after a SIGTERM).
 
 Token authentication is set up the way a user must do it on separate machines: one shared token,
 ``RAY_AUTH_MODE=token`` on every node and on the driver (``ray start --address`` and

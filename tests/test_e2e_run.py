@@ -9,7 +9,7 @@ from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 
 from fedray.platform.config import load_config
-from fedray.platform.run import resume_experiment, run_experiment
+from fedray.platform.run import run_experiment
 
 
 @pytest.mark.usefixtures("ray_session")
@@ -57,25 +57,6 @@ def test_local_sends_nothing_and_has_no_global_model(mlflow_store, tmp_path):
     path = client.download_artifacts(result.run_id, "models/client_models.pt", str(tmp_path))
     models = torch.load(path, weights_only=False)
     assert sorted(models) == [0, 1, 2, 3] and all("head.weight" in m for m in models.values())
-
-
-@pytest.mark.usefixtures("ray_session")
-def test_resumed_run_equals_uninterrupted_run(mlflow_store):
-    overrides = tiny_overrides(rounds=4, checkpoint_every=2, **{"train.fraction": 0.5})
-    full = run_experiment(load_config(None, overrides))
-
-    stopped = run_experiment(load_config(None, overrides), stop_after_round=2)
-    assert not stopped.finished and len(stopped.history) == 2
-    assert MlflowClient(mlflow_store).get_run(stopped.run_id).info.status == "KILLED"
-
-    resumed = resume_experiment(stopped.run_id)
-    assert resumed.finished and resumed.run_id == stopped.run_id
-    assert len(resumed.history) == 4
-    for a, b in zip(full.history, resumed.history):
-        for key in ("acc/personal_mean", "acc/global", "loss/train", "comm/up_bytes_cum"):
-            assert a[key] == b[key], key
-    assert full.client_acc == resumed.client_acc
-    assert MlflowClient(mlflow_store).get_run(stopped.run_id).info.status == "FINISHED"
 
 
 def without_timing(history):
