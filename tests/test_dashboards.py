@@ -220,7 +220,7 @@ def _browse(browser: str, page: Path, profile: Path, *extra: str) -> subprocess.
         *extra,
         page.resolve().as_uri(),
     ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
 def _console_errors(stderr: str) -> list[str]:

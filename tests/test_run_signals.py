@@ -51,7 +51,7 @@ def test_sigterm_stops_the_run_as_ctrl_c_and_it_resumes(tmp_path, monkeypatch):
     proc = start_run(tmp_path)
     wait_for_round(proc, 2)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=600)
     assert proc.returncode == 130, err[-2000:]
     assert "resume with  fedray run --resume" in out
     client, run = only_run(tmp_path)
@@ -82,7 +82,7 @@ def test_a_dead_coordinator_is_one_line_with_the_resume_command(tmp_path):
     proc = start_run(tmp_path)
     wait_for_round(proc, 1)
     coordinator_of(proc).kill()  # SIGKILL
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=600)
     assert proc.returncode == 1
     _, run = only_run(tmp_path)
     last = err.strip().splitlines()[-1]
