@@ -107,6 +107,78 @@ class PeakMemory:
         self._thread.join()
 
 
+class TreePss(PeakMemory):
+    """PeakMemory over one command's process tree, summing PSS instead of RSS.
+
+    The tree is the command's process and all its descendants: a local Ray's GCS, raylet, agents
+    and worker processes (Coordinator, ClientActors) all descend from the driver. It is re-listed
+    once a second, as PeakMemory re-lists Ray's processes; PSS splits shared pages (torch's
+    libraries, Ray's object store) between the processes that map them, so the sum counts them once.
+
+    Reading PSS makes the kernel walk each process's page tables: about 0.1 s of CPU for a run's
+    dozen processes here, so sampling at PeakMemory's 0.2 s would take a third of a core from the
+    run being measured. A sample is therefore taken every ``interval`` seconds (the ticks between
+    return 0, which leaves the peak alone).
+    """
+
+    def __init__(self, pid: int, interval: float) -> None:
+        super().__init__(include_ray=True)
+        self.root = psutil.Process(pid)
+        self.interval = interval
+        self._due = 0.0
+        self.at_peak: list[tuple[str, int]] = []  # (process, PSS) of the peak sample, largest first
+        self.seen: dict[int, psutil.Process] = {}  # every descendant ever listed
+
+    def _find_ray_processes(self) -> None:
+        try:
+            self._ray = [self.root, *self.root.children(recursive=True)]
+        except psutil.Error:  # the command has exited
+            self._ray = []
+        self.seen.update((p.pid, p) for p in self._ray[1:])
+
+    def leftovers(self) -> list[psutil.Process]:
+        """Descendants still alive after the command exited (a Ray it did not shut down)."""
+        alive = []
+        for proc in self.seen.values():
+            try:  # is_running() also checks the pid was not reused
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(proc)
+            except psutil.Error:
+                continue
+        return alive
+
+    def _sample(self) -> int:
+        now = time.monotonic()
+        if now < self._due:
+            return 0
+        self._due = now + self.interval
+        parts = []
+        for proc in self._ray:
+            try:
+                parts.append((proc, proc.memory_full_info().pss))
+            except psutil.Error:
+                continue
+        total = sum(pss for _, pss in parts)
+        if total > self.peak:
+            self.at_peak = sorted(((process_label(p), pss) for p, pss in parts), key=lambda x: -x[1])
+        return total
+
+
+def process_label(proc: psutil.Process) -> str:
+    """``ray::ClientActor``, ``raylet``, ``fedray``: what a process is, in a word."""
+    try:
+        cmd = proc.cmdline()
+    except psutil.Error:
+        return "?"
+    if cmd and cmd[0].startswith("ray::"):  # ray::ClientActor, or ray::ClientActor.train while it runs one
+        return cmd[0].split()[0].split(".")[0]
+    name = proc.name()
+    if name.startswith("python"):  # the script it runs: fedray, log_monitor.py, ...
+        script = next((arg for arg in cmd[1:] if not arg.startswith("-")), None)
+        return Path(script).name if script else name
+    return name
+
+
 def wait_until_idle(limit_s: float = 60.0) -> None:
     """Block until the CPUs are idle (Ray's workers finish importing; earlier runs' processes exit)."""
     deadline = time.monotonic() + limit_s
@@ -175,8 +247,6 @@ def plain_fedavg(cfg, on_round=None) -> float:
 def timed_command(argv: list[str], env: dict[str, str]) -> tuple[float, float, int]:
     """(whole command s, s to the end of round 1, peak tree PSS) of one command, as a user runs it:
     a fresh process (and, for fedray, a fresh Ray). Round 1 ends when its progress line is printed."""
-    from bench_scale import TreePss  # PSS of the whole process tree, sampled every 2 s (cheaply)
-
     wait_until_idle()
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -230,10 +230,7 @@ class ClientModule(L.LightningModule):
         if value is not None:
             ref = next(self.model.parameters())
             value = value.to(ref.device, ref.dtype if value.is_floating_point() else None)
-        if name in self._buffers:
-            self._buffers[name] = value
-        else:
-            self.register_buffer(name, value, persistent=False)
+        self.register_buffer(name, value, persistent=False)  # replaces a buffer of that name
 
     # ---- per-fit statistics (cheaper than self.log, and they travel back with the uplink)
     def record(self, name: str, value: torch.Tensor | float) -> None:

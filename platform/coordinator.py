@@ -150,7 +150,8 @@ class RoundLoop:
         archs = [arch_for_client(cfg.model.group, cid) for cid in range(n)]
         ctx = ServerContext(cfg, n, meta["num_classes"], archs, lambda cid: make_client_model(cfg, cid, meta))
         torch.manual_seed(derive_seed(cfg.seed, 4))
-        self.server = get_algorithm(cfg.algorithm).server_cls(ctx)
+        self.spec = get_algorithm(cfg.algorithm)
+        self.server = self.spec.server_cls(ctx)
         self.store = StateStore()
 
         def spawn():
@@ -354,7 +355,7 @@ class RoundLoop:
 
         Clients evaluated with the global model have nothing of their own to show; a client never
         selected still has its initial model; above ``limit`` clients none are logged."""
-        if tests_with_global_model(get_algorithm(self.cfg.algorithm).client_cls, self.server.eval_payload()):
+        if tests_with_global_model(self.spec.client_cls, self.server.eval_payload()):
             return {}, "client models not logged: clients are evaluated with the global model"
         trained = sorted(self.store.refs)
         if len(trained) > limit:
