@@ -9,7 +9,7 @@ PORT ?= 5000
 EXP ?=
 OUT ?=
 
-.PHONY: install run compare sweep report test test-slow lint bench bench-scale ui clean
+.PHONY: install run compare sweep report test test-slow lint typecheck bench bench-scale ui clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,12 @@ report: install  ## HTML report of an MLflow experiment: make report EXP=quickst
 lint: install
 	$(BIN)/ruff check .
 
-test: install lint  ## lint, then the default suite (slow real-data tests excluded)
+typecheck: install  ## mypy on the fedray package
+	@mkdir -p $(VENV)/typecheck/fedray
+	@for d in platform algorithms sweeps dashboards; do ln -sfn ../../../$$d $(VENV)/typecheck/fedray/$$d; done
+	MYPYPATH=$(VENV)/typecheck $(BIN)/mypy -p fedray
+
+test: install lint typecheck  ## lint, type check, then the default suite (slow real-data tests excluded)
 	$(BIN)/python -m pytest -q
 
 test-slow: install  ## the real-data checks (CIFAR-10 JPEGs from ../shared/data)

@@ -39,7 +39,7 @@ fusion tests rely on. A client that fails mid-round leaves its middleware model 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -62,7 +62,7 @@ DA_ALPHA_START = 0.5  # dynamic alpha starts here (Sec. III-D: "from 0.5 to a sp
 # --------------------------------------------------------------------------------------------- math
 
 
-def flatten_states(states: list[Mapping[str, Tensor]]) -> Tensor:
+def flatten_states(states: Sequence[Mapping[str, Tensor]]) -> Tensor:
     """Stack the floating-point entries of K state dicts into one float64 matrix.
 
     Shape: ``[K, P]``, P = total number of float elements (parameters and float buffers), entries in
@@ -174,6 +174,8 @@ class FedCrossServer(Server):
     """Keeps the K middleware models (state dicts), the round's model -> client assignment, and the
     global model (their uniform mean), which is only evaluated."""
 
+    hp: FedCrossConfig
+
     def __init__(self, ctx: ServerContext) -> None:
         super().__init__(ctx)
         self.num_models = self.hp.num_middleware or clients_per_round(ctx.cfg)
@@ -234,6 +236,8 @@ class FedCrossClient(ClientModule):
 
     Aggregation is uniform, so no sample count goes up.
     """
+
+    hp: FedCrossConfig
 
     def upload(self) -> Payload:
         return {"model": cpu_state(self.model)}

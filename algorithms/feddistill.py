@@ -45,11 +45,15 @@ def soft_target_ce(logits: Tensor, targets: Tensor, mask: Tensor, y: Tensor) -> 
 
 
 class FedDistillServer(FedProtoServer):
+    hp: FedDistillConfig
+
     def representation_dim(self, ctx: ServerContext) -> int:
         return ctx.num_classes
 
 
 class FedDistillClient(FedProtoClient):
+    hp: FedDistillConfig
+
     def guided(self, logits: Tensor, z: Tensor) -> Tensor:
         """Global "prototypes" live in the logit space."""
         return logits

@@ -133,6 +133,8 @@ def average_rows(uploads: list[tuple[Tensor, Tensor]], num_classes: int) -> tupl
 class FedL2GServer(Server):
     """Holds G as an ``nn.Embedding(C, M)`` and updates it with a stock SGD step on the mean pi."""
 
+    hp: FedL2GConfig
+
     def __init__(self, ctx: ServerContext) -> None:
         super().__init__(ctx)
         dim = shared_feature_dim(ctx) if self.hp.variant == "f" else ctx.num_classes
@@ -166,6 +168,9 @@ def quiz_seed(ctx: ClientContext) -> int:
 
 class FedL2GClient(ClientModule):
     """Trains on the study set with CE + guide (Eq. 4); uploads the non-zero rows of pi (Eqs. 5-6)."""
+
+    hp: FedL2GConfig
+    guide: Tensor  # held
 
     def __init__(self, model: FedModel, ctx) -> None:
         super().__init__(model, ctx)

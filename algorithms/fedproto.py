@@ -87,6 +87,8 @@ def nearest_prototype_scores(z: Tensor, protos: Tensor, mask: Tensor) -> Tensor:
 class FedProtoServer(Server):
     """Keeps the global prototypes ``[C, d]`` and their mask ``[C]``; none before the first uploads."""
 
+    hp: FedProtoConfig
+
     def __init__(self, ctx: ServerContext) -> None:
         super().__init__(ctx)
         self.dim = self.representation_dim(ctx)
@@ -97,7 +99,9 @@ class FedProtoServer(Server):
         return shared_feature_dim(ctx)
 
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
-        down = {} if self.protos is None else {"protos": self.protos.clone(), "mask": self.mask.clone()}
+        if self.protos is None or self.mask is None:  # before the first aggregation
+            return self.broadcast(selected, {})
+        down = {"protos": self.protos.clone(), "mask": self.mask.clone()}
         return self.broadcast(selected, down)
 
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
@@ -121,6 +125,10 @@ class FedProtoServer(Server):
 
 class FedProtoClient(ClientModule):
     """CE + lam * prototype pull (Eq. 5); uploads the prototypes of the classes it holds (Eq. 4)."""
+
+    hp: FedProtoConfig
+    targets: Tensor  # held
+    has_target: Tensor  # held
 
     def __init__(self, model, ctx) -> None:
         super().__init__(model, ctx)

@@ -28,6 +28,9 @@ def proximal_term(params: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
 
 
 class FedProxClient(FedAvgClient):
+    hp: FedProxConfig
+    anchor: torch.Tensor  # held
+
     def receive(self, rnd: int, payload) -> None:
         super().receive(rnd, payload)
         self.hold("anchor", parameters_to_vector(self.model.parameters()).detach())  # w^t

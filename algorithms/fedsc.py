@@ -120,7 +120,7 @@ def distance_scale(z: Tensor, rel: Tensor, chunk: int = 4096) -> Tensor:
     Shape: z ``[N, d]``, rel ``[K, C, d]`` -> ``[K, C]``.
     """
     flat = rel.flatten(0, 1)
-    total = sum(torch.cdist(part, flat).sum(0) for part in z.split(chunk))
+    total = torch.stack([torch.cdist(part, flat).sum(0) for part in z.split(chunk)]).sum(0)
     return (total / z.shape[0]).view(rel.shape[:2])
 
 
@@ -174,6 +174,8 @@ def cpdr_loss(
 class FedSCServer(FedAvgServer):
     """FedAvg's global model plus R (``[K_r, C, d]`` + mask) and O (``[C, d]`` + mask) of the last round."""
 
+    hp: FedSCConfig
+
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
         self.relational: Tensor | None = None  # [K_r, C, d]
@@ -215,6 +217,14 @@ class FedSCClient(FedAvgClient):
     and stay out of checkpoints); ``receive`` replaces them every round.
     """
 
+    hp: FedSCConfig
+    # held (see hold); None before the first global prototypes exist
+    relational: Tensor | None
+    relational_mask: Tensor | None
+    consistent: Tensor | None
+    consistent_mask: Tensor | None
+    scale: Tensor | None
+
     def receive(self, rnd: int, payload: Payload) -> None:
         super().receive(rnd, payload)
         for name in ("relational", "relational_mask", "consistent", "consistent_mask"):
@@ -242,6 +252,7 @@ class FedSCClient(FedAvgClient):
         loss = F.cross_entropy(logits, y)
         self.record("loss/ce", loss)
         if self.relational is not None:
+            assert self.relational_mask is not None and self.consistent is not None  # sent together
             rpcl = rpcl_loss(z, y, self.relational, self.relational_mask, self.hp.tau, self.scale)
             cpdr = cpdr_loss(z, y, self.consistent, self.hp.cpdr, self.consistent_mask)
             self.record("loss/rpcl", rpcl)

@@ -39,8 +39,8 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
-from fedray.algorithms.lgfedavg import LGFedAvgServer
-from fedray.platform.algorithm import ClientModule, Payload
+from fedray.algorithms.lgfedavg import global_header
+from fedray.platform.algorithm import ClientModule, Payload, Server
 from fedray.platform.algorithm_config import AlgorithmConfig
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.errors import ConfigError
@@ -88,11 +88,14 @@ def seen_rows_of(uplink: Payload) -> Payload:
 # ------------------------------------------------------------------------------------------- server half
 
 
-class FedSSAServer(LGFedAvgServer):
+class FedSSAServer(Server):
     """Keeps the global header ``[C, d+1]`` (random init) and each client's seen classes once known."""
+
+    hp: FedSSAConfig
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
+        self.header = global_header(ctx)
         self.seen_classes: dict[int, Tensor] = {}  # client id -> S_k as sorted class indices
         if self.hp.aggregate_all_latest:  # [code] variant: every client's latest uploaded rows
             self.latest = self.header.new_zeros(ctx.num_clients, *self.header.shape)
@@ -129,6 +132,8 @@ class FedSSAServer(LGFedAvgServer):
 
 class FedSSAClient(ClientModule):
     """Fuses the global seen rows into its header (Eq. 4), trains with plain CE, uploads seen rows."""
+
+    hp: FedSSAConfig
 
     def __init__(self, model, ctx) -> None:
         super().__init__(model, ctx)

@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from fedray.platform.algorithm import ClientModule, Payload, Server, derive_seed
+from fedray.platform.algorithm import ClientModule, Payload, Server, ServerContext, derive_seed
 from fedray.platform.algorithm_config import AlgorithmConfig
 from fedray.platform.models.header import header_rows, load_header_rows
 from fedray.platform.registry import register
@@ -55,13 +55,20 @@ def average_headers(headers: Tensor, weights: Tensor) -> Tensor:
 # ------------------------------------------------------------------------------------------- server half
 
 
+def global_header(ctx: ServerContext) -> Tensor:
+    """The server's initial header ``[C, d+1]`` (LG-FedAvg's and FedSSA's), seeded by the run."""
+    d = ctx.make_model(0).head.in_features
+    return init_header(ctx.num_classes, d, derive_seed(ctx.cfg.seed, 4, 1))
+
+
 class LGFedAvgServer(Server):
     """Holds the global header ``[C, d+1]``; sends it whole, FedAvg-averages the uploaded headers."""
 
+    hp: LGFedAvgConfig
+
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
-        d = ctx.make_model(0).head.in_features
-        self.header = init_header(ctx.num_classes, d, derive_seed(ctx.cfg.seed, 4, 1))
+        self.header = global_header(ctx)
 
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
         return self.broadcast(selected, {"header": self.header.clone()})
@@ -82,6 +89,8 @@ class LGFedAvgServer(Server):
 
 class LGFedAvgClient(ClientModule):
     """Replaces its header with the global one, trains the whole model, uploads the header."""
+
+    hp: LGFedAvgConfig
 
     def receive(self, rnd: int, payload: Payload) -> None:
         super().receive(rnd, payload)

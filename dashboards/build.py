@@ -73,7 +73,7 @@ def make_report(
         history["comm/up_bytes_cum"].fillna(0) + history["comm/down_bytes_cum"].fillna(0)
     ).map(mb)
     auto = target is None
-    target = sm.auto_target(selected, METRIC) if auto else float(target)
+    target = sm.auto_target(selected, METRIC) if target is None else float(target)
     colors = figs.group_colors(sorted(runs["group"].unique()))
     rows = sm.summary_table(selected, history, target, METRIC)
 
@@ -155,7 +155,7 @@ def _rounds_cell(row: dict) -> Cell:
 
 def _summary_section(rows: list[dict], target: float, auto: bool, hparams: dict[str, list[str]]) -> Section:
     swept = any(hparams.values())
-    headers = [
+    headers: list[str | Cell] = [
         Cell("algorithm", css="text"),
         *([Cell("config (best of sweep)", css="text")] if swept else []),
         "seed(s)",

@@ -163,7 +163,7 @@ def sweep_heatmap(group: str, grid: pd.DataFrame, metric: str) -> Figure:
             )
     if finite.size:
         i, j = np.unravel_index(np.nanargmax(values), values.shape)
-        ax.add_patch(_outline(j, i))
+        ax.add_patch(_outline(int(j), int(i)))
     ax.set_title(f"{group}\n{p1} × {p2}, mean over seeds", fontsize=10)
     return fig
 

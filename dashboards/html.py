@@ -8,6 +8,7 @@ a reader sees it in the footer and a headless browser test reads it from the DOM
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from html import escape
 
@@ -110,7 +111,7 @@ def figure(png: bytes, alt: str, caption: str) -> str:
     )
 
 
-def table(headers: list[str | Cell], rows: list[list[Cell | str]], css: str = "") -> str:
+def table(headers: Sequence[str | Cell], rows: Sequence[Sequence[Cell | str]], css: str = "") -> str:
     def cell(c: Cell | str, tag: str) -> str:
         return (c if isinstance(c, Cell) else Cell(str(c), css="text")).render(tag)
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedray.platform.algorithm_config import AlgorithmConfig
 from fedray.platform.augment import crop_flip
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.data import ArrayDataset
@@ -99,7 +100,10 @@ class Server:
     Checkpointing saves every attribute but ``ctx`` and ``hp``; keep server state in attributes.
     """
 
+    hp: AlgorithmConfig  # the algorithm's own config section; a subclass names its own type
+
     def __init__(self, ctx: ServerContext) -> None:
+        assert ctx.cfg.algo is not None, "a ServerContext is built from a resolved config"
         self.ctx = ctx
         self.hp = ctx.cfg.algo
 
@@ -140,7 +144,10 @@ class ClientModule(L.LightningModule):
     a checkpoint belongs in ``state_dict()`` (parameters and registered buffers).
     """
 
+    hp: AlgorithmConfig  # the algorithm's own config section; a subclass names its own type
+
     def __init__(self, model: FedModel, ctx: ClientContext) -> None:
+        assert ctx.cfg.algo is not None, "a ClientContext is built from a resolved config"
         super().__init__()
         self.model = model
         self.ctx = ctx

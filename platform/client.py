@@ -59,7 +59,7 @@ def scan_lightning_plugins_once() -> None:
 
     scan = getattr(registry, "entry_points", None)  # None: a Lightning that finds its callbacks otherwise
     if scan is not None and not hasattr(scan, "cache_info"):  # not cached yet
-        registry.entry_points = functools.cache(scan)
+        registry.entry_points = functools.cache(scan)  # type: ignore[assignment]  # same call, cached
 
 
 def make_client_model(cfg: ExperimentConfig, client_id: int, meta: dict[str, Any]):
@@ -225,7 +225,7 @@ class ClientHost:
         module is evaluated, after ``load_for_eval`` when there is a payload, and restored after.
         """
         shared = None
-        if tests_with_global_model(self.spec.client_cls, payload):
+        if payload is not None and tests_with_global_model(self.spec.client_cls, payload):
             shared = self.global_model(
                 arch_for_client(self.cfg.model.group, tasks[0].client), payload["model"]
             )
@@ -268,7 +268,8 @@ class ClientHost:
                 raw: ArrayDataset = fetch(boxed)
                 chunk = (normalize(raw.x, self.meta["mean"], self.meta["std"]), raw.y)
                 self.global_chunks.keep(index, chunk)
-            out.append((index, *evaluate_model(model, *chunk, self.device)))
+            x, y = chunk
+            out.append((index, *evaluate_model(model, x, y, self.device)))
         return out
 
 

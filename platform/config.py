@@ -212,7 +212,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key}={value!r}: expected a string")
         return str(value)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return build_dataclass(tp, value, prefix=key)
     return value
 
@@ -221,7 +221,7 @@ def build_dataclass(cls: type, values: Any, prefix: str = "") -> Any:
     """Build ``cls`` from a mapping, checking every key and converting every value."""
     if values is None:
         values = {}
-    if dataclasses.is_dataclass(values):
+    if dataclasses.is_dataclass(values) and not isinstance(values, type):
         values = dataclasses.asdict(values)
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix or cls.__name__}: expected a mapping, got {values!r}")

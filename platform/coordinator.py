@@ -110,7 +110,8 @@ def start_worker(cfg: ExperimentConfig, options: dict[str, Any]):
     replacements). Its threads follow the CPUs Ray gives it."""
     from fedray.platform.client import ClientActor
 
-    return ClientActor.options(**options).remote(cfg, max(1, int(cfg.ray.num_cpus_per_client)))
+    actor = ClientActor.options(**options)  # type: ignore[attr-defined]  # @ray.remote's ActorClass
+    return actor.remote(cfg, max(1, int(cfg.ray.num_cpus_per_client)))
 
 
 def pool_size(cfg: ExperimentConfig, resources: dict[str, float]) -> int:
@@ -381,7 +382,7 @@ class RoundLoop:
 COORDINATOR_ENV = {"env_vars": {"FEDRAY_ROLE": "coordinator"}}
 
 
-@ray.remote(num_cpus=0, max_concurrency=2, runtime_env=COORDINATOR_ENV)
+@ray.remote(num_cpus=0, max_concurrency=2, runtime_env=COORDINATOR_ENV)  # type: ignore[call-overload]
 class Coordinator(RoundLoop):
     """RoundLoop as a Ray actor."""
 

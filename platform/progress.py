@@ -30,7 +30,7 @@ class Progress:
         self.console = console or Console(file=sys.stdout)
         self.live = self.console.is_terminal and enabled
         self.last_acc: dict[str, float] = {}
-        self._bar = None
+        self._bar: Any = None  # a rich Progress while live
 
     def __enter__(self) -> Progress:
         if self.live:

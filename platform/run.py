@@ -198,7 +198,8 @@ def start_runtime(cfg: ExperimentConfig, placement_group=None, num_actors: int |
     size = num_actors or pool_size(cfg, ray.available_resources() or ray.cluster_resources())
     options = worker_options(cfg, placement_group)
     workers = [start_worker(cfg, options) for _ in range(size)]
-    return Runtime(Coordinator.options(**scheduling(placement_group)).remote(), workers, options)
+    coordinator = Coordinator.options(**scheduling(placement_group))  # type: ignore[attr-defined]  # @ray.remote
+    return Runtime(coordinator.remote(), workers, options)
 
 
 def stream_rounds(runtime: Runtime, run_ref, cfg: ExperimentConfig, tracker: RunTracker, on_round) -> dict:

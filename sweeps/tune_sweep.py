@@ -167,7 +167,9 @@ def run_sweep(
         resources=trial_resources(base_cfg),
     )
     lines = _TrialLines(space.metric)
-    callbacks = [lines] + ([InterruptAfterTrials(stop_after_trials)] if stop_after_trials else [])
+    callbacks: list[Callback] = [lines]
+    if stop_after_trials:
+        callbacks.append(InterruptAfterTrials(stop_after_trials))
     if resume:
         tuner = tune.Tuner.restore(str(path), trainable, resume_errored=True)
     else:
@@ -192,7 +194,8 @@ def run_sweep(
     try:
         grid = tuner.fit()
         # Ctrl-C makes Tune save its state and return early: unfinished trials mean "interrupted"
-        finished = sum(1 for r in grid if (r.metrics or {}).get("done") or r.error)
+        trials = [grid[i] for i in range(len(grid))]
+        finished = sum(1 for r in trials if (r.metrics or {}).get("done") or r.error)
         status = "FINISHED" if finished >= space.num_trials() else "KILLED"
         if status == "KILLED":
             print(

@@ -598,7 +598,7 @@ def _decode_files(paths: Sequence[str], size: int) -> np.ndarray:
         with Image.open(path) as im:
             rgb = im.convert("RGB")
             if rgb.size != (size, size):
-                rgb = rgb.resize((size, size), Image.BILINEAR)
+                rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
             out[i] = np.asarray(rgb)
     return out
 

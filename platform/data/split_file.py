@@ -401,10 +401,10 @@ def resolve_split(split: dict[str, Any], space: SampleSpace, src: str = "split.j
         )
         hit = np.flatnonzero(np.isin(global_test, flat[train_pos]))
         if len(hit):
-            sample = int(global_test[hit[0]])
-            pos = int(train_pos[np.flatnonzero(flat[train_pos] == sample)[0]])
+            shared = int(global_test[hit[0]])
+            pos = int(train_pos[np.flatnonzero(flat[train_pos] == shared)[0]])
             raise ConfigError(
-                f"{src}: sample {resolver.describe(sample)} is in {where(pos)} and global_test[{hit[0]}]; "
+                f"{src}: sample {resolver.describe(shared)} is in {where(pos)} and global_test[{hit[0]}]; "
                 "the global test set must hold no training sample"
             )
     return ResolvedSplit(resolved, global_test)

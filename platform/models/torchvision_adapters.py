@@ -17,6 +17,7 @@ original classifier's init scheme.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -24,7 +25,7 @@ from fedray.platform.models.registry import register_model
 
 
 def _conv_like(old: nn.Conv2d, in_channels: int, **overrides: int) -> nn.Conv2d:
-    kw = {
+    kw: dict[str, Any] = {
         "kernel_size": old.kernel_size,
         "stride": old.stride,
         "padding": old.padding,
@@ -126,8 +127,11 @@ def _vgg16(in_channels: int, image_size: int, style: str, batch_norm: bool) -> t
         net.classifier[6] = nn.Identity()
         return net, 4096
     side = image_size // 32  # five 2x2 max-pools
+    features = make_layers(cfgs["D"], batch_norm=batch_norm)
+    if in_channels != 3:
+        features[0] = _conv_like(features[0], in_channels)
     convs = nn.Sequential(
-        make_layers(cfgs["D"], batch_norm=batch_norm),
+        features,
         nn.Flatten(),
         nn.Linear(512 * side * side, 512),
         nn.ReLU(inplace=True),
@@ -136,8 +140,6 @@ def _vgg16(in_channels: int, image_size: int, style: str, batch_norm: bool) -> t
         nn.ReLU(inplace=True),
         nn.Dropout(0.5),
     )
-    if in_channels != 3:
-        convs[0][0] = _conv_like(convs[0][0], in_channels)
     _init_vgg(convs)  # the CIFAR variant is not built through VGG.__init__
     return convs, 512
 
