@@ -21,7 +21,11 @@ import yaml
 
 from fedray.platform import registry
 from fedray.platform.algorithm_config import AlgorithmConfig
+from fedray.platform.data import split_file_num_clients
+from fedray.platform.data.datasets import known_datasets
+from fedray.platform.data.federation import parse_normalize
 from fedray.platform.errors import ConfigError
+from fedray.platform.models import is_known_model
 
 # --------------------------------------------------------------------------------------------- sections
 
@@ -303,8 +307,6 @@ def build_config(raw: dict[str, Any]) -> ExperimentConfig:
     cfg = build_dataclass(ExperimentConfig, raw)
     cfg.algo = build_dataclass(spec.config_cls, algo_values, prefix=algorithm)
     if cfg.data.partition.kind == "file" and cfg.data.partition.path:
-        from fedray.platform.data import split_file_num_clients
-
         # a split made elsewhere defines the clients; data.num_clients follows it
         cfg.data.num_clients = split_file_num_clients(cfg.data.partition.path)
     validate(cfg)
@@ -327,9 +329,6 @@ def _check(ok: bool, message: str) -> None:
 
 def validate(cfg: ExperimentConfig) -> None:
     """Cheap checks that need no data and no Ray. Data-dependent checks live in the data module."""
-    from fedray.platform.data.datasets import known_datasets
-    from fedray.platform.models import is_known_model
-
     d, p, s, t = cfg.data, cfg.data.partition, cfg.data.split, cfg.train
     _check(cfg.rounds >= 1, f"rounds={cfg.rounds}: must be >= 1")
     _check(cfg.eval_every >= 1, f"eval_every={cfg.eval_every}: must be >= 1")
@@ -343,8 +342,6 @@ def validate(cfg: ExperimentConfig) -> None:
         d.dataset in known_datasets(),
         f"data.dataset={d.dataset!r}: unknown dataset; known: {', '.join(known_datasets())}",
     )
-    from fedray.platform.data.federation import parse_normalize
-
     parse_normalize(d.normalize)
     _check(p.alpha > 0, f"data.partition.alpha={p.alpha}: the Dirichlet concentration must be > 0")
     _check(

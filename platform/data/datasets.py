@@ -41,13 +41,15 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from fedray.platform.config import DataConfig
 from fedray.platform.errors import ConfigError
+
+if TYPE_CHECKING:  # config imports this module; the types are only annotations here
+    from fedray.platform.config import DataConfig
 
 CACHE_VERSION = 1  # bump when the cache layout changes: old files are then ignored
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".tif", ".tiff")

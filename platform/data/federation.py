@@ -52,7 +52,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedray.platform.config import DataConfig
 from fedray.platform.data.datasets import ArrayDataset, DatasetBundle
 from fedray.platform.data.partition import (
     OFFICIAL_TEST_STREAM,
@@ -73,8 +72,10 @@ from fedray.platform.data.split_file import (
 )
 from fedray.platform.errors import ConfigError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # config imports this package; DataConfig is only an annotation here
     import pandas as pd
+
+    from fedray.platform.config import DataConfig
 
 
 @dataclass

@@ -48,10 +48,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedray.platform.config import DataConfig
 from fedray.platform.errors import ConfigError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # config imports this package; DataConfig is only an annotation here
+    from fedray.platform.config import DataConfig
     from fedray.platform.data.datasets import DatasetBundle
     from fedray.platform.data.federation import Federation
 
