@@ -39,8 +39,15 @@ def _dotted(mapping: dict[str, Any]) -> list[str]:
     return [f"{k}={v}" for k, v in mapping.items()]
 
 
-def load_comparison(path: str | Path, overrides: list[str] | None = None) -> list[CompareEntry]:
-    """Expand a compare file into one validated config per (entry, seed), before anything runs."""
+def load_comparison(
+    path: str | Path,
+    overrides: list[str] | None = None,
+    *,
+    name: str | None = None,
+    seeds: list[int] | None = None,
+) -> list[CompareEntry]:
+    """Expand a compare file into one validated config per (entry, seed), before anything runs;
+    ``name`` (the MLflow experiment) and ``seeds`` replace the file's."""
     path = Path(path)
     spec = load_yaml(path)
     unknown = set(spec) - {"name", "base", "seeds", "overrides", "runs"}
@@ -53,8 +60,8 @@ def load_comparison(path: str | Path, overrides: list[str] | None = None) -> lis
         raise ConfigError(f"{path}: 'runs' must list at least one algorithm")
     base = load_yaml(path.parent / spec["base"]) if spec.get("base") else {}
     common = merge(parse_overrides(_dotted(spec.get("overrides") or {})), parse_overrides(overrides or []))
-    name = spec.get("name") or path.stem
-    seeds = spec.get("seeds") or [base.get("seed", 0)]
+    name = name or spec.get("name") or path.stem
+    seeds = seeds or spec.get("seeds") or [base.get("seed", 0)]
     entries = []
     for i, run in enumerate(runs):
         run = {"algorithm": run} if isinstance(run, str) else dict(run)
