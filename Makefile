@@ -52,8 +52,8 @@ bench: install  ## fedray vs a plain PyTorch loop on real CIFAR-10
 bench-scale: install  ## FedSSA on CIFAR-10 at 100/1,000/10,000 clients, e.g. make bench-scale ARGS="--clients 100 --rounds 2"
 	$(BIN)/python benchmarks/bench_scale.py $(ARGS)
 
-ui: install  ## the MLflow UI on the project's store
-	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --port $(PORT)
+ui: install  ## the MLflow UI on the project's store; prints the runs table's address (EXP=name for another)
+	$(BIN)/fedray ui --port $(PORT) $(if $(EXP),--experiment "$(EXP)")
 
 clean:
 	rm -rf .fedray mlartifacts mlflow.db reports .pytest_cache .ruff_cache

@@ -172,3 +172,17 @@ def _outline(x: int, y: int):
     from matplotlib.patches import Rectangle
 
     return Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, edgecolor="red", lw=2)
+
+
+def trial_curves(curves: dict[str, pd.DataFrame], metric: str, title: str) -> Figure:
+    """A sweep's trials against the round, one line per trial, labelled by its swept values; trials
+    that share their values (repeats) share a colour. ``curves``: label -> frame of step, value."""
+    fig, (ax,) = _figure(8.0, 4.6)
+    colors = group_colors(list(curves))
+    for label, curve in sorted(curves.items()):
+        ax.plot(curve["step"], 100 * curve["value"], color=colors[label], lw=1.6, label=label)
+    ax.set_xlabel("round")
+    ax.set_ylabel(f"{metric}, %")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
+    return fig

@@ -164,7 +164,9 @@ def _row(run) -> dict[str, Any]:
         "sweep_id": tags.get("sweep_id", ""),
         "parent_id": tags.get(PARENT_TAG, ""),
         "start_time": info.start_time,
-        "wall_s": (end - info.start_time) / 1000.0,
+        # the time the run's command took (summed over resumes); runs logged before fedray recorded
+        # it fall back to the run's span
+        "wall_s": run.data.metrics.get("time/wall_s", (end - info.start_time) / 1000.0),
     }
     row.update({f"params.{k}": v for k, v in run.data.params.items()})
     row.update({f"metrics.{k}": v for k, v in run.data.metrics.items()})

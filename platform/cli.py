@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_report_parser(sub)
 
+    from fedray.platform.ui import add_ui_parser
+
+    add_ui_parser(sub)
+
     compare = sub.add_parser("compare", help="several algorithms on the same partition and seeds, one table")
     compare.add_argument("config", help="compare YAML, e.g. configs/compare_digits.yaml")
     compare.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")

@@ -123,6 +123,7 @@ class TrackingConfig:
     uri: str | None = None  # MLflow tracking URI; MLFLOW_TRACKING_URI wins, then sqlite in the cwd
     experiment: str | None = None  # default: the config's name
     log_client_models: int = 100  # personalised client models logged at the end; above this, none
+    system_metrics_s: float = 10.0  # MLflow system metrics (CPU, memory, GPU) sampling interval; 0 = off
 
 
 @dataclass

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import torch
 import yaml
 
 from fedray.platform import storage
@@ -34,8 +35,11 @@ from fedray.platform.data import (
     histogram_heatmap,
     load_dataset,
     majority_baseline,
+    normalize,
     write_split,
 )
+from fedray.platform.descriptions import run_description
+from fedray.platform.models import arch_for_client, build_model
 from fedray.platform.pool import first_line
 from fedray.platform.progress import Progress, mb
 from fedray.platform.tracking import TAG_CHECKPOINT, RunTracker, checkpoint_dir_of, run_name
@@ -228,12 +232,17 @@ def log_unlogged_rounds(tracker: RunTracker, history: list[dict[str, float]]) ->
             tracker.log_metrics(metrics, step=step)
 
 
-def record_new_run(cfg, fed, baseline, ckpt_dir: str, parent_run_id, tags) -> RunTracker:
-    """A new MLflow run with the config, the partition and the checkpoint directory it resumes from."""
-    tracker = RunTracker(cfg, parent_run_id=parent_run_id, extra_tags=tags)
+def record_new_run(cfg, fed, baseline, ckpt_dir: str, parent_run_id, tags, started: float) -> RunTracker:
+    """A new MLflow run, dated from the command's start, with its description, the config, the
+    dataset input, the partition and the checkpoint directory it resumes from."""
+    from fedray.platform.run_dataset import federation_dataset
+
+    tracker = RunTracker(cfg, parent_run_id=parent_run_id, extra_tags=tags, start_time=started)
+    tracker.describe(run_description(cfg))
     tracker.set_tags({TAG_CHECKPOINT: ckpt_dir})
     tracker.log_params(cfg)
     tracker.log_config(cfg)
+    tracker.log_dataset(federation_dataset(fed, cfg))
     log_partition(tracker, fed, baseline)
     return tracker
 
@@ -257,6 +266,7 @@ def run_experiment(
     """
     import ray
 
+    started = time.time()  # the MLflow run's start: its Duration is this call's wall time
     fed = prepare_federation(cfg)  # config and data errors surface here, before Ray
     baseline = baseline_metrics(fed)
     ensure_ray(cfg)
@@ -269,13 +279,14 @@ def run_experiment(
         runtime.workers,
         runtime.worker_options,
     )
-    start = time.perf_counter()
-    status, tracker = "FAILED", None
+    status, tracker, monitor = "FAILED", None, None
+    earlier_s = 0.0  # wall time of the segments before a resume
     try:
         with sigterm_as_interrupt():
             ray.get(ready)  # algorithm and client set-up errors surface here
             if resume_run_id is not None:
                 tracker = RunTracker(cfg, run_id=resume_run_id, parent_run_id=parent_run_id, extra_tags=tags)
+                earlier_s = tracker.latest("time/wall_s") or 0.0
                 ckpt_dir = checkpoint_dir_of(resume_run_id, tracker.uri)
                 history = ray.get(runtime.coordinator.load_checkpoint.remote(ckpt_dir))
                 log_unlogged_rounds(tracker, history)
@@ -285,7 +296,8 @@ def run_experiment(
             # events wait in the Coordinator's queue until the driver streams them
             run_ref = runtime.coordinator.run.remote(ckpt_dir, stop_after_round)
             if tracker is None:
-                tracker = record_new_run(cfg, fed, baseline, ckpt_dir, parent_run_id, tags)
+                tracker = record_new_run(cfg, fed, baseline, ckpt_dir, parent_run_id, tags, started)
+            monitor = tracker.system_metrics(cfg.tracking.system_metrics_s)
             summary = stream_rounds(runtime, run_ref, cfg, tracker, on_round)
             result = Result(
                 tracker.run_id,
@@ -294,15 +306,16 @@ def run_experiment(
                 summary["history"],
                 summary["client_acc"],
                 summary["finished"],
-                time.perf_counter() - start,
+                0.0,
                 extra=baseline,
             )
             if summary["finished"]:
                 models, note = ray.get(
                     runtime.coordinator.client_models.remote(cfg.tracking.log_client_models)
                 )
-                log_final(tracker, result, summary["global_model"], models, note)
+                log_final(tracker, result, fed, summary["global_model"], models, note)
             status = "FINISHED" if summary["finished"] else "KILLED"
+            result.wall_time_s = earlier_s + time.time() - started  # what MLflow's Duration shows too
             return result
     except ray.exceptions.RayActorError as err:
         if tracker is None:
@@ -318,8 +331,10 @@ def run_experiment(
             print(f"\ninterrupted: resume with  fedray run --resume {tracker.run_id}", flush=True)
         raise
     finally:
+        if monitor is not None:
+            monitor.finish()
         if tracker is not None:
-            tracker.end(status)
+            tracker.end(status, wall_s=earlier_s + time.time() - started)
         runtime.stop()
 
 
@@ -351,17 +366,30 @@ def new_checkpoint_dir(cfg: ExperimentConfig) -> str:
     return path
 
 
-def log_final(tracker: RunTracker, result: Result, global_model, client_models, note: str) -> None:
-    """Per-client final accuracies, the final global model and the personalised client models."""
+def log_final(
+    tracker: RunTracker, result: Result, fed: Federation, global_model, client_models, note: str
+) -> None:
+    """Per-client final accuracies; the final global model (``runs:/<id>/global_model``) and the
+    personalised client models (``runs:/<id>/client_<k>``) as MLflow models."""
     frame = pd.DataFrame(
         [{"client": cid, "accuracy": acc} for cid, acc in sorted(result.client_acc.items())],
         columns=["client", "accuracy"],
     )
     tracker.log_table(frame, "client_accuracy.csv")
-    if global_model is not None:
-        tracker.log_torch(global_model, "global_model.pt")
-    if client_models:
-        tracker.log_torch(client_models, "client_models.pt")
+    cfg, step = result.config, len(result.history)
+    example = normalize(fed.global_test.x[:2], fed.mean, fed.std)  # two real test images
+
+    def model_of(client: int, state: dict) -> torch.nn.Module:
+        model = build_model(
+            arch_for_client(cfg.model.group, client), fed.in_channels, fed.image_size, fed.num_classes
+        )
+        model.load_state_dict(state)
+        return model
+
+    if global_model is not None:  # the global model has the homogeneous group's one architecture
+        tracker.log_model(model_of(0, global_model), "global_model", example, step)
+    for cid, state in sorted(client_models.items()):
+        tracker.log_model(model_of(cid, state), f"client_{cid}", example, step)
     if note:
         tracker.set_tags({"fedray.client_models": note})
     final = {}

@@ -7,6 +7,7 @@ the stable names of DESIGN.md with ``step = rounds completed``.
 
 from __future__ import annotations
 
+import inspect
 import os
 import tempfile
 import time
@@ -24,6 +25,8 @@ def quiet_mlflow() -> None:
 
     for name in ("mlflow", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # its warning that pickled models execute code when loaded: log_model pickles on purpose
+    logging.getLogger("mlflow.pytorch").setLevel(logging.ERROR)
 
 
 def tracking_uri(cfg: ExperimentConfig | None = None) -> str:
@@ -74,7 +77,10 @@ class RunTracker:
         run_id: str | None = None,
         parent_run_id: str | None = None,
         extra_tags: dict[str, str] | None = None,
+        start_time: float | None = None,
     ) -> None:
+        """``start_time`` (seconds since the epoch): when the command began, so the UI's Duration is
+        the wall time the user waited, not the time since the run record was created."""
         from mlflow.tracking import MlflowClient
 
         quiet_mlflow()
@@ -87,9 +93,11 @@ class RunTracker:
             return
         self.experiment_id = experiment_id(self.client, cfg.tracking.experiment or cfg.name, self.uri)
         tags = {**run_tags(cfg), **(extra_tags or {})}
+        name = tags.pop("mlflow.runName", None) or run_name(cfg)  # a caller may name the run
         if parent_run_id:
             tags["mlflow.parentRunId"] = parent_run_id
-        run = self.client.create_run(self.experiment_id, run_name=run_name(cfg), tags=tags)
+        start_ms = None if start_time is None else int(start_time * 1000)
+        run = self.client.create_run(self.experiment_id, start_ms, tags, name)
         self.run_id = run.info.run_id
 
     # ---- params, metrics, artifacts
@@ -107,6 +115,11 @@ class RunTracker:
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
         for i in range(0, len(batch), 1000):
             self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
+
+    def latest(self, key: str) -> float | None:
+        """The value of ``key`` at its highest step (None when never logged)."""
+        history = self.client.get_metric_history(self.run_id, key)
+        return max(history, key=lambda m: (m.step, m.timestamp)).value if history else None
 
     def last_step(self, key: str) -> int:
         """The highest step logged for ``key`` (0 when none)."""
@@ -139,7 +152,65 @@ class RunTracker:
             torch.save(obj, path)
             self.log_file(path, "models")
 
-    def end(self, status: str = "FINISHED") -> None:
+    def log_model(self, model, name: str, example, step: int = 0) -> None:
+        """``model`` as an MLflow model ``runs:/<run id>/<name>`` with an input example and the
+        signature it implies. Pickled (the model's classes come from fedray at load time), since
+        MLflow's default, a torch.export graph, does not trace every architecture in the zoo."""
+        import mlflow
+        import mlflow.pytorch
+        import torch
+        from mlflow.models import infer_signature
+
+        model = model.eval()
+        with torch.no_grad():
+            out = model(example)
+        # Model.log finds the store and the experiment of its logged-model record globally; in another
+        # experiment than the run's, runs:/<run id>/<name> would not resolve
+        mlflow.set_tracking_uri(self.uri)
+        mlflow.set_experiment(experiment_id=self.experiment_id)
+        # MLflow >= 3.5 defaults to torch.export ("pt2"); earlier 3.x pickles without being asked
+        fmt = {"serialization_format": "pickle"}
+        if "serialization_format" not in inspect.signature(mlflow.pytorch.log_model).parameters:
+            fmt = {}
+        mlflow.pytorch.log_model(
+            model,
+            name=name,
+            input_example=example.numpy(),
+            signature=infer_signature(example.numpy(), out.numpy()),
+            pip_requirements=[f"torch>={torch.__version__.split('+')[0]}", "fedray"],
+            run_id=self.run_id,
+            step=step,
+            **fmt,
+        )
+
+    def log_dataset(self, dataset) -> None:
+        """An ``mlflow.data`` dataset as the run's training input (the UI's Dataset column)."""
+        from mlflow.entities import DatasetInput, InputTag
+
+        context = InputTag(key="mlflow.data.context", value="train")
+        self.client.log_inputs(self.run_id, [DatasetInput(dataset._to_mlflow_entity(), [context])])
+
+    def describe(self, text: str) -> None:
+        """The run's description in the UI."""
+        self.client.set_tag(self.run_id, "mlflow.note.content", text)
+
+    def system_metrics(self, interval_s: float):
+        """MLflow's own system metrics (CPU, memory, disk, network; GPU where pynvml finds one) of
+        this machine, every ``interval_s`` seconds, until ``.finish()``; None when turned off."""
+        if interval_s <= 0:
+            return None
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(
+            self.run_id, sampling_interval=interval_s, tracking_uri=self.uri, resume_logging=True
+        )
+        monitor.start()
+        return monitor
+
+    def end(self, status: str = "FINISHED", wall_s: float | None = None) -> None:
+        """Close the run; ``wall_s`` is logged as ``time/wall_s`` (what the CLI prints)."""
+        if wall_s is not None:
+            self.log_metrics({"time/wall_s": wall_s}, step=0)
         self.client.set_terminated(self.run_id, status=status)
 
 

@@ -22,7 +22,9 @@ from ray.tune import Callback
 
 from fedray.platform import storage
 from fedray.platform.config import ExperimentConfig, build_config, load_yaml, merge, parse_overrides
+from fedray.platform.descriptions import sweep_description
 from fedray.platform.errors import ConfigError
+from fedray.platform.ui import runs_table_url, save_sweep_view
 from fedray.sweeps.space import SearchSpace, check_space, load_space, space_path, trial_config
 
 SWEEP_STATE = "fedray_sweep.json"  # parent run id and settings, for --resume
@@ -64,7 +66,11 @@ def run_trial(point: dict[str, Any], base: dict[str, Any], parent_run_id: str, s
     cfg = trial_config(base, point)
     pg = ray.util.get_current_placement_group()
     actors = max(1, len(pg.bundle_specs) - 1) if pg is not None else None
-    tags = {"sweep_id": sweep_id, "trial_id": tune.get_context().get_trial_id() or ""}
+    tags = {
+        "sweep_id": sweep_id,
+        "trial_id": tune.get_context().get_trial_id() or "",
+        "mlflow.runName": f"{cfg.algorithm} {trial_label(point)}",  # charts' legends name the values
+    }
 
     def report(rnd: int, metrics: dict[str, float]) -> None:
         tune.report({"round": rnd, **{k.replace("/", "_"): v for k, v in metrics.items()}})
@@ -75,6 +81,15 @@ def run_trial(point: dict[str, Any], base: dict[str, Any], parent_run_id: str, s
 
 
 # --------------------------------------------------------------------------------------------- sweep
+
+
+def trial_label(point: dict[str, Any]) -> str:
+    """``alpha=0.9 selection=in_order``: a trial's swept values, short keys, in the space's order."""
+
+    def show(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    return " ".join(f"{key.rsplit('.', 1)[-1]}={show(v)}" for key, v in point.items())
 
 
 def prepare_base(config_path: str | None, algorithm: str, overrides: list[str]) -> dict[str, Any]:
@@ -158,6 +173,9 @@ def run_sweep(
         parent_cfg = build_config(merge(base, {"name": base_cfg.tracking.experiment or base_cfg.name}))
         parent = RunTracker(parent_cfg, extra_tags={"fedray.kind": "sweep", "sweep_id": name})
         parent.client.set_tag(parent.run_id, "mlflow.runName", name)
+        parent.describe(sweep_description(algorithm, space, base_cfg))
+        view = save_sweep_view(parent.client, parent.experiment_id, name, [p.key for p in space.params])
+        parent.set_tags({"fedray.ui_view": view})
         parent.log_text(Path(space.path).read_text(), "search_space.yaml")
         parent.log_text(yaml.safe_dump(base, sort_keys=False), "base_config.yaml")
         path.mkdir(parents=True, exist_ok=True)
@@ -283,12 +301,50 @@ def summarize(grid, space: SearchSpace, parent, path: Path, base: dict[str, Any]
     best_config = trial_config(base, best_point).to_dict() if best_point else {}
     parent.log_text(yaml.safe_dump(best_config, sort_keys=False), "best_config.yaml")
     parent.log_table(table, "trials.csv")
-    _close_stopped_children(parent)
+    children = _close_stopped_children(parent)
+    best = None
+    if best_point:
+        top = table.iloc[0]
+        run_id = next((r.info.run_id for r in children if r.data.tags.get("trial_id") == top["trial"]), "?")
+        best = {"params": best_point, "value": float(top[space.metric]), "run_id": run_id}
+    view = parent.client.get_run(parent.run_id).data.tags.get("fedray.ui_view")
+    chart = runs_table_url(
+        parent.experiment_id, "127.0.0.1", 5000, viewStateShareKey=view, compareRunsMode="CHART"
+    )
+    parent.describe(
+        sweep_description(base["algorithm"], space, build_config(base), best, chart if view else None)
+    )
+    if view:
+        print(f"trials in the MLflow UI (make ui), grouped by the swept values: {chart}")
+    log_trial_curves(parent, children, space, base["algorithm"])
     return SweepResult(parent.run_id, table, best_config, path)
 
 
-def _close_stopped_children(parent) -> None:
-    """Trials that ASHA stopped were killed mid-run; mark their MLflow runs KILLED, not RUNNING."""
+def log_trial_curves(parent, children: list, space: SearchSpace, algorithm: str) -> None:
+    """``trial_curves.png`` on the parent run: every trial's metric against the round, labelled by its
+    swept values, the view MLflow's chart tab gives only after grouping by hand."""
+    import tempfile
+
+    from fedray.dashboards.figures import save_png, trial_curves
+
+    curves = {}
+    for run in children:
+        history = parent.client.get_metric_history(run.info.run_id, space.metric)
+        if history:
+            label = run.info.run_name or run.info.run_id
+            curves[label] = pd.DataFrame([(m.step, m.value) for m in history], columns=["step", "value"])
+    if not curves:
+        return
+    title = f"{algorithm} sweep: {space.metric} of every trial ({space.search}, {len(curves)} runs)"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trial_curves.png"
+        save_png(trial_curves(curves, space.metric, title), path)
+        parent.log_file(path)
+
+
+def _close_stopped_children(parent) -> list:
+    """Trials that ASHA stopped were killed mid-run; mark their MLflow runs KILLED, not RUNNING.
+    Returns the sweep's child runs."""
     runs = parent.client.search_runs(
         [parent.experiment_id],
         filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'",
@@ -298,3 +354,4 @@ def _close_stopped_children(parent) -> None:
         if run.info.status == "RUNNING":
             parent.client.set_tag(run.info.run_id, "fedray.stopped_early", "true")
             parent.client.set_terminated(run.info.run_id, status="KILLED")
+    return runs

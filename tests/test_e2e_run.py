@@ -3,6 +3,8 @@
 import math
 from pathlib import Path
 
+import mlflow
+import mlflow.pytorch
 import pytest
 import torch
 from conftest import tiny_overrides
@@ -40,9 +42,10 @@ def test_three_round_run_logs_params_metrics_and_artifacts(mlflow_store):
     assert result.history[-1]["comm/up_bytes_cum"] == 3 * h["comm/up_bytes"]
 
     artifacts = {a.path for a in client.list_artifacts(result.run_id)}
-    assert {"config.yaml", "partition.csv", "partition.png", "client_accuracy.csv", "models"} <= artifacts
-    models = {a.path for a in client.list_artifacts(result.run_id, "models")}
-    assert models == {"models/global_model.pt"}  # clients are evaluated with the global model
+    assert {"config.yaml", "partition.csv", "partition.png", "client_accuracy.csv", "split.json"} <= artifacts
+    logged = mlflow.search_logged_models([run.info.experiment_id], output_format="list")
+    models = {m.name for m in logged if m.source_run_id == run.info.run_id}
+    assert models == {"global_model"}  # clients are evaluated with the global model
     assert "global model" in run.data.tags["fedray.client_models"]
 
 
@@ -53,10 +56,11 @@ def test_local_sends_nothing_and_has_no_global_model(mlflow_store, tmp_path):
     assert result.final["acc/global"] is None
     assert result.final["acc/personal_mean"] > 0.3
     # personalised models are logged: every client trained, so all four
-    client = MlflowClient(mlflow_store)
-    path = client.download_artifacts(result.run_id, "models/client_models.pt", str(tmp_path))
-    models = torch.load(path, weights_only=False)
-    assert sorted(models) == [0, 1, 2, 3] and all("head.weight" in m for m in models.values())
+    mlflow.set_tracking_uri(mlflow_store)
+    logged = mlflow.search_logged_models([result.experiment_id], output_format="list")
+    assert sorted(m.name for m in logged if m.source_run_id == result.run_id) == [f"client_{k}" for k in range(4)]
+    model = mlflow.pytorch.load_model(f"runs:/{result.run_id}/client_2")
+    assert model(torch.zeros(3, 1, 8, 8)).shape == (3, 10)  # the synthetic set has 10 classes
 
 
 def without_timing(history):

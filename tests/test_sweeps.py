@@ -1,5 +1,6 @@
 """Ray Tune sweeps: space files checked without Ray; a real 4-trial sweep; interrupt and resume."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -93,10 +94,27 @@ def test_two_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store):
         assert child.data.tags["sweep_id"] == result.path.name
         assert [m.step for m in client.get_metric_history(child.info.run_id, "acc/global")] == [1, 2]
     artifacts = {a.path for a in client.list_artifacts(result.parent_run_id)}
-    assert {"best_config.yaml", "trials.csv", "search_space.yaml"} <= artifacts
+    assert {"best_config.yaml", "trials.csv", "search_space.yaml", "trial_curves.png"} <= artifacts
     best = result.trials.iloc[0]
     assert best["acc/global"] == max(result.trials["acc/global"])
     assert result.best_config["fedprox"]["mu"] == pytest.approx(best["fedprox.mu"])
+
+    # the UI reads a sweep without opening files: trials named by their values, the parent's
+    # description gives the space, the search and the best trial with its run
+    assert sorted(c.info.run_name for c in children) == ["fedprox mu=0", "fedprox mu=1"]
+    best_child = next(c for c in children if float(c.data.params["fedprox.mu"]) == best["fedprox.mu"])
+    note = parent.data.tags["mlflow.note.content"]
+    assert "grid search over fedprox.mu grid [0.0, 1.0]" in note and "2 trials" in note
+    assert f"Best trial: fedprox.mu={best['fedprox.mu']}" in note and best_child.info.run_id in note
+    # a saved view of the runs page (experiment tag) that shows only this sweep, grouped by mu, and
+    # the chart-view address that opens it
+    key = parent.data.tags["fedray.ui_view"]
+    view = json.loads(client.get_experiment(parent.info.experiment_id).tags[f"mlflow.sharedViewState.{key}"])
+    state = json.loads(view["state"])
+    assert state["searchFilter"] == f"tags.sweep_id = '{result.path.name}'"
+    assert state["groupBy"]["groupByKeys"] == [{"mode": "param", "groupByData": "fedprox.mu"}]
+    assert f"#/experiments/{parent.info.experiment_id}/runs?workflowType=machine_learning" in note
+    assert f"viewStateShareKey={key}&compareRunsMode=CHART" in note
 
 
 @pytest.mark.usefixtures("ray_session")

@@ -1,0 +1,188 @@
+"""What MLflow shows of a run is true and complete: its duration, its dataset, its models, the
+machine's load, its description, and the UI opening on the runs table (issue: MLflow as the lab
+notebook). Real Ray, a real sqlite store in a temporary folder, real headless Chromium."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import mlflow
+import mlflow.pytorch
+import pytest
+import torch
+from conftest import tiny_overrides
+from mlflow.tracking import MlflowClient
+
+from fedray.platform.config import load_config
+from fedray.platform.data import normalize
+from fedray.platform.run import prepare_federation, run_experiment
+from fedray.platform.run_dataset import split_digest
+
+FEDRAY = Path(sys.executable).parent / "fedray"
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory, ray_session):
+    """A FedAvg run (a global model) and a Local run (client models) on the same split."""
+    store = tmp_path_factory.mktemp("notebook")
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    old_cwd, old_uri = os.getcwd(), os.environ.get("MLFLOW_TRACKING_URI")
+    os.chdir(store)
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    try:
+        fedavg_cfg = load_config(None, tiny_overrides(rounds=2, **{"tracking.system_metrics_s": 0.5}))
+        fedavg = run_experiment(fedavg_cfg)
+        local = run_experiment(load_config(None, tiny_overrides(algorithm="local", rounds=1)))
+    finally:
+        os.chdir(old_cwd)
+        if old_uri is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = old_uri
+    return uri, store, fedavg, local
+
+
+def test_duration_is_the_commands_wall_time(two_runs):
+    uri, _, fedavg, _ = two_runs
+    run = MlflowClient(uri).get_run(fedavg.run_id)
+    duration_s = (run.info.end_time - run.info.start_time) / 1000
+    assert abs(duration_s - fedavg.wall_time_s) < 1.0, (duration_s, fedavg.wall_time_s)
+    assert run.data.metrics["time/wall_s"] == pytest.approx(fedavg.wall_time_s, abs=1.0)
+    # the run was dated from the call's start, before the data and Ray: longer than its rounds
+    rounds_s = sum(h["time/round_s"] for h in fedavg.history)
+    assert duration_s > rounds_s
+
+
+def test_dataset_input_names_the_split_and_equal_splits_share_a_digest(two_runs):
+    uri, _, fedavg, local = two_runs
+    client = MlflowClient(uri)
+    inputs = [client.get_run(r.run_id).inputs.dataset_inputs for r in (fedavg, local)]
+    assert [len(i) for i in inputs] == [1, 1]
+    a, b = inputs[0][0], inputs[1][0]
+    assert a.dataset.name == "synthetic-dir1-4c"
+    assert [t.value for t in a.tags if t.key == "mlflow.data.context"] == ["train"]
+    assert a.dataset.digest == b.dataset.digest  # same data config and seed: the same split
+    assert '"clients": 4' in a.dataset.profile and '"train_samples"' in a.dataset.profile
+    # and the digest is the split's: another seed moves samples between clients, and changes it
+    other = prepare_federation(load_config(None, tiny_overrides(seed=1)))
+    assert split_digest(other) != a.dataset.digest
+    same = prepare_federation(load_config(None, tiny_overrides()))
+    assert split_digest(same) == a.dataset.digest
+
+
+def test_global_model_loads_from_mlflow_and_scores_what_the_run_logged(two_runs):
+    uri, _, fedavg, _ = two_runs
+    mlflow.set_tracking_uri(uri)
+    model = mlflow.pytorch.load_model(f"runs:/{fedavg.run_id}/global_model").eval()
+    fed = prepare_federation(fedavg.config)
+    with torch.no_grad():
+        pred = model(normalize(fed.global_test.x, fed.mean, fed.std)).argmax(1)
+    accuracy = (pred == fed.global_test.y).float().mean().item()
+    assert accuracy == pytest.approx(fedavg.final["acc/global"], abs=1e-6)
+
+
+def test_personalised_client_models_are_mlflow_models(two_runs):
+    uri, _, _, local = two_runs
+    mlflow.set_tracking_uri(uri)
+    logged = mlflow.search_logged_models([local.experiment_id], output_format="list")
+    names = sorted(m.name for m in logged if m.source_run_id == local.run_id)
+    assert names == [f"client_{k}" for k in range(4)]
+    model = mlflow.pytorch.load_model(f"runs:/{local.run_id}/client_1")
+    assert model(torch.zeros(2, 1, 8, 8)).shape[0] == 2
+
+
+def test_system_metrics_and_description_are_on_the_run(two_runs):
+    uri, _, fedavg, _ = two_runs
+    client = MlflowClient(uri)
+    run = client.get_run(fedavg.run_id)
+    cpu = client.get_metric_history(fedavg.run_id, "system/cpu_utilization_percentage")
+    assert len(cpu) >= 1 and all(0 <= m.value <= 100 for m in cpu)
+    assert "system/system_memory_usage_megabytes" in run.data.metrics
+    note = run.data.tags["mlflow.note.content"]
+    for needle in ("fedavg", "synthetic", "4 clients", "Dirichlet(alpha=1)", "2 rounds", "cnn_small"):
+        assert needle in note, (needle, note)
+
+
+# --------------------------------------------------------------------------------------------- browser
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ui_server(two_runs):
+    """``fedray ui`` on the store, as ``make ui`` starts it; stopped by its process group's id."""
+    uri, store, _, _ = two_runs
+    port = _free_port()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
+    proc = subprocess.Popen(
+        [str(FEDRAY), "ui", "--port", str(port)],
+        cwd=store,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # the UI's own workers share its group
+    )
+    try:
+        first = proc.stdout.readline()
+        deadline = time.monotonic() + 300
+        while True:  # the server is up when its page answers
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, first
+                time.sleep(1)
+        yield first, port
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_make_ui_prints_the_runs_table_and_the_page_lists_the_runs(ui_server, two_runs, tmp_path):
+    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if browser is None:
+        pytest.skip("no headless browser: `chromium` is not on PATH (apt-get install -y chromium)")
+    line, port = ui_server
+    uri, _, fedavg, local = two_runs
+    # the latest run's experiment (both runs share one) and its runs table, not the GenAI overview
+    match = re.search(rf"(http://127\.0\.0\.1:{port}/#/experiments/(\d+)/runs)", line)
+    assert match and match.group(2) == local.experiment_id, line
+    dom = subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--no-first-run",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--virtual-time-budget=30000",
+            "--dump-dom",
+            match.group(1),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    for run in (fedavg, local):
+        name = MlflowClient(uri).get_run(run.run_id).info.run_name
+        assert name in dom.stdout, name
