@@ -8,8 +8,9 @@ ARGS ?=
 PORT ?= 5000
 EXP ?=
 OUT ?=
+PAPER ?=
 
-.PHONY: install run compare sweep report test test-slow lint typecheck bench bench-scale ui clean
+.PHONY: install run compare sweep report test test-slow lint typecheck bench bench-scale reproduce ui clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +52,10 @@ bench: install  ## fedray vs a plain PyTorch loop on real CIFAR-10
 
 bench-scale: install  ## FedSSA on CIFAR-10 at 100/1,000/10,000 clients, e.g. make bench-scale ARGS="--clients 100 --rounds 2"
 	$(BIN)/python benchmarks/bench_scale.py $(ARGS)
+
+reproduce: install  ## a paper's comparison on the CIFAR-10 JPEGs: make reproduce PAPER=fedssa [ARGS="--scale full"]
+	@test -n "$(PAPER)" || { echo 'usage: make reproduce PAPER=fedcross|fedssa|fedl2g|fedsc [ARGS="--seeds 0,1,2 --scale full"]' >&2; exit 2; }
+	$(BIN)/python benchmarks/reproduce_papers.py $(PAPER) $(ARGS)
 
 ui: install  ## the MLflow UI on the project's store; prints the runs table's address (EXP=name for another)
 	$(BIN)/fedray ui --port $(PORT) $(if $(EXP),--experiment "$(EXP)")

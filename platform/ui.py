@@ -44,12 +44,12 @@ def runs_table_url(experiment_id: str, host: str, port: int, **query: str) -> st
 SHARED_VIEW_TAG = "mlflow.sharedViewState."  # experiment tag prefix the runs page loads a view from
 
 
-def save_sweep_view(client, experiment_id: str, sweep_id: str, params: list[str]) -> str:
+def save_sweep_view(client, experiment_id: str, sweep_id: str, parent_run_id: str, params: list[str]) -> str:
     """Save a view of the runs page on the experiment: the sweep's trials only, grouped by the swept
     params (the chart view then draws one curve per group). Returns the key that opens it
     (``viewStateShareKey``); the view is also listed by name under the page's Views."""
     state = {
-        "searchFilter": f"tags.sweep_id = '{sweep_id}'",
+        "searchFilter": f"tags.mlflow.parentRunId = '{parent_run_id}'",  # the trials, not the parent
         "groupBy": {
             "aggregateFunction": "average",
             "groupByKeys": [{"mode": "param", "groupByData": p} for p in params],

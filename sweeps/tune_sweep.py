@@ -174,7 +174,8 @@ def run_sweep(
         parent = RunTracker(parent_cfg, extra_tags={"fedray.kind": "sweep", "sweep_id": name})
         parent.client.set_tag(parent.run_id, "mlflow.runName", name)
         parent.describe(sweep_description(algorithm, space, base_cfg))
-        view = save_sweep_view(parent.client, parent.experiment_id, name, [p.key for p in space.params])
+        params = [p.key for p in space.params]
+        view = save_sweep_view(parent.client, parent.experiment_id, name, parent.run_id, params)
         parent.set_tags({"fedray.ui_view": view})
         parent.log_text(Path(space.path).read_text(), "search_space.yaml")
         parent.log_text(yaml.safe_dump(base, sort_keys=False), "base_config.yaml")

@@ -111,7 +111,7 @@ def test_two_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store):
     key = parent.data.tags["fedray.ui_view"]
     view = json.loads(client.get_experiment(parent.info.experiment_id).tags[f"mlflow.sharedViewState.{key}"])
     state = json.loads(view["state"])
-    assert state["searchFilter"] == f"tags.sweep_id = '{result.path.name}'"
+    assert state["searchFilter"] == f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     assert state["groupBy"]["groupByKeys"] == [{"mode": "param", "groupByData": "fedprox.mu"}]
     assert f"#/experiments/{parent.info.experiment_id}/runs?workflowType=machine_learning" in note
     assert f"viewStateShareKey={key}&compareRunsMode=CHART" in note
