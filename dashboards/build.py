@@ -215,12 +215,17 @@ def _curve_sections(
     which = " Each algorithm is drawn at its best sweep configuration (see Sweep)." if swept else ""
 
     rounds = Section("accuracy-round", "Accuracy against round")
-    png = figs.save_png(figs.accuracy_vs_round(personal, global_, colors), fig_dir / "accuracy_vs_round.png")
+    column = "metrics.acc/majority_baseline"  # the same for every run on one partition: their mean
+    majority = float(selected[column].mean()) if column in selected and personal else None
+    png = figs.save_png(
+        figs.accuracy_vs_round(personal, global_, colors, majority), fig_dir / "accuracy_vs_round.png"
+    )
     rounds.add(
         figure(
             png,
             "accuracy against round",
-            f"figures/accuracy_vs_round.png: mean over seeds, band = ± std.{which}",
+            f"figures/accuracy_vs_round.png: mean over seeds, band = ± std; dashed: the majority-class "
+            f"accuracy of the same clients (each predicting its most frequent training label).{which}",
         )
     )
 

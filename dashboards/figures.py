@@ -60,9 +60,14 @@ def _band(ax, curve: pd.DataFrame, color, label: str) -> None:
 
 
 def accuracy_vs_round(
-    personal: dict[str, pd.DataFrame], global_: dict[str, pd.DataFrame], colors: dict[str, tuple]
+    personal: dict[str, pd.DataFrame],
+    global_: dict[str, pd.DataFrame],
+    colors: dict[str, tuple],
+    majority: float | None = None,
 ) -> Figure:
-    """Personalised (and, for algorithms with one, global-model) accuracy per round."""
+    """Personalised (and, for algorithms with one, global-model) accuracy per round; ``majority``
+    (each client predicting its most frequent training label) is drawn under the personalised curves,
+    the floor they must be read against."""
     panels = [("personalised accuracy (mean over clients)", personal)]
     if global_:
         panels.append(("global model accuracy (global test set)", global_))
@@ -70,6 +75,8 @@ def accuracy_vs_round(
     for ax, (title, curves) in zip(axes, panels):
         for group, curve in curves.items():
             _band(ax, curve, colors[group], group)
+        if curves is personal and majority is not None and math.isfinite(majority):
+            ax.axhline(100 * majority, color="0.4", ls="--", lw=1.2, label="majority class")
         ax.set_title(title, fontsize=11)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("round")

@@ -398,3 +398,16 @@ def test_rounds_to_target_auto_target_and_hyperparameters():
     )
     assert sm.hyperparameters(runs) == {"x": ["fedprox.mu"], "y": []}  # seed and tracking.* are not swept
     assert sm.auto_target(runs, "acc/personal_mean") == 0.6  # min over groups of the mean, floored
+
+
+def test_accuracy_figure_draws_the_majority_class_floor_under_personalised_curves():
+    import pandas as pd
+
+    from fedray.dashboards import figures as figs
+
+    curve = pd.DataFrame({"x": [1, 2], "mean": [0.6, 0.7], "std": [0.0, 0.0], "n": [2, 2]})
+    fig = figs.accuracy_vs_round({"fedssa": curve}, {}, figs.group_colors(["fedssa"]), majority=0.525)
+    floor = [line for line in fig.axes[0].lines if line.get_label() == "majority class"]
+    assert len(floor) == 1 and list(floor[0].get_ydata()) == [pytest.approx(52.5)] * 2
+    no_floor = figs.accuracy_vs_round({"fedssa": curve}, {}, figs.group_colors(["fedssa"]))
+    assert all(line.get_label() != "majority class" for line in no_floor.axes[0].lines)
