@@ -194,24 +194,36 @@ class RunTracker:
         """The run's description in the UI."""
         self.client.set_tag(self.run_id, "mlflow.note.content", text)
 
-    def system_metrics(self, interval_s: float):
-        """MLflow's own system metrics (CPU, memory, disk, network; GPU where pynvml finds one) of
-        this machine, every ``interval_s`` seconds, until ``.finish()``; None when turned off."""
-        if interval_s <= 0:
-            return None
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-        monitor = SystemMetricsMonitor(
-            self.run_id, sampling_interval=interval_s, tracking_uri=self.uri, resume_logging=True
-        )
-        monitor.start()
-        return monitor
+    def system_metrics(self, interval_s: float) -> SystemMetrics | None:
+        """MLflow's own system metrics of this machine every ``interval_s`` seconds, until
+        ``.finish()``; None when turned off."""
+        return SystemMetrics(self.run_id, interval_s, self.uri) if interval_s > 0 else None
 
     def end(self, status: str = "FINISHED", wall_s: float | None = None) -> None:
         """Close the run; ``wall_s`` is logged as ``time/wall_s`` (what the CLI prints)."""
         if wall_s is not None:
             self.log_metrics({"time/wall_s": wall_s}, step=0)
         self.client.set_terminated(self.run_id, status=status)
+
+
+class SystemMetrics:
+    """MLflow's SystemMetricsMonitor (CPU, memory, disk, network; GPU where pynvml finds one), plus
+    one last sample when the run ends: the monitor publishes after each full interval, so a run
+    shorter than one would otherwise have none."""
+
+    def __init__(self, run_id: str, interval_s: float, uri: str) -> None:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        self.monitor = SystemMetricsMonitor(
+            run_id, sampling_interval=interval_s, tracking_uri=uri, resume_logging=True
+        )
+        self.monitor.start()
+
+    def finish(self) -> None:
+        self.monitor.finish()  # stops the sampling thread
+        self.monitor.collect_metrics()
+        self.monitor.publish_metrics(self.monitor.aggregate_metrics())
+        self.monitor.mlflow_logger.flush()
 
 
 def experiment_id(client, name: str, uri: str) -> str:
