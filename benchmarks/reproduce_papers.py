@@ -112,8 +112,9 @@ def results_table(paper: Paper, results: dict[str, list]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, runs in results.items():
         row = [label, str(len(runs)), mean_std([r.last(m) for r in runs]), mean_std([r.best(m) for r in runs])]
-        if personal:
-            row.append(mean_std([r.extra["acc/majority_baseline"] for r in runs]))
+        if personal:  # the floor in the metric's own averaging (plain or sample-weighted mean)
+            floor = "acc/majority_baseline" + ("_weighted" if m.endswith("weighted") else "")
+            row.append(mean_std([r.extra[floor] for r in runs]))
         row += [paper.paper_numbers.get(label, "—"), f"{np.mean([r.wall_time_s for r in runs]):.0f}"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
