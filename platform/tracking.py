@@ -12,7 +12,6 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from fedray.platform.config import ExperimentConfig, config_yaml, flatten
 
@@ -143,14 +142,6 @@ class RunTracker:
 
     def log_table(self, frame, name: str) -> None:
         self.log_text(frame.to_csv(index=False), name)
-
-    def log_torch(self, obj: Any, name: str) -> None:
-        import torch
-
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / name
-            torch.save(obj, path)
-            self.log_file(path, "models")
 
     def log_model(self, model, name: str, example, step: int = 0) -> None:
         """``model`` as an MLflow model ``runs:/<run id>/<name>`` with an input example and the
