@@ -150,12 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         results.setdefault(entry.label, []).append(run_experiment(entry.config, tags={"label": entry.label}))
 
     out = ROOT / "reports" / experiment
-    page = build_report(experiment, out)
-    table = results_table(paper, results)
+    out.mkdir(parents=True, exist_ok=True)
     settings = " ".join(scale) or "the paper's (configs/paper_*.yaml)"
-    text = f"# {experiment}\n\nSeeds {args.seeds}; overrides: {settings}\n\n{table}\n\nReport: {page}\n"
-    (out / "results.md").write_text(text)
+    text = f"# {experiment}\n\nSeeds {args.seeds}; overrides: {settings}\n\n{results_table(paper, results)}\n"
+    (out / "results.md").write_text(text)  # first: the table does not depend on the page
     print(text)
+    print(f"report: {build_report(experiment, out)}")
     return 0
 
 

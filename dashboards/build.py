@@ -27,7 +27,6 @@ from fedray.dashboards.load import KIND_TAG, ExperimentRuns
 from fedray.platform.errors import ConfigError
 from fedray.platform.progress import mb
 
-METRIC = "acc/personal_mean"  # the metric that ranks sweep configurations and defines the target
 HTML_NAME = "report.html"
 ARTIFACT_DIR = "report"
 MAX_HEATMAPS = 6  # per algorithm: pairs of swept params beyond this are left to the line plots
@@ -67,23 +66,24 @@ def make_report(
 
     hparams = sm.hyperparameters(ex.runs)
     runs = sm.with_configs(ex.runs, hparams)
-    selected = sm.best_configs(runs, METRIC)
+    metric = ex.metric  # ranks sweep configurations and defines the target
+    selected = sm.best_configs(runs, metric)
     history = load.load_history(ex, list(selected["run_id"]))
     history["comm_mb"] = (
         history["comm/up_bytes_cum"].fillna(0) + history["comm/down_bytes_cum"].fillna(0)
     ).map(mb)
     auto = target is None
-    target = sm.auto_target(selected, METRIC) if target is None else float(target)
+    target = sm.auto_target(selected, metric) if target is None else float(target)
     colors = figs.group_colors(sorted(runs["group"].unique()))
-    rows = sm.summary_table(selected, history, target, METRIC)
+    rows = sm.summary_table(selected, history, target, metric)
 
     target_run, created = _report_run(ex) if log else (None, False)
     try:
         sections = [
-            _summary_section(rows, target, auto, hparams),
-            *_curve_sections(selected, history, colors, fig_dir, any(hparams.values())),
+            _summary_section(rows, target, auto, hparams, metric),
+            *_curve_sections(selected, history, colors, fig_dir, any(hparams.values()), metric),
             _client_section(ex, selected, colors, fig_dir),
-            _sweep_section(runs, hparams, colors, fig_dir),
+            _sweep_section(runs, hparams, colors, fig_dir, metric),
             _partition_section(ex, runs, fig_dir),
             _runs_section(ex, runs, selected),
         ]
@@ -153,7 +153,9 @@ def _rounds_cell(row: dict) -> Cell:
     return Cell(text, value=row["rounds_to_target"])
 
 
-def _summary_section(rows: list[dict], target: float, auto: bool, hparams: dict[str, list[str]]) -> Section:
+def _summary_section(
+    rows: list[dict], target: float, auto: bool, hparams: dict[str, list[str]], metric: str
+) -> Section:
     swept = any(hparams.values())
     headers: list[str | Cell] = [
         Cell("algorithm", css="text"),
@@ -163,7 +165,7 @@ def _summary_section(rows: list[dict], target: float, auto: bool, hparams: dict[
         "personalised acc % (best round)",
         "global acc % (final)",
         "global acc % (best round)",
-        f"rounds to {100 * target:.0f}% personalised",
+        f"rounds to {100 * target:.0f}% {'personalised' if metric.startswith('acc/personal') else 'global'}",
         "MB up",
         "MB down",
         "wall time, s",
@@ -198,7 +200,7 @@ def _summary_section(rows: list[dict], target: float, auto: bool, hparams: dict[
             "Mean ± std over seeds (population std; one seed shows no spread). Personalised accuracy is the "
             "mean over clients of each client's model on its own test split; global accuracy is the global "
             "model on the dataset's test set (algorithms without one show —). Best round = the highest value "
-            f"over the rounds. Rounds to target = the first round whose personalised accuracy reached it, "
+            f"over the rounds. Rounds to target = the first round whose {metric} reached it, "
             f"mean over the seeds that did. MB = 2^20 bytes, cumulative over all clients. {how}",
             "note",
         )
@@ -207,11 +209,11 @@ def _summary_section(rows: list[dict], target: float, auto: bool, hparams: dict[
 
 
 def _curve_sections(
-    selected: pd.DataFrame, history: pd.DataFrame, colors: dict, fig_dir: Path, swept: bool
+    selected: pd.DataFrame, history: pd.DataFrame, colors: dict, fig_dir: Path, swept: bool, metric: str
 ) -> list[Section]:
     personal = sm.curves(selected, history, "acc/personal_mean")
     global_ = sm.curves(selected, history, "acc/global")
-    by_comm = sm.curves(selected, history, "acc/personal_mean", x="comm_mb")
+    by_comm = sm.curves(selected, history, metric, x="comm_mb")
     which = " Each algorithm is drawn at its best sweep configuration (see Sweep)." if swept else ""
 
     rounds = Section("accuracy-round", "Accuracy against round")
@@ -230,12 +232,13 @@ def _curve_sections(
     )
 
     comm = Section("accuracy-comm", "Accuracy against communication")
-    png = figs.save_png(figs.accuracy_vs_comm(by_comm, colors), fig_dir / "accuracy_vs_comm.png")
+    label = "personalised accuracy" if metric.startswith("acc/personal") else "global model accuracy"
+    png = figs.save_png(figs.accuracy_vs_comm(by_comm, colors, label), fig_dir / "accuracy_vs_comm.png")
     comm.add(
         figure(
             png,
             "accuracy against cumulative communication",
-            "figures/accuracy_vs_comm.png: personalised accuracy against the megabytes sent up and down so "
+            f"figures/accuracy_vs_comm.png: {metric} against the megabytes sent up and down so "
             f"far; further left at the same height is cheaper. An algorithm that sends nothing sits at 0 MB.{which}",
         )
     )
@@ -263,7 +266,9 @@ def _client_section(ex: ExperimentRuns, selected: pd.DataFrame, colors: dict, fi
     )
 
 
-def _sweep_section(runs: pd.DataFrame, hparams: dict[str, list[str]], colors: dict, fig_dir: Path) -> Section:
+def _sweep_section(
+    runs: pd.DataFrame, hparams: dict[str, list[str]], colors: dict, fig_dir: Path, metric: str
+) -> Section:
     section = Section("sweep", "Sweep: hyperparameters")
     swept = {g: ps for g, ps in hparams.items() if ps}
     if not swept:
@@ -279,19 +284,19 @@ def _sweep_section(runs: pd.DataFrame, hparams: dict[str, list[str]], colors: di
     for group, params in swept.items():
         frame = runs[runs["group"] == group]
         slug = _slug(group)
-        configs = frame.groupby("config")[f"metrics.{METRIC}"].agg(
+        configs = frame.groupby("config")[f"metrics.{metric}"].agg(
             mean="mean", std=lambda v: v.std(ddof=0), size="size"
         )
         configs = configs.sort_values("mean", ascending=False)
         section.add(heading(f"{group}: {len(frame)} runs, {len(configs)} configurations"))
         png = figs.save_png(
-            figs.sweep_lines(group, frame, params, METRIC, colors[group]), fig_dir / f"sweep_{slug}.png"
+            figs.sweep_lines(group, frame, params, metric, colors[group]), fig_dir / f"sweep_{slug}.png"
         )
         section.add(figure(png, f"{group} hyperparameters", f"figures/sweep_{slug}.png"))
         for p1, p2 in list(itertools.combinations(params, 2))[:MAX_HEATMAPS]:
-            grid = sm.sweep_grid(frame, p1, p2, METRIC)
+            grid = sm.sweep_grid(frame, p1, p2, metric)
             name = f"sweep_{slug}_{_slug(p1)}_x_{_slug(p2)}.png"
-            png = figs.save_png(figs.sweep_heatmap(group, grid, METRIC), fig_dir / name)
+            png = figs.save_png(figs.sweep_heatmap(group, grid, metric), fig_dir / name)
             section.add(
                 figure(png, f"{group} {p1} x {p2}", f"figures/{name}: the red box marks the best cell.")
             )
@@ -304,7 +309,7 @@ def _sweep_section(runs: pd.DataFrame, hparams: dict[str, list[str]], colors: di
             ]
             for cfg, r in configs.head(MAX_CONFIG_ROWS).iterrows()
         ]
-        section.add(table([Cell("configuration", css="text"), "runs", f"final {METRIC} %", "± std"], rows))
+        section.add(table([Cell("configuration", css="text"), "runs", f"final {metric} %", "± std"], rows))
         if len(configs) > MAX_CONFIG_ROWS:
             section.add(
                 paragraph(f"… and {len(configs) - MAX_CONFIG_ROWS} more configurations (runs.csv).", "note")

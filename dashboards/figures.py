@@ -68,7 +68,7 @@ def accuracy_vs_round(
     """Personalised (and, for algorithms with one, global-model) accuracy per round; ``majority``
     (each client predicting its most frequent training label) is drawn under the personalised curves,
     the floor they must be read against."""
-    panels = [("personalised accuracy (mean over clients)", personal)]
+    panels = [("personalised accuracy (mean over clients)", personal)] if personal else []
     if global_:
         panels.append(("global model accuracy (global test set)", global_))
     fig, axes = _figure(6.0 * len(panels), 4.2, len(panels))
@@ -86,14 +86,16 @@ def accuracy_vs_round(
     return fig
 
 
-def accuracy_vs_comm(personal: dict[str, pd.DataFrame], colors: dict[str, tuple]) -> Figure:
+def accuracy_vs_comm(
+    curves: dict[str, pd.DataFrame], colors: dict[str, tuple], label: str = "personalised accuracy"
+) -> Figure:
     """Accuracy against cumulative traffic: what each algorithm pays in bytes for its accuracy."""
     fig, (ax,) = _figure(7.5, 4.4)
-    for group, curve in personal.items():
+    for group, curve in curves.items():
         _band(ax, curve, colors[group], group)
         ax.plot(curve["x"].iloc[-1], 100 * curve["mean"].iloc[-1], "s", color=colors[group], markersize=7)
     ax.set_xlabel("cumulative communication, MB (uplink + downlink, all clients)")
-    ax.set_ylabel("personalised accuracy, %")
+    ax.set_ylabel(f"{label}, %")
     ax.set_title("accuracy against communication (square: last round)", fontsize=11)
     ax.legend(fontsize=8, loc="lower right")
     return fig

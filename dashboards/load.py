@@ -28,6 +28,7 @@ HISTORY_KEYS = (
     "time/round_s",
 )
 PRIMARY_METRIC = "acc/personal_mean"
+GLOBAL_METRIC = "acc/global"  # the metric of experiments whose clients hold no test data
 KIND_TAG = "fedray.kind"
 PARENT_TAG = "mlflow.parentRunId"
 
@@ -44,6 +45,7 @@ class ExperimentRuns:
     )  # one row per run used; columns run_id, run_name, group, seed, ..., params.*, metrics.*
     skipped: pd.DataFrame = field(default_factory=pd.DataFrame)  # run_id, run_name, status, reason
     parent_ids: list[str] = field(default_factory=list)  # runs that are parents of the used runs (sweeps)
+    metric: str = PRIMARY_METRIC  # what ranks configurations and sets the target: personalised, else global
 
     def client(self):
         from mlflow.tracking import MlflowClient
@@ -81,11 +83,15 @@ def load_runs(experiment: str, tracking_uri: str | None = None) -> ExperimentRun
     runs = [r for r in all_runs if r.data.tags.get(KIND_TAG) != "report"]
     parents = {r.data.tags.get(PARENT_TAG) for r in runs} - {None}
 
+    # personalised accuracy when any run has it; global accuracy for experiments without client test
+    # data (every client sample used for training, as FedCross and FedSC train)
+    has = {key for r in runs for key in (PRIMARY_METRIC, GLOBAL_METRIC) if key in r.data.metrics}
+    metric = PRIMARY_METRIC if PRIMARY_METRIC in has or not has else GLOBAL_METRIC
     used, skipped = [], []
     for run in runs:
         if run.info.run_id in parents:
             continue  # a sweep's parent: it carries the sweep, not a federation
-        reason = _skip_reason(run)
+        reason = _skip_reason(run, metric)
         if reason:
             skipped.append(
                 {
@@ -114,6 +120,7 @@ def load_runs(experiment: str, tracking_uri: str | None = None) -> ExperimentRun
         frame,
         pd.DataFrame(skipped, columns=["run_id", "run_name", "status", "reason"]),
         used_parents,
+        metric,
     )
 
 
@@ -127,13 +134,13 @@ def _search_all(client, experiment_id: str) -> list:
             return runs
 
 
-def _skip_reason(run) -> str | None:
+def _skip_reason(run, metric: str) -> str | None:
     if run.info.status != "FINISHED":
         return f"status {run.info.status}"
     if "algorithm" not in run.data.tags:
         return "no 'algorithm' tag (not a fedray run)"
-    if PRIMARY_METRIC not in run.data.metrics:
-        return f"no {PRIMARY_METRIC} metric"
+    if metric not in run.data.metrics:
+        return f"no {metric} metric"
     return None
 
 

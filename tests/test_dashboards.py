@@ -16,11 +16,13 @@ import warnings
 from html.parser import HTMLParser
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 
 from fedray.dashboards import summary as sm
+from fedray.dashboards.build import make_report
 from fedray.dashboards.report import add_report_parser, build_report
 from fedray.platform.config import load_config
 from fedray.platform.errors import ConfigError
@@ -413,3 +415,32 @@ def test_accuracy_figure_draws_the_majority_class_floor_under_personalised_curve
     assert len(floor) == 1 and list(floor[0].get_ydata()) == [pytest.approx(52.5)] * 2
     no_floor = figs.accuracy_vs_round({"fedssa": curve}, {}, figs.group_colors(["fedssa"]))
     assert all(line.get_label() != "majority class" for line in no_floor.axes[0].lines)
+
+
+def test_report_of_runs_without_client_test_data_ranks_by_global_accuracy(tmp_path):
+    """FedCross and FedSC train on every client sample: their runs log acc/global only. The report
+    then ranks, targets and draws by global accuracy instead of refusing the experiment."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    eid = client.create_experiment("global_only", artifact_location=(tmp_path / "art").as_uri())
+    finals = {}
+    for algo, seed, accs in [("fedavg", 0, [0.3, 0.4]), ("fedavg", 1, [0.32, 0.44]), ("fedsc", 0, [0.35, 0.5])]:
+        tags = {"algorithm": algo, "seed": str(seed), "dataset": "cifar10", "partition": "dir0.2"}
+        run = client.create_run(eid, tags=tags, run_name=f"{algo}-s{seed}")
+        for step, acc in enumerate(accs, start=1):
+            client.log_metric(run.info.run_id, "acc/global", acc, step=step)
+            client.log_metric(run.info.run_id, "comm/up_bytes_cum", step * 2**20, step=step)
+            client.log_metric(run.info.run_id, "comm/down_bytes_cum", step * 2**20, step=step)
+        client.log_metric(run.info.run_id, "time/wall_s", 12.5)
+        client.set_terminated(run.info.run_id, "FINISHED")
+        finals.setdefault(algo, []).append(accs[-1])
+
+    info = make_report("global_only", tmp_path / "out", uri, log=False)
+    summary = {row["group"]: row for _, row in pd.read_csv(info.path.parent / "summary.csv").iterrows()}
+    assert set(summary) == {"fedavg", "fedsc"}  # no run skipped for lacking personalised accuracy
+    assert summary["fedavg"]["global_final_mean"] == pytest.approx(sum(finals["fedavg"]) / 2)
+    assert summary["fedsc"]["global_final_mean"] == pytest.approx(0.5)
+    assert summary["fedavg"]["wall_s"] == pytest.approx(12.5)
+    # the automatic target is the best whole percent both reach in global accuracy: fedavg's mean 42 %
+    assert "rounds to 42% global" in info.path.read_text()
+    assert (info.path.parent / "figures" / "accuracy_vs_round.png").is_file()
