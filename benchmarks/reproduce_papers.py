@@ -13,6 +13,9 @@ minutes; they are printed with the table. Every run lands in the MLflow experime
 algorithm the final and best value of the paper's metric (mean ± std over seeds), the majority-class
 accuracy of the same clients (what a client that always predicts its most frequent training label
 scores: the floor every personalised number must be read against) and the paper's number.
+
+``results.md`` covers this invocation's runs; the page reads the whole experiment, so a second
+invocation with other seeds adds to it (``--experiment NAME`` starts a fresh one).
 """
 
 from __future__ import annotations
@@ -97,8 +100,10 @@ def cifar_root(arg: str | None) -> str:
     return str(unpack_image_archive(ARCHIVE, CACHE))
 
 
-def mean_std(values: list[float]) -> str:
-    vals = [100 * v for v in values]
+def mean_std(values: list[float | None]) -> str:
+    vals = [100 * v for v in values if v is not None]  # None: the metric was never logged
+    if not vals:
+        return "—"
     return f"{np.mean(vals):.2f}" if len(vals) == 1 else f"{np.mean(vals):.2f} ± {np.std(vals):.2f}"
 
 
@@ -126,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", choices=["cpu", "full"], default="cpu")
     parser.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
     parser.add_argument("--data", help="CIFAR-10 JPEG folder with train/ and test/ (default: the shared archive)")
+    parser.add_argument("--experiment", help="MLflow experiment (default: repro_<paper>_<scale>)")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_args(argv)
 
@@ -134,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedray.platform.run import run_experiment
 
     paper = PAPERS[args.paper]
-    experiment = f"repro_{args.paper}_{args.scale}"
+    experiment = args.experiment or f"repro_{args.paper}_{args.scale}"
     scale = [f"{k}={v}" for k, v in paper.cpu.items()] if args.scale == "cpu" else []
     data = ["data.dataset=imagefolder", f"data.root={cifar_root(args.data)}"]
     seeds = [int(s) for s in args.seeds.split(",")]

@@ -184,8 +184,8 @@ def _outline(x: int, y: int):
 
 
 def trial_curves(curves: dict[str, pd.DataFrame], metric: str, title: str) -> Figure:
-    """A sweep's trials against the round, one line per trial, labelled by its swept values; trials
-    that share their values (repeats) share a colour. ``curves``: label -> frame of step, value."""
+    """A sweep's trials against the round, one line per trial, labelled by its swept values and trial
+    id. ``curves``: label -> frame of step, value."""
     fig, (ax,) = _figure(8.0, 4.6)
     colors = group_colors(list(curves))
     for label, curve in sorted(curves.items()):

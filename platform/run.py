@@ -232,19 +232,17 @@ def log_unlogged_rounds(tracker: RunTracker, history: list[dict[str, float]]) ->
             tracker.log_metrics(metrics, step=step)
 
 
-def record_new_run(cfg, fed, baseline, ckpt_dir: str, parent_run_id, tags, started: float) -> RunTracker:
-    """A new MLflow run, dated from the command's start, with its description, the config, the
-    dataset input, the partition and the checkpoint directory it resumes from."""
+def record_new_run(tracker: RunTracker, cfg, fed, baseline, ckpt_dir: str) -> None:
+    """A new MLflow run's description, config, dataset input, partition and the checkpoint
+    directory it resumes from."""
     from fedray.platform.run_dataset import federation_dataset
 
-    tracker = RunTracker(cfg, parent_run_id=parent_run_id, extra_tags=tags, start_time=started)
     tracker.describe(run_description(cfg))
     tracker.set_tags({TAG_CHECKPOINT: ckpt_dir})
     tracker.log_params(cfg)
     tracker.log_config(cfg)
     tracker.log_dataset(federation_dataset(fed, cfg))
     log_partition(tracker, fed, baseline)
-    return tracker
 
 
 def run_experiment(
@@ -279,14 +277,15 @@ def run_experiment(
         runtime.workers,
         runtime.worker_options,
     )
-    status, tracker, monitor = "FAILED", None, None
+    status, tracker, monitor, wall_s = "FAILED", None, None, None
     earlier_s = 0.0  # wall time of the segments before a resume
     try:
         with sigterm_as_interrupt():
             ray.get(ready)  # algorithm and client set-up errors surface here
             if resume_run_id is not None:
-                tracker = RunTracker(cfg, run_id=resume_run_id, parent_run_id=parent_run_id, extra_tags=tags)
-                earlier_s = tracker.latest("time/wall_s") or 0.0
+                reopened = RunTracker(cfg, run_id=resume_run_id, parent_run_id=parent_run_id, extra_tags=tags)
+                earlier_s = reopened.latest("time/wall_s") or 0.0
+                tracker = reopened  # only now: an interrupt before this leaves the run as it was
                 ckpt_dir = checkpoint_dir_of(resume_run_id, tracker.uri)
                 history = ray.get(runtime.coordinator.load_checkpoint.remote(ckpt_dir))
                 log_unlogged_rounds(tracker, history)
@@ -296,7 +295,8 @@ def run_experiment(
             # events wait in the Coordinator's queue until the driver streams them
             run_ref = runtime.coordinator.run.remote(ckpt_dir, stop_after_round)
             if tracker is None:
-                tracker = record_new_run(cfg, fed, baseline, ckpt_dir, parent_run_id, tags, started)
+                tracker = RunTracker(cfg, parent_run_id=parent_run_id, extra_tags=tags, start_time=started)
+                record_new_run(tracker, cfg, fed, baseline, ckpt_dir)
             monitor = tracker.system_metrics(cfg.tracking.system_metrics_s)
             summary = stream_rounds(runtime, run_ref, cfg, tracker, on_round)
             result = Result(
@@ -315,7 +315,11 @@ def run_experiment(
                 )
                 log_final(tracker, result, fed, summary["global_model"], models, note)
             status = "FINISHED" if summary["finished"] else "KILLED"
-            result.wall_time_s = earlier_s + time.time() - started  # what MLflow's Duration shows too
+            monitor, closing = None, monitor
+            if closing is not None:
+                closing.finish()
+            wall_s = earlier_s + time.time() - started  # printed by the CLI, logged as time/wall_s
+            result.wall_time_s = wall_s
             return result
     except ray.exceptions.RayActorError as err:
         if tracker is None:
@@ -331,11 +335,14 @@ def run_experiment(
             print(f"\ninterrupted: resume with  fedray run --resume {tracker.run_id}", flush=True)
         raise
     finally:
-        if monitor is not None:
-            monitor.finish()
-        if tracker is not None:
-            tracker.end(status, wall_s=earlier_s + time.time() - started)
-        runtime.stop()
+        try:
+            if monitor is not None:  # a failed run: its last sample is best effort
+                with contextlib.suppress(Exception):
+                    monitor.finish()
+            if tracker is not None:
+                tracker.end(status, wall_s=earlier_s + time.time() - started if wall_s is None else wall_s)
+        finally:
+            runtime.stop()  # whatever MLflow did, the run's processes end
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ the stable names of DESIGN.md with ``step = rounds completed``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import tempfile
@@ -155,24 +156,21 @@ class RunTracker:
         model = model.eval()
         with torch.no_grad():
             out = model(example)
-        # Model.log finds the store and the experiment of its logged-model record globally; in another
-        # experiment than the run's, runs:/<run id>/<name> would not resolve
-        mlflow.set_tracking_uri(self.uri)
-        mlflow.set_experiment(experiment_id=self.experiment_id)
         # MLflow >= 3.5 defaults to torch.export ("pt2"); earlier 3.x pickles without being asked
         fmt = {"serialization_format": "pickle"}
         if "serialization_format" not in inspect.signature(mlflow.pytorch.log_model).parameters:
             fmt = {}
-        mlflow.pytorch.log_model(
-            model,
-            name=name,
-            input_example=example.numpy(),
-            signature=infer_signature(example.numpy(), out.numpy()),
-            pip_requirements=[f"torch>={torch.__version__.split('+')[0]}", "fedray"],
-            run_id=self.run_id,
-            step=step,
-            **fmt,
-        )
+        with mlflow_globals(self.uri, self.experiment_id):
+            mlflow.pytorch.log_model(
+                model,
+                name=name,
+                input_example=example.numpy(),
+                signature=infer_signature(example.numpy(), out.numpy()),
+                pip_requirements=[f"torch>={torch.__version__.split('+')[0]}", "fedray"],
+                run_id=self.run_id,
+                step=step,
+                **fmt,
+            )
 
     def log_dataset(self, dataset) -> None:
         """An ``mlflow.data`` dataset as the run's training input (the UI's Dataset column)."""
@@ -195,6 +193,33 @@ class RunTracker:
         if wall_s is not None:
             self.log_metrics({"time/wall_s": wall_s}, step=0)
         self.client.set_terminated(self.run_id, status=status)
+
+
+@contextlib.contextmanager
+def mlflow_globals(uri: str, experiment_id: str):
+    """MLflow's process-wide store and experiment, set for one call and then put back as they were.
+
+    ``Model.log`` finds both globally (a logged model in another experiment than its run's would make
+    ``runs:/<id>/<name>`` unresolvable), and setting them also writes ``MLFLOW_TRACKING_URI`` and
+    ``MLFLOW_EXPERIMENT_ID`` into the environment, which later runs of the same process (a compare, a
+    sweep, the tests) would otherwise inherit instead of their own ``tracking.uri``."""
+    import mlflow
+    from mlflow.tracking import fluent
+    from mlflow.tracking._tracking_service import utils
+
+    saved_env = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID")}
+    saved = (utils._tracking_uri, fluent._active_experiment_id)
+    try:
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment(experiment_id=experiment_id)
+        yield
+    finally:
+        utils._tracking_uri, fluent._active_experiment_id = saved
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class SystemMetrics:

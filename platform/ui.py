@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -57,7 +56,7 @@ def save_sweep_view(client, experiment_id: str, sweep_id: str, parent_run_id: st
     }
     view = {"name": f"{sweep_id} by {', '.join(params)}", "createdAt": int(time.time() * 1000)}
     view["state"] = json.dumps(state)
-    key = re.sub(r"[^A-Za-z0-9_-]", "_", sweep_id)
+    key = re.sub(r"[^A-Za-z0-9_-]", "_", f"{sweep_id}-{parent_run_id[:8]}")  # a re-run gets its own
     client.set_experiment_tag(experiment_id, SHARED_VIEW_TAG + key, json.dumps(view))
     return key
 
@@ -84,15 +83,20 @@ def ui_command(args: argparse.Namespace) -> int:
     uri = tracking_uri()
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         raise ConfigError(f"no MLflow store at {uri} yet: run something first (make run)")
+    if uri.startswith(("http://", "https://")):  # a tracking server serves its own UI
+        found = find_experiment(uri, args.experiment)
+        where = f"{uri.rstrip('/')}/#/experiments/{found[0]}/runs?workflowType=machine_learning" if found else uri
+        print(f"the tracking server {uri} serves the UI: {where}")
+        return 0
     found = find_experiment(uri, args.experiment)
     if found is None:
         print(f"MLflow UI: http://{args.host}:{args.port}/  (the store has no runs yet)")
     else:
         print(f"runs of experiment {found[1]!r}: {runs_table_url(found[0], args.host, args.port)}")
     sys.stdout.flush()
-    mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow"
-    cmd = [mlflow, "ui", "--backend-store-uri", uri, "--host", args.host, "--port", str(args.port)]
-    os.execv(mlflow, cmd)  # the UI server replaces this process: Ctrl-C stops it
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri]
+    os.execv(sys.executable, [*cmd, "--host", args.host, "--port", str(args.port)])  # Ctrl-C stops it
+    return 0  # not reached
 
 
 def add_ui_parser(subparsers) -> None:

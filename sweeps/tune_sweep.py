@@ -328,11 +328,14 @@ def log_trial_curves(parent, children: list, space: SearchSpace, algorithm: str)
 
     from fedray.dashboards.figures import save_png, trial_curves
 
+    newest = {}  # one run per trial: a resumed sweep re-runs an interrupted trial under its id
+    for run in sorted(children, key=lambda r: r.info.start_time):
+        newest[run.data.tags.get("trial_id") or run.info.run_id] = run
     curves = {}
-    for run in children:
+    for trial, run in newest.items():
         history = parent.client.get_metric_history(run.info.run_id, space.metric)
         if history:
-            label = run.info.run_name or run.info.run_id
+            label = f"{run.info.run_name} ({trial})"  # grid repeats share values, not trial ids
             curves[label] = pd.DataFrame([(m.step, m.value) for m in history], columns=["step", "value"])
     if not curves:
         return

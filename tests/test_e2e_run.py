@@ -43,6 +43,7 @@ def test_three_round_run_logs_params_metrics_and_artifacts(mlflow_store):
 
     artifacts = {a.path for a in client.list_artifacts(result.run_id)}
     assert {"config.yaml", "partition.csv", "partition.png", "client_accuracy.csv", "split.json"} <= artifacts
+    mlflow.set_tracking_uri(mlflow_store)
     logged = mlflow.search_logged_models([run.info.experiment_id], output_format="list")
     models = {m.name for m in logged if m.source_run_id == run.info.run_id}
     assert models == {"global_model"}  # clients are evaluated with the global model

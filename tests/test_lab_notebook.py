@@ -127,26 +127,26 @@ def ui_server(two_runs):
     uri, store, _, _ = two_runs
     port = _free_port()
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
-    proc = subprocess.Popen(
-        [str(FEDRAY), "ui", "--port", str(port)],
-        cwd=store,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # the UI's own workers share its group
-    )
+    log = store / f"ui-{port}.log"  # a file, not a pipe: the server's access log must never block it
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [str(FEDRAY), "ui", "--port", str(port)],
+            cwd=store,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # the UI's own workers share its group
+        )
     try:
-        first = proc.stdout.readline()
         deadline = time.monotonic() + 300
         while True:  # the server is up when its page answers
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
                 break
             except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, first
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
                 time.sleep(1)
-        yield first, port
+        yield log.read_text().splitlines()[0], port
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

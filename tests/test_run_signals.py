@@ -56,11 +56,20 @@ def test_sigterm_stops_the_run_as_ctrl_c_and_it_resumes(tmp_path, monkeypatch):
     assert "resume with  fedray run --resume" in out
     client, run = only_run(tmp_path)
     assert run.info.status == "KILLED"
+    first_wall = run.data.metrics["time/wall_s"]  # the interrupted command's time is recorded too
 
     # resumed from another directory, in this process (its Ray is already up: no second cold start)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    assert resume_experiment(run.info.run_id).finished
-    assert client.get_run(run.info.run_id).info.status == "FINISHED"
+    began = time.time()
+    resumed = resume_experiment(run.info.run_id)
+    segment = time.time() - began
+    assert resumed.finished
+    after = client.get_run(run.info.run_id)
+    assert after.info.status == "FINISHED"
+    # the wall time is the sum of both commands' time, not the last one's alone (the resume's own
+    # clock also holds the Ray teardown that follows the run's end: an upper bound)
+    assert first_wall + 0.5 * segment < resumed.wall_time_s <= first_wall + segment
+    assert after.data.metrics["time/wall_s"] == resumed.wall_time_s
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "acc/global")]
     assert sorted(steps) == list(range(1, 9))  # none lost, none twice
 
