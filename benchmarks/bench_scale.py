@@ -14,8 +14,7 @@ with the ideal. The per-round numbers are read back from the MLflow store after 
 What each column means (seconds unless said):
 
 - ``setup``: from the command's start until round 1 starts (imports, data, Ray, actors). Round 1's
-  start is the earliest of the MLflow run's start time (the run is created just after round 1 is
-  dispatched) and, for every round k, the time its metrics were logged minus rounds 1..k's
+  start is the earliest, over rounds k, of the time round k's metrics were logged minus rounds 1..k's
   ``time/round_s`` (the metrics are logged after the round ends, so each is an upper bound).
 - ``round``: mean ``time/round_s`` of the rounds without evaluation.
 - ``ideal``: the same rounds' client training time spread perfectly over the worker pool: the sum of
@@ -213,9 +212,9 @@ def read_metrics(o: Outcome, cmd_start: float, work: Path) -> None:
         o.error = f"no rounds logged (run {run.info.status})"
         return
 
-    # round 1's start: the run is created right after round 1 is dispatched; round k's metrics are
-    # logged after it ends, so (logged time - rounds 1..k) bounds it from above too
-    cumulative, bounds = 0.0, [run.info.start_time / 1000]
+    # round 1's start: round k's metrics are logged after it ends, so (logged time - rounds 1..k)
+    # bounds it from above (the run's start time is the call's start, before data and Ray: no bound)
+    cumulative, bounds = 0.0, []
     for step in steps:
         cumulative += round_s[step].value
         bounds.append(round_s[step].timestamp / 1000 - cumulative)
