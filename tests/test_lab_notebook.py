@@ -6,14 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
 
 import mlflow
 import mlflow.pytorch
@@ -21,13 +13,12 @@ import pytest
 import torch
 from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
+from ui_helpers import browser_or_skip, page_dom, ui_server
 
 from fedray.platform.config import load_config
 from fedray.platform.data import normalize
 from fedray.platform.run import prepare_federation, run_experiment
 from fedray.platform.run_dataset import split_digest
-
-FEDRAY = Path(sys.executable).parent / "fedray"
 
 
 @pytest.fixture(scope="module")
@@ -115,74 +106,14 @@ def test_system_metrics_and_description_are_on_the_run(two_runs):
 # --------------------------------------------------------------------------------------------- browser
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def ui_server(two_runs):
-    """``fedray ui`` on the store, as ``make ui`` starts it; stopped by its process group's id."""
-    uri, store, _, _ = two_runs
-    port = _free_port()
-    env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
-    log = store / f"ui-{port}.log"  # a file, not a pipe: the server's access log must never block it
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [str(FEDRAY), "ui", "--port", str(port)],
-            cwd=store,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # the UI's own workers share its group
-        )
-    try:
-        deadline = time.monotonic() + 300
-        while True:  # the server is up when its page answers
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-                time.sleep(1)
-        yield log.read_text().splitlines()[0], port
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def test_make_ui_prints_the_runs_table_and_the_page_lists_the_runs(ui_server, two_runs, tmp_path):
-    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-    if browser is None:
-        pytest.skip("no headless browser: `chromium` is not on PATH (apt-get install -y chromium)")
-    line, port = ui_server
-    uri, _, fedavg, local = two_runs
-    # the latest run's experiment (both runs share one) and its runs table, not the GenAI overview
-    match = re.search(rf"(http://127\.0\.0\.1:{port}/#/experiments/(\d+)/runs)", line)
-    assert match and match.group(2) == local.experiment_id, line
-    dom = subprocess.run(
-        [
-            browser,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-dev-shm-usage",
-            "--no-first-run",
-            f"--user-data-dir={tmp_path / 'profile'}",
-            "--virtual-time-budget=30000",
-            "--dump-dom",
-            match.group(1),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert dom.returncode == 0, dom.stderr[-2000:]
+def test_make_ui_prints_the_runs_table_and_the_page_lists_the_runs(two_runs, tmp_path):
+    browser = browser_or_skip()
+    uri, store, fedavg, local = two_runs
+    with ui_server(uri, store) as (line, port):
+        # the latest run's experiment (both runs share one) and its runs table, not the GenAI overview
+        match = re.search(rf"(http://127\.0\.0\.1:{port}/#/experiments/(\d+)/runs\S*)", line)
+        assert match and match.group(2) == local.experiment_id, line
+        dom = page_dom(browser, match.group(1), tmp_path / "profile")
     for run in (fedavg, local):
         name = MlflowClient(uri).get_run(run.run_id).info.run_name
-        assert name in dom.stdout, name
+        assert name in dom, name

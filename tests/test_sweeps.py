@@ -1,12 +1,14 @@
 """Ray Tune sweeps: space files checked without Ray; a real 4-trial sweep; interrupt and resume."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
+from ui_helpers import browser_or_skip, page_dom, ui_server
 
 from fedray.platform.config import load_yaml
 from fedray.platform.errors import ConfigError
@@ -115,6 +117,15 @@ def test_two_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store):
     assert state["groupBy"]["groupByKeys"] == [{"mode": "param", "groupByData": "fedprox.mu"}]
     assert f"#/experiments/{parent.info.experiment_id}/runs?workflowType=machine_learning" in note
     assert f"viewStateShareKey={key}&compareRunsMode=CHART" in note
+
+    # and the page applies it: the chart view groups the trials by mu, one group per value
+    browser = browser_or_skip()
+    chart = re.search(r"http://127\.0\.0\.1:5000/\S+CHART", note).group(0)
+    with ui_server(mlflow_store, tmp_path) as (_, port):
+        dom = page_dom(browser, chart.replace(":5000/", f":{port}/"), tmp_path / "profile")
+    assert "Group by: fedprox.mu" in dom
+    assert "Group: 0.0" in dom and "Group: 1.0" in dom
+    assert "fedprox mu=0" in dom and "fedprox mu=1" in dom
 
 
 @pytest.mark.usefixtures("ray_session")
