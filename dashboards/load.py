@@ -69,16 +69,12 @@ def load_runs(experiment: str, tracking_uri: str | None = None) -> ExperimentRun
     """Every finished fedray run of ``experiment`` (by name) as one frame; fails clearly on none."""
     from mlflow.tracking import MlflowClient
 
-    from fedray.platform.tracking import quiet_mlflow
+    from fedray.platform.tracking import existing_experiment, quiet_mlflow
 
     quiet_mlflow()
     uri = resolve_tracking_uri(tracking_uri)
     client = MlflowClient(tracking_uri=uri)
-    found = client.get_experiment_by_name(experiment)
-    if found is None:
-        names = sorted(e.name for e in client.search_experiments())
-        known = ", ".join(repr(n) for n in names) or "none"
-        raise ConfigError(f"no MLflow experiment named {experiment!r} in {uri} (experiments there: {known})")
+    found = existing_experiment(client, experiment, uri)
     all_runs = _search_all(client, found.experiment_id)
     runs = [r for r in all_runs if r.data.tags.get(KIND_TAG) != "report"]
     parents = {r.data.tags.get(PARENT_TAG) for r in runs} - {None}

@@ -36,8 +36,8 @@ from fedray.platform.data import (
     load_dataset,
     majority_baseline,
     normalize,
-    write_split,
 )
+from fedray.platform.data.split_file import dumps_split, federation_to_split
 from fedray.platform.descriptions import run_description
 from fedray.platform.models import arch_for_client, build_model
 from fedray.platform.pool import first_line
@@ -152,15 +152,14 @@ class RunAborted(RuntimeError):
     """The run cannot go on (its Coordinator died); the message says how to resume. One line."""
 
 
-def log_partition(tracker: RunTracker, fed: Federation, baseline: dict[str, float]) -> None:
-    """The class histogram (table and heatmap), the split itself (re-runnable elsewhere with
-    ``data.partition.kind=file``) and the majority-label reference accuracy."""
+def log_partition(tracker: RunTracker, fed: Federation, baseline: dict[str, float], split: dict) -> None:
+    """The class histogram (table and heatmap), the split itself (``federation_to_split``:
+    re-runnable elsewhere with ``data.partition.kind=file``) and the majority-label reference accuracy."""
     tracker.log_table(fed.histogram_table(), "partition.csv")
     with tempfile.TemporaryDirectory() as tmp:
         histogram_heatmap(fed, Path(tmp) / "partition.png")
         tracker.log_file(Path(tmp) / "partition.png")
-        write_split(fed, Path(tmp) / "split.json")
-        tracker.log_file(Path(tmp) / "split.json")
+    tracker.log_text(dumps_split(split), "split.json")
     tracker.log_metrics(baseline, step=0)
 
 
@@ -241,8 +240,9 @@ def record_new_run(tracker: RunTracker, cfg, fed, baseline, ckpt_dir: str) -> No
     tracker.set_tags({TAG_CHECKPOINT: ckpt_dir})
     tracker.log_params(cfg)
     tracker.log_config(cfg)
-    tracker.log_dataset(federation_dataset(fed, cfg))
-    log_partition(tracker, fed, baseline)
+    split = federation_to_split(fed)  # built once: the split.json artifact and the dataset digest
+    tracker.log_dataset(federation_dataset(fed, cfg, split))
+    log_partition(tracker, fed, baseline, split)
 
 
 def run_experiment(

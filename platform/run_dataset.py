@@ -55,9 +55,10 @@ class FederationDataset(Dataset):
         return out
 
 
-def split_digest(fed: Federation) -> str:
-    """12 hex digits of SHA-256 over the split's sample assignment and the input normalisation."""
-    split = federation_to_split(fed)
+def split_digest(fed: Federation, split: dict[str, Any] | None = None) -> str:
+    """12 hex digits of SHA-256 over the split's sample assignment and the input normalisation;
+    ``split``: ``federation_to_split(fed)`` when the caller has it already."""
+    split = federation_to_split(fed) if split is None else split
     identity = {
         k: split.get(k)
         for k in ("dataset", "num_train", "num_test", "clients", "global_test", "subset_paths")
@@ -104,12 +105,14 @@ def federation_profile(fed: Federation, cfg: ExperimentConfig) -> dict[str, Any]
     }
 
 
-def federation_dataset(fed: Federation, cfg: ExperimentConfig) -> FederationDataset:
+def federation_dataset(
+    fed: Federation, cfg: ExperimentConfig, split: dict[str, Any] | None = None
+) -> FederationDataset:
     image = (-1, fed.in_channels, fed.image_size, fed.image_size)
     schema = Schema(
         [TensorSpec(np.dtype(np.uint8), image, "image"), TensorSpec(np.dtype(np.int64), (-1,), "label")]
     )
     name = f"{cfg.data.dataset}-{partition_label(cfg)}-{fed.num_clients}c"
     return FederationDataset(
-        dataset_source(cfg), name, split_digest(fed), federation_profile(fed, cfg), schema
+        dataset_source(cfg), name, split_digest(fed, split), federation_profile(fed, cfg), schema
     )

@@ -242,6 +242,17 @@ class SystemMetrics:
         self.monitor.mlflow_logger.flush()
 
 
+def existing_experiment(client, name: str, uri: str):
+    """The experiment called ``name``; a one-line ConfigError naming the ones there when missing."""
+    from fedray.platform.errors import ConfigError
+
+    found = client.get_experiment_by_name(name)
+    if found is None:
+        known = ", ".join(repr(n) for n in sorted(e.name for e in client.search_experiments())) or "none"
+        raise ConfigError(f"no MLflow experiment named {name!r} in {uri} (experiments there: {known})")
+    return found
+
+
 def experiment_id(client, name: str, uri: str) -> str:
     found = client.get_experiment_by_name(name)
     if found is not None:

@@ -34,10 +34,11 @@ def latest_experiment(client) -> tuple[str, str] | None:
     return eid, experiments[eid]
 
 
-def runs_table_url(experiment_id: str, host: str, port: int, **query: str) -> str:
-    """The runs table (``compareRunsMode=CHART``: its chart view; ``viewStateShareKey``: a saved view)."""
+def runs_table_url(experiment_id: str, server: str, **query: str) -> str:
+    """The runs table on the UI at ``server`` (``http://host:port``); ``compareRunsMode=CHART``: its
+    chart view; ``viewStateShareKey``: a saved view."""
     params = "".join(f"&{k}={v}" for k, v in query.items())
-    return f"http://{host}:{port}/#/experiments/{experiment_id}/runs?workflowType=machine_learning{params}"
+    return f"{server.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning{params}"
 
 
 SHARED_VIEW_TAG = "mlflow.sharedViewState."  # experiment tag prefix the runs page loads a view from
@@ -64,16 +65,13 @@ def save_sweep_view(client, experiment_id: str, sweep_id: str, parent_run_id: st
 def find_experiment(uri: str, name: str | None) -> tuple[str, str] | None:
     from mlflow.tracking import MlflowClient
 
-    from fedray.platform.tracking import quiet_mlflow
+    from fedray.platform.tracking import existing_experiment, quiet_mlflow
 
     quiet_mlflow()
     client = MlflowClient(tracking_uri=uri)
     if name is None:
         return latest_experiment(client)
-    found = client.get_experiment_by_name(name)
-    if found is None:
-        known = ", ".join(sorted(repr(e.name) for e in client.search_experiments())) or "none"
-        raise ConfigError(f"no MLflow experiment named {name!r} in {uri}; experiments there: {known}")
+    found = existing_experiment(client, name, uri)
     return found.experiment_id, found.name
 
 
@@ -83,16 +81,15 @@ def ui_command(args: argparse.Namespace) -> int:
     uri = tracking_uri()
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         raise ConfigError(f"no MLflow store at {uri} yet: run something first (make run)")
-    if uri.startswith(("http://", "https://")):  # a tracking server serves its own UI
-        found = find_experiment(uri, args.experiment)
-        where = f"{uri.rstrip('/')}/#/experiments/{found[0]}/runs?workflowType=machine_learning" if found else uri
-        print(f"the tracking server {uri} serves the UI: {where}")
-        return 0
     found = find_experiment(uri, args.experiment)
+    if uri.startswith(("http://", "https://")):  # a tracking server serves its own UI
+        print(f"the tracking server {uri} serves the UI: {runs_table_url(found[0], uri) if found else uri}")
+        return 0
+    server = f"http://{args.host}:{args.port}"
     if found is None:
-        print(f"MLflow UI: http://{args.host}:{args.port}/  (the store has no runs yet)")
+        print(f"MLflow UI: {server}/  (the store has no runs yet)")
     else:
-        print(f"runs of experiment {found[1]!r}: {runs_table_url(found[0], args.host, args.port)}")
+        print(f"runs of experiment {found[1]!r}: {runs_table_url(found[0], server)}")
     sys.stdout.flush()
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri]
     os.execv(sys.executable, [*cmd, "--host", args.host, "--port", str(args.port)])  # Ctrl-C stops it

@@ -310,7 +310,7 @@ def summarize(grid, space: SearchSpace, parent, path: Path, base: dict[str, Any]
         best = {"params": best_point, "value": float(top[space.metric]), "run_id": run_id}
     view = parent.client.get_run(parent.run_id).data.tags.get("fedray.ui_view")
     chart = runs_table_url(
-        parent.experiment_id, "127.0.0.1", 5000, viewStateShareKey=view, compareRunsMode="CHART"
+        parent.experiment_id, "http://127.0.0.1:5000", viewStateShareKey=view, compareRunsMode="CHART"
     )
     parent.describe(
         sweep_description(base["algorithm"], space, build_config(base), best, chart if view else None)

@@ -12,7 +12,6 @@ import io
 import math
 import shutil
 import subprocess
-import warnings
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pandas as pd
 import pytest
 from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
+from ui_helpers import browser_or_skip
 
 from fedray.dashboards import summary as sm
 from fedray.dashboards.build import make_report
@@ -193,16 +193,7 @@ def pd_read(path: Path):
 @pytest.fixture(scope="module")
 def browser() -> str:
     """Debian's chromium (or a Chrome) on PATH; else skip, saying why, before any run is made."""
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        found = shutil.which(name)
-        if found:
-            return found
-    reason = (
-        "no headless browser: `chromium` is not on PATH "
-        "(install it with `apt-get install -y chromium`; .ci/run does so where apt is available)"
-    )
-    warnings.warn(f"browser test skipped: {reason}", stacklevel=1)  # shown even without pytest -rs
-    pytest.skip(reason)
+    return browser_or_skip()
 
 
 def _browse(browser: str, page: Path, profile: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import warnings
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,18 @@ FEDRAY = Path(sys.executable).parent / "fedray"
 
 
 def browser_or_skip() -> str:
-    found = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-    if found is None:
-        pytest.skip("no headless browser: `chromium` is not on PATH (apt-get install -y chromium)")
-    return found
+    """Debian's chromium (or a Chrome) on PATH; else skip, saying why (also as a warning, shown
+    without pytest -rs)."""
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    reason = (
+        "no headless browser: `chromium` is not on PATH "
+        "(install it with `apt-get install -y chromium`; .ci/run does so where apt is available)"
+    )
+    warnings.warn(f"browser test skipped: {reason}", stacklevel=2)
+    pytest.skip(reason)
 
 
 def _free_port() -> int:
