@@ -159,18 +159,6 @@ def wait_until_up(proc: subprocess.Popen, log: Path) -> None:
         time.sleep(0.1)
 
 
-def wait_for_port(proc: subprocess.Popen, log: Path, host: str, port: int) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=1).close()
-            return
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"{' '.join(proc.args)}: no GCS on port {port}:\n{log.read_text()[-3000:]}")
-            time.sleep(0.1)
-
-
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
@@ -220,8 +208,9 @@ def test_stopped_run_resumes_on_a_two_node_cluster_with_token_auth(mlflow_store,
         # socket paths must stay under 107 characters: a short temp dir per node, not tmp_path
         temp = [stack.enter_context(tempfile.TemporaryDirectory(prefix="fr-", dir="/tmp")) for _ in range(2)]
         # the driver imports torch and Lightning while the nodes start, then waits for the head (a file
-        # this test writes), joins and waits for the worker node; the worker node starts once the
-        # head's GCS answers, while the head still starts its dashboard
+        # this test writes), joins and waits for the worker node. The worker node starts once the head
+        # is fully up: joining while the head still started its dashboard timed out once on a loaded
+        # machine (its GCS was too slow to answer)
         head_log, worker_log, driver_log = (tmp_path / f"{n}.log" for n in ("head", "worker", "driver"))
         head = start_node(
             stack,
@@ -250,7 +239,8 @@ def test_stopped_run_resumes_on_a_two_node_cluster_with_token_auth(mlflow_store,
                 stderr=subprocess.STDOUT,
             )
         stack.callback(stop, driver)  # on a failure, before the head goes
-        wait_for_port(head, head_log, ip, port)
+        wait_until_up(head, head_log)
+        head_up.touch()
         worker = start_node(
             stack,
             [
@@ -260,12 +250,12 @@ def test_stopped_run_resumes_on_a_two_node_cluster_with_token_auth(mlflow_store,
                 "--object-store-memory=150000000",
                 f"--temp-dir={temp[1]}",
             ],
-            node_env(RAY_AUTH_TOKEN=token),
+            # Ray gives a joining node about 20 tries to reach the head's GCS; this is its setting for
+            # a longer budget (seconds), for a loaded machine
+            node_env(RAY_AUTH_TOKEN=token, RAY_gcs_server_port_wait_time_s=str(START_TIMEOUT_S)),
             dirs["worker-cwd"],
             worker_log,
         )
-        wait_until_up(head, head_log)
-        head_up.touch()
         wait_until_up(worker, worker_log)
 
         # the cluster enforces the token: the head's HTTP API refuses a request without it
