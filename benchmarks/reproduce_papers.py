@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", help="CIFAR-10 JPEG folder with train/ and test/ (default: the shared archive)")
     parser.add_argument("--experiment", help="MLflow experiment (default: repro_<paper>_<scale>)")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may follow --options (make's ARGS)
 
     from fedray.dashboards.report import build_report
     from fedray.platform.compare import load_comparison
