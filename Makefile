@@ -14,7 +14,7 @@ PAPER ?=
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip "setuptools>=69" wheel
+	$(BIN)/pip install --quiet --upgrade pip "setuptools>=77" wheel
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 
