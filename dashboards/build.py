@@ -144,6 +144,13 @@ def _acc_cell(stat: tuple[float, float], n: int) -> Cell:
     return Cell(text, value=mean, std=std)
 
 
+def _metric_words(metric: str) -> tuple[str, str]:
+    """How the report names ``metric``: short (a column header) and as an axis label."""
+    if metric.startswith("acc/personal"):
+        return "personalised", "personalised accuracy"
+    return "global", "global model accuracy"
+
+
 def _rounds_cell(row: dict) -> Cell:
     if row["reached"] == 0:
         return Cell("not reached")
@@ -165,7 +172,7 @@ def _summary_section(
         "personalised acc % (best round)",
         "global acc % (final)",
         "global acc % (best round)",
-        f"rounds to {100 * target:.0f}% {'personalised' if metric.startswith('acc/personal') else 'global'}",
+        f"rounds to {100 * target:.0f}% {_metric_words(metric)[0]}",
         "MB up",
         "MB down",
         "wall time, s",
@@ -232,8 +239,9 @@ def _curve_sections(
     )
 
     comm = Section("accuracy-comm", "Accuracy against communication")
-    label = "personalised accuracy" if metric.startswith("acc/personal") else "global model accuracy"
-    png = figs.save_png(figs.accuracy_vs_comm(by_comm, colors, label), fig_dir / "accuracy_vs_comm.png")
+    png = figs.save_png(
+        figs.accuracy_vs_comm(by_comm, colors, _metric_words(metric)[1]), fig_dir / "accuracy_vs_comm.png"
+    )
     comm.add(
         figure(
             png,

@@ -315,8 +315,8 @@ def run_experiment(
                 )
                 log_final(tracker, result, fed, summary["global_model"], models, note)
             status = "FINISHED" if summary["finished"] else "KILLED"
-            monitor, closing = None, monitor
-            if closing is not None:
+            closing, monitor = monitor, None  # closed here, not again by the finally below
+            if closing is not None:  # a failure to close it is this run's error
                 closing.finish()
             wall_s = earlier_s + time.time() - started  # printed by the CLI, logged as time/wall_s
             result.wall_time_s = wall_s

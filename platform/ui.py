@@ -21,6 +21,9 @@ from pathlib import Path
 
 from fedray.platform.errors import ConfigError
 
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 5000  # mlflow ui's own defaults
+DEFAULT_SERVER = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
+
 
 def latest_experiment(client) -> tuple[str, str] | None:
     """(id, name) of the experiment holding the most recently started run; None when there is none."""
@@ -91,14 +94,15 @@ def ui_command(args: argparse.Namespace) -> int:
     else:
         print(f"runs of experiment {found[1]!r}: {runs_table_url(found[0], server)}")
     sys.stdout.flush()
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri]
-    os.execv(sys.executable, [*cmd, "--host", args.host, "--port", str(args.port)])  # Ctrl-C stops it
+    where = ["--backend-store-uri", uri, "--host", args.host, "--port", str(args.port)]
+    # the UI server replaces this process: Ctrl-C stops it
+    os.execv(sys.executable, [sys.executable, "-m", "mlflow", "ui", *where])
     return 0  # not reached
 
 
 def add_ui_parser(subparsers) -> None:
     ui = subparsers.add_parser("ui", help="the MLflow UI on fedray's store; prints the runs table's address")
     ui.add_argument("--experiment", help="experiment whose runs table to print (default: the latest run's)")
-    ui.add_argument("--port", type=int, default=5000)
-    ui.add_argument("--host", default="127.0.0.1")
+    ui.add_argument("--port", type=int, default=DEFAULT_PORT)
+    ui.add_argument("--host", default=DEFAULT_HOST)
     ui.set_defaults(func=ui_command)

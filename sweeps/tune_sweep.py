@@ -24,7 +24,7 @@ from fedray.platform import storage
 from fedray.platform.config import ExperimentConfig, build_config, load_yaml, merge, parse_overrides
 from fedray.platform.descriptions import sweep_description
 from fedray.platform.errors import ConfigError
-from fedray.platform.ui import runs_table_url, save_sweep_view
+from fedray.platform.ui import DEFAULT_SERVER, runs_table_url, save_sweep_view
 from fedray.sweeps.space import SearchSpace, check_space, load_space, space_path, trial_config
 
 SWEEP_STATE = "fedray_sweep.json"  # parent run id and settings, for --resume
@@ -310,7 +310,7 @@ def summarize(grid, space: SearchSpace, parent, path: Path, base: dict[str, Any]
         best = {"params": best_point, "value": float(top[space.metric]), "run_id": run_id}
     view = parent.client.get_run(parent.run_id).data.tags.get("fedray.ui_view")
     chart = runs_table_url(
-        parent.experiment_id, "http://127.0.0.1:5000", viewStateShareKey=view, compareRunsMode="CHART"
+        parent.experiment_id, DEFAULT_SERVER, viewStateShareKey=view, compareRunsMode="CHART"
     )
     parent.describe(
         sweep_description(base["algorithm"], space, build_config(base), best, chart if view else None)
