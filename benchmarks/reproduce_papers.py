@@ -3,6 +3,7 @@
     python benchmarks/reproduce_papers.py fedssa                  # CPU scale, seeds 0 and 1
     python benchmarks/reproduce_papers.py fedcross --scale full   # the paper's settings (GPU hours)
     make reproduce PAPER=fedl2g ARGS="--seeds 0,1,2"
+    make reproduce PAPER=fedcross ARGS="--only fedcross rounds=400"   # one entry, longer
 
 Each paper is a compare file in ``benchmarks/papers/`` (the paper's settings from
 ``configs/paper_*.yaml``, one entry per algorithm, same partition per seed). ``--scale cpu`` adds the
@@ -125,6 +126,37 @@ def results_table(paper: Paper, results: dict[str, list]) -> str:
     return "\n".join(lines)
 
 
+def scale_overrides(paper: Paper, scale: str) -> list[str]:
+    return [f"{k}={v}" for k, v in paper.cpu.items()] if scale == "cpu" else []
+
+
+def paper_entries(
+    name: str,
+    scale: str,
+    data_root: str,
+    seeds: str,
+    overrides: list[str],
+    experiment: str,
+    only: list[str] | None = None,
+) -> list:
+    """The comparison's validated runs (one per entry and seed), ``only`` the entries with those labels."""
+    from fedray.platform.compare import load_comparison
+    from fedray.platform.errors import ConfigError
+
+    data = ["data.dataset=imagefolder", f"data.root={data_root}"]
+    entries = load_comparison(
+        ROOT / "benchmarks" / "papers" / f"{name}.yaml",
+        [*data, *scale_overrides(PAPERS[name], scale), "checkpoint_every=0", *overrides],
+        name=experiment,
+        seeds=[int(s) for s in seeds.split(",")],
+    )
+    labels = {entry.label for entry in entries}
+    if only and set(only) - labels:
+        missing, have = ", ".join(sorted(set(only) - labels)), ", ".join(sorted(labels))
+        raise ConfigError(f"--only: no entry labelled {missing} (have {have})")
+    return [entry for entry in entries if not only or entry.label in only]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("paper", choices=sorted(PAPERS))
@@ -132,24 +164,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
     parser.add_argument("--data", help="CIFAR-10 JPEG folder with train/ and test/ (default: the shared archive)")
     parser.add_argument("--experiment", help="MLflow experiment (default: repro_<paper>_<scale>)")
+    parser.add_argument("--only", help="comma-separated labels of the compare file to run (default: all)")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_intermixed_args(argv)  # overrides may follow --options (make's ARGS)
 
     from fedray.dashboards.report import build_report
-    from fedray.platform.compare import load_comparison
+    from fedray.platform.errors import ConfigError
     from fedray.platform.run import run_experiment
 
     paper = PAPERS[args.paper]
     experiment = args.experiment or f"repro_{args.paper}_{args.scale}"
-    scale = [f"{k}={v}" for k, v in paper.cpu.items()] if args.scale == "cpu" else []
-    data = ["data.dataset=imagefolder", f"data.root={cifar_root(args.data)}"]
-    seeds = [int(s) for s in args.seeds.split(",")]
-    entries = load_comparison(
-        ROOT / "benchmarks" / "papers" / f"{args.paper}.yaml",
-        [*data, *scale, "checkpoint_every=0", *args.overrides],
-        name=experiment,
-        seeds=seeds,
-    )  # every config is checked before the first run starts
+    scale = scale_overrides(paper, args.scale)
+    only = args.only.split(",") if args.only else None
+    try:  # every config is checked before the first run starts
+        entries = paper_entries(args.paper, args.scale, cifar_root(args.data), args.seeds, args.overrides, experiment, only)
+    except ConfigError as err:
+        parser.error(str(err))
     results: dict[str, list] = {}
     for entry in entries:
         print(f"== {experiment}: {entry.label}, seed {entry.config.seed}", flush=True)
