@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -74,7 +75,9 @@ def dataset_source(cfg: ExperimentConfig) -> DatasetSource:
     from mlflow.data.dataset_source_registry import resolve_dataset_source
 
     if cfg.data.root:
-        return resolve_dataset_source(str(Path(cfg.data.root).expanduser().resolve()))
+        with warnings.catch_warnings():  # MLflow registers its local-folder source twice, then warns that
+            warnings.filterwarnings("ignore", "The specified dataset source can be interpreted")  # both match
+            return resolve_dataset_source(str(Path(cfg.data.root).expanduser().resolve()))
     return CodeDatasetSource({"fedray.dataset": cfg.data.dataset, "fedray.loader": "built in, no download"})
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 
 import mlflow
 import mlflow.pytorch
@@ -18,7 +19,7 @@ from ui_helpers import browser_or_skip, page_dom, ui_server
 from fedray.platform.config import load_config
 from fedray.platform.data import normalize
 from fedray.platform.run import prepare_federation, run_experiment
-from fedray.platform.run_dataset import split_digest
+from fedray.platform.run_dataset import dataset_source, split_digest
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,15 @@ def test_dataset_input_names_the_split_and_equal_splits_share_a_digest(two_runs)
     assert split_digest(other) != a.dataset.digest
     same = prepare_federation(load_config(None, tiny_overrides()))
     assert split_digest(same) == a.dataset.digest
+
+
+def test_a_data_folder_is_the_datasets_source_without_a_warning(tmp_path):
+    cfg = load_config(None, ["data.dataset=imagefolder", f"data.root={tmp_path}"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # MLflow's "can be interpreted in multiple ways" on every run
+        source = dataset_source(cfg)
+    assert source.to_dict() == {"uri": str(tmp_path.resolve())}
+    assert dataset_source(load_config(None, [])).to_dict()["tags"]["fedray.dataset"] == "digits"
 
 
 def test_global_model_loads_from_mlflow_and_scores_what_the_run_logged(two_runs):
