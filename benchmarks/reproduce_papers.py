@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
 
     out = ROOT / "reports" / experiment
     out.mkdir(parents=True, exist_ok=True)
-    settings = " ".join([*scale, *args.overrides]) or "the paper's (configs/paper_*.yaml)"
+    merged = dict(o.split("=", 1) for o in [*scale, *args.overrides])  # a later key=value wins, as in the runs
+    settings = " ".join(f"{k}={v}" for k, v in merged.items()) or "the paper's (configs/paper_*.yaml)"
     text = f"# {experiment}\n\nSeeds {args.seeds}; overrides: {settings}\n\n{results_table(paper, results)}\n"
     (out / "results.md").write_text(text)  # first: the table does not depend on the page
     print(text)
