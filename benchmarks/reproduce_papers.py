@@ -9,7 +9,7 @@ Each paper is a compare file in ``benchmarks/papers/`` (the paper's settings fro
 ``configs/paper_*.yaml``, one entry per algorithm, same partition per seed). ``--scale cpu`` adds the
 overrides below, which shrink rounds, data and models until a 2-core CPU finishes the comparison in
 minutes; they are printed with the table. Every run lands in the MLflow experiment
-``repro_<paper>_<scale>``; the script then writes ``reports/repro_<paper>_<scale>/index.html``
+``repro_<paper>_<scale>``; the script then writes ``reports/repro_<paper>_<scale>/report.html``
 (``fedray report``: curves, rounds to target, communication) and ``results.md`` beside it: per
 algorithm the final and best value of the paper's metric (mean ± std over seeds), the majority-class
 accuracy of the same clients (what a client that always predicts its most frequent training label
@@ -132,21 +132,21 @@ def scale_overrides(paper: Paper, scale: str) -> list[str]:
 
 def paper_entries(
     name: str,
-    scale: str,
+    overrides: list[str],
     data_root: str,
     seeds: str,
-    overrides: list[str],
     experiment: str,
     only: list[str] | None = None,
 ) -> list:
-    """The comparison's validated runs (one per entry and seed), ``only`` the entries with those labels."""
+    """The comparison's validated runs (one per entry and seed), ``only`` the entries with those labels;
+    ``overrides`` are the scale's and the user's, in that order."""
     from fedray.platform.compare import load_comparison
     from fedray.platform.errors import ConfigError
 
     data = ["data.dataset=imagefolder", f"data.root={data_root}"]
     entries = load_comparison(
         ROOT / "benchmarks" / "papers" / f"{name}.yaml",
-        [*data, *scale_overrides(PAPERS[name], scale), "checkpoint_every=0", *overrides],
+        [*data, "checkpoint_every=0", *overrides],
         name=experiment,
         seeds=[int(s) for s in seeds.split(",")],
     )
@@ -164,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
     parser.add_argument("--data", help="CIFAR-10 JPEG folder with train/ and test/ (default: the shared archive)")
     parser.add_argument("--experiment", help="MLflow experiment (default: repro_<paper>_<scale>)")
-    parser.add_argument("--only", help="comma-separated labels of the compare file to run (default: all)")
+    parser.add_argument(
+        "--only", type=lambda s: s.split(","), help="comma-separated labels of the compare file to run (default: all)"
+    )
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_intermixed_args(argv)  # overrides may follow --options (make's ARGS)
 
@@ -174,10 +176,9 @@ def main(argv: list[str] | None = None) -> int:
 
     paper = PAPERS[args.paper]
     experiment = args.experiment or f"repro_{args.paper}_{args.scale}"
-    scale = scale_overrides(paper, args.scale)
-    only = args.only.split(",") if args.only else None
+    overrides = [*scale_overrides(paper, args.scale), *args.overrides]  # what runs is what results.md lists
     try:  # every config is checked before the first run starts
-        entries = paper_entries(args.paper, args.scale, cifar_root(args.data), args.seeds, args.overrides, experiment, only)
+        entries = paper_entries(args.paper, overrides, cifar_root(args.data), args.seeds, experiment, args.only)
     except ConfigError as err:
         parser.error(str(err))
     results: dict[str, list] = {}
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = ROOT / "reports" / experiment
     out.mkdir(parents=True, exist_ok=True)
-    merged = dict(o.split("=", 1) for o in [*scale, *args.overrides])  # a later key=value wins, as in the runs
+    merged = dict(o.split("=", 1) for o in overrides)  # a later key=value wins, as in the runs
     settings = " ".join(f"{k}={v}" for k, v in merged.items()) or "the paper's (configs/paper_*.yaml)"
     text = f"# {experiment}\n\nSeeds {args.seeds}; overrides: {settings}\n\n{results_table(paper, results)}\n"
     (out / "results.md").write_text(text)  # first: the table does not depend on the page

@@ -17,6 +17,7 @@ assert spec and spec.loader
 repro = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = repro  # its dataclasses look their module up
 spec.loader.exec_module(repro)
+CPU_FEDCROSS = repro.scale_overrides(repro.PAPERS["fedcross"], "cpu")
 
 
 def dotted(tree: dict, key: str):
@@ -28,7 +29,8 @@ def dotted(tree: dict, key: str):
 @pytest.mark.parametrize("paper", sorted(repro.PAPERS))
 @pytest.mark.parametrize("scale", ["cpu", "full"])
 def test_every_comparison_expands_to_valid_configs(paper, scale, tmp_path):
-    entries = repro.paper_entries(paper, scale, str(tmp_path), "0,1", [], "exp")
+    scaled = repro.scale_overrides(repro.PAPERS[paper], scale)
+    entries = repro.paper_entries(paper, scaled, str(tmp_path), "0,1", "exp")
     labels = [e.label for e in entries]
     assert set(labels) == set(repro.PAPERS[paper].paper_numbers)  # every row has the paper's number beside it
     assert all(labels.count(label) == 2 for label in labels)  # one run per seed
@@ -42,14 +44,14 @@ def test_every_comparison_expands_to_valid_configs(paper, scale, tmp_path):
 
 
 def test_only_runs_the_named_entries(tmp_path):
-    entries = repro.paper_entries("fedcross", "cpu", str(tmp_path), "0,1", ["rounds=400"], "exp", ["fedcross"])
+    entries = repro.paper_entries("fedcross", [*CPU_FEDCROSS, "rounds=400"], str(tmp_path), "0,1", "exp", ["fedcross"])
     assert [(e.label, e.config.seed, e.config.rounds) for e in entries] == [("fedcross", 0, 400), ("fedcross", 1, 400)]
     assert all(dotted(e.config.to_dict(), "fedcross.dynamic_alpha_rounds") == 0 for e in entries)
 
 
 def test_only_with_an_unknown_label_names_it(tmp_path):
     with pytest.raises(ConfigError, match=r"no entry labelled nope \(have fedavg, fedcross, fedcross-da\)"):
-        repro.paper_entries("fedcross", "cpu", str(tmp_path), "0", [], "exp", ["nope"])
+        repro.paper_entries("fedcross", CPU_FEDCROSS, str(tmp_path), "0", "exp", ["nope"])
 
 
 def test_results_table_is_mean_and_population_std_over_seeds():
