@@ -61,7 +61,10 @@ class FedAvgServer(Server):
 
 
 class FedAvgClient(ClientModule):
-    """Plain cross-entropy on the received global model (the base ClientModule's behaviour)."""
+    """Plain cross-entropy on the received global model (the base ClientModule's behaviour). Every
+    downlink overwrites the whole model, so nothing of a client outlives its round."""
+
+    keeps_state = False
 
 
 @register("fedavg", server=FedAvgServer, client=FedAvgClient)

@@ -234,10 +234,12 @@ class FedCrossServer(Server):
 class FedCrossClient(ClientModule):
     """Trains the middleware model it received with plain cross-entropy and uploads it (Alg. 1 line 8).
 
-    Aggregation is uniform, so no sample count goes up.
+    Aggregation is uniform, so no sample count goes up. The downlink overwrites the whole model,
+    so nothing of a client outlives its round.
     """
 
     hp: FedCrossConfig
+    keeps_state = False
 
     def upload(self) -> Payload:
         return {"model": cpu_state(self.model)}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning as L
 import numpy as np
@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedray.platform.algorithm_config import AlgorithmConfig
-from fedray.platform.augment import crop_flip
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.data import ArrayDataset
+from fedray.platform.errors import ContractError
+from fedray.platform.local_training import check_client_class
 from fedray.platform.models import FedModel
 
 Payload = dict[str, Any]
@@ -60,6 +61,15 @@ def cpu_state(module_or_state: nn.Module | Mapping[str, torch.Tensor]) -> dict[s
 def derive_seed(*parts: int) -> int:
     """A stable 31-bit seed from integers (experiment seed, round, client id...)."""
     return zlib.crc32(np.asarray(parts, dtype=np.int64).tobytes()) & 0x7FFFFFFF
+
+
+def seed_torch(seed: int, device: torch.device | None = None) -> None:
+    """``torch.manual_seed`` for the CPU's generator and, on a GPU, that device's: the same draws.
+    ``torch.manual_seed`` itself also queues a seeding of every accelerator torch was built for, with
+    a stack trace each time, about 0.7 ms on a CPU-only worker, paid for every client."""
+    torch.random.default_generator.manual_seed(seed)
+    if device is not None and device.type == "cuda":
+        torch.cuda.manual_seed(seed)
 
 
 # --------------------------------------------------------------------------------------------- contexts
@@ -142,9 +152,23 @@ class ClientModule(L.LightningModule):
     Subclasses override ``receive``, ``training_step`` and ``upload``; the default is plain
     cross-entropy training of the whole model with SGD from ``cfg.train``. State that must survive
     a checkpoint belongs in ``state_dict()`` (parameters and registered buffers).
+
+    The worker drives the module with its own loop over Lightning's hooks
+    (:mod:`fedray.platform.local_training`), not a ``Trainer``: ``self.trainer`` does not exist,
+    ``self.log`` records a statistic as :meth:`record` does, and hooks the loop does not call are
+    refused when the run is configured.
     """
 
     hp: AlgorithmConfig  # the algorithm's own config section; a subclass names its own type
+    # False: nothing of a client survives its round (its module is overwritten by every downlink).
+    # The worker then trains every client on one module per architecture and no state is committed
+    # or checkpointed; a receive() that leaves a parameter as it found it is refused in one line.
+    keeps_state: ClassVar[bool] = True
+
+    @classmethod
+    def check_contract(cls, algorithm: str) -> None:
+        """Raise ContractError (one line) for a rule this class breaks that its code already shows."""
+        check_client_class(algorithm, cls)
 
     def __init__(self, model: FedModel, ctx: ClientContext) -> None:
         assert ctx.cfg.algo is not None, "a ClientContext is built from a resolved config"
@@ -153,7 +177,7 @@ class ClientModule(L.LightningModule):
         self.ctx = ctx
         self.hp = ctx.cfg.algo
         self.rnd = 0
-        self._stats: dict[str, list[float]] = {}
+        self._stats: dict[str, list[torch.Tensor | float]] = {}
         self._optimizer_state: dict[str, Any] | None = None  # kept only with train.keep_optimizer_state
 
     # ---- the contract
@@ -189,34 +213,15 @@ class ClientModule(L.LightningModule):
         return self.model(x)
 
     def local_epochs(self, rnd: int) -> int:
-        """Epochs of local training this round (0 skips ``Trainer.fit``, e.g. FedL2G's warm-up)."""
+        """Epochs of local training this round (0 skips training, e.g. FedL2G's warm-up)."""
         return self.ctx.cfg.train.local_epochs
 
-    # ---- Lightning hooks
+    # ---- Lightning hooks the worker's loop calls
     def configure_optimizers(self) -> torch.optim.Optimizer:
         t = self.ctx.cfg.train
         return torch.optim.SGD(self.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
 
-    def on_train_start(self) -> None:
-        # Lightning builds a fresh optimizer in every fit(); carry the old state over when asked to
-        if self.ctx.cfg.train.keep_optimizer_state and self._optimizer_state is not None:
-            self.trainer.optimizers[0].load_state_dict(self._optimizer_state)
-        self._augment_gen = torch.Generator().manual_seed(
-            derive_seed(self.ctx.cfg.seed, self.rnd, self.ctx.client_id, 3)
-        )
-
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """``data.augment``: training batches only, on the training device."""
-        if self.ctx.cfg.data.augment == "crop_flip" and self.trainer.training:
-            x, y = batch
-            batch = (crop_flip(x, self._augment_gen), y)
-        return batch
-
-    def on_train_end(self) -> None:
-        if self.ctx.cfg.train.keep_optimizer_state:
-            self._optimizer_state = self.trainer.optimizers[0].state_dict()
-
-    def train_dataloader(self):
+    def train_dataloader(self) -> ShuffledBatches:
         return batch_loader(
             self.training_data(), self.ctx.cfg.train.batch_size, shuffle=True, seed=self.data_seed()
         )
@@ -228,27 +233,59 @@ class ClientModule(L.LightningModule):
     def data_seed(self) -> int:
         return derive_seed(self.ctx.cfg.seed, self.rnd, self.ctx.client_id, 1)
 
+    @property
+    def trainer(self):  # type: ignore[override]
+        raise ContractError(
+            f"{type(self).__name__}.trainer: fedray trains clients with its own loop over the module's "
+            "hooks, without a Lightning Trainer (record statistics with self.record or self.log)"
+        )
+
+    @trainer.setter
+    def trainer(self, trainer) -> None:
+        self.trainer  # noqa: B018  (raises: no Trainer is ever attached to a client)
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """Lightning's ``self.log`` in a client: the value is recorded as :meth:`record` does (a
+        per-round mean in MLflow); Lightning's logging options do not apply."""
+        self.record(name, value)
+
     # ---- tensors kept between calls
     def hold(self, name: str, value: torch.Tensor | None) -> None:
         """Keep ``value`` as ``self.<name>`` between calls: a non-persistent buffer, cast to the model's
-        device and floating dtype now and moved with the module later (``.to``, Lightning's device
-        placement, ``.double()``), which a plain tensor attribute is not. Not checkpointed: for what
-        a client receives or derives each round."""
+        device and floating dtype now and moved with the module later (``.to``, ``.double()``), which
+        a plain tensor attribute is not. Not checkpointed: for what a client receives or derives
+        each round."""
         if value is not None:
             ref = next(self.model.parameters())
             value = value.to(ref.device, ref.dtype if value.is_floating_point() else None)
         self.register_buffer(name, value, persistent=False)  # replaces a buffer of that name
 
-    # ---- per-fit statistics (cheaper than self.log, and they travel back with the uplink)
+    # ---- per-fit statistics (cheaper than Lightning's logging, and they travel back with the uplink)
     def record(self, name: str, value: torch.Tensor | float) -> None:
-        self._stats.setdefault(name, []).append(
-            float(value.detach()) if torch.is_tensor(value) else float(value)
-        )
+        """Add ``value`` to this round's statistic ``name`` (its mean over the calls is logged). A
+        tensor is kept as it is, on its device, and read once when the client's work is done: no
+        host-device synchronisation per training step."""
+        self._stats.setdefault(name, []).append(value.detach() if torch.is_tensor(value) else float(value))
 
     def pop_stats(self) -> dict[str, float]:
-        out = {k: float(np.mean(v)) for k, v in self._stats.items() if v}
-        self._stats = {}
-        return out
+        """Each statistic's mean over this client's calls, read from the device in one transfer."""
+        stats, self._stats = self._stats, {}
+        tensors = [v for values in stats.values() for v in values if torch.is_tensor(v)]
+        read = iter(())
+        if tensors:
+            device = tensors[0].device
+            read = iter(torch.stack([t.double().reshape(()).to(device) for t in tensors]).tolist())
+        return {
+            name: float(np.mean([next(read) if torch.is_tensor(v) else v for v in values]))
+            for name, values in stats.items()
+            if values
+        }
+
+
+def commits_state(client_cls: type[ClientModule], cfg: ExperimentConfig) -> bool:
+    """Whether a client's state must be committed after its round: it keeps something between rounds
+    (``keeps_state``), or its optimizer state is carried (``train.keep_optimizer_state``)."""
+    return client_cls.keeps_state or cfg.train.keep_optimizer_state
 
 
 def tests_with_global_model(client_cls: type[ClientModule], eval_payload: Payload | None) -> bool:
@@ -260,27 +297,50 @@ def tests_with_global_model(client_cls: type[ClientModule], eval_payload: Payloa
 # --------------------------------------------------------------------------------------------- data
 
 
-class _Batches(torch.utils.data.Dataset):
-    """Index a whole batch at once: one tensor gather per batch instead of a Python collate."""
+class ShuffledBatches:
+    """Mini-batches of an in-memory dataset, gathered with one index per batch on the data's device.
 
-    def __init__(self, data: ArrayDataset) -> None:
+    With ``shuffle``, each pass over the data draws its order from ``generator`` exactly as a
+    ``DataLoader(BatchSampler(RandomSampler(generator=...)))`` iterated by Lightning's Trainer did
+    (fedray's loader before its own training loop): a permutation per epoch, plus the one the
+    sampler draws for its remainder when the last batch is partial (its iterator then runs to the
+    end; with full batches Lightning stops at the last one). Runs therefore repeat the numbers of
+    earlier fedray versions, without the DataLoader's per-batch machinery.
+    """
+
+    def __init__(
+        self, data: ArrayDataset, batch_size: int, *, shuffle: bool, seed: int = 0, drop_last: bool = False
+    ) -> None:
         self.x, self.y = data.x, data.y
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.generator = torch.Generator().manual_seed(seed) if shuffle else None
 
     def __len__(self) -> int:
-        return len(self.y)
+        n, b = len(self.y), self.batch_size
+        return n // b if self.drop_last else -(-n // b)
 
-    def __getitem__(self, idx):
-        return self.x[idx], self.y[idx]
+    def __iter__(self):
+        n = len(self.y)
+        if self.generator is None:
+            order = None
+        else:
+            order = torch.randperm(n, generator=self.generator)
+            if n % self.batch_size and not self.drop_last:
+                torch.randperm(n, generator=self.generator)  # RandomSampler's draw for its remainder
+            order = order.to(self.x.device)
+        for i in range(len(self)):
+            if order is None:
+                yield self.x[i * self.batch_size : (i + 1) * self.batch_size], self.y[
+                    i * self.batch_size : (i + 1) * self.batch_size
+                ]
+            else:
+                idx = order[i * self.batch_size : (i + 1) * self.batch_size]
+                yield self.x[idx], self.y[idx]
 
 
 def batch_loader(
     data: ArrayDataset, batch_size: int, *, shuffle: bool, seed: int = 0, drop_last: bool = False
-):
-    from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
-
-    ds = _Batches(data)
-    base = (
-        RandomSampler(ds, generator=torch.Generator().manual_seed(seed)) if shuffle else SequentialSampler(ds)
-    )
-    sampler = BatchSampler(base, batch_size=batch_size, drop_last=drop_last)
-    return DataLoader(ds, sampler=sampler, batch_size=None)
+) -> ShuffledBatches:
+    """The batches of ``data`` in a seeded order (see :class:`ShuffledBatches`)."""
+    return ShuffledBatches(data, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)

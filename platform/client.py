@@ -1,17 +1,18 @@
-"""ClientActor: a worker process that trains and evaluates whichever client it is handed.
+"""ClientActor: a long-lived worker process that trains and evaluates whichever clients it is handed.
 
-A client is its shard and its committed state (:mod:`fedray.platform.store`); a worker loads them
-into the algorithm's ClientModule, runs ``lightning.Trainer.fit`` (on its GPU slice when it has one)
-and hands back the uplink and the new state. It caches recently used clients, so a client that
-comes back to the same worker loads nothing.
+A client is its shard and its committed state (:mod:`fedray.platform.store`). A worker keeps what a
+client does not need rebuilt: its device and its training loop (:mod:`fedray.platform.local_training`,
+built once), the modules of recently used clients (a returning client loads nothing), the models of
+evicted clients (a new client is loaded into one in place), one model per architecture for
+algorithms whose clients keep nothing between rounds (every such client trains on it, and nothing
+is committed), shards normalised once and kept on the device, and each round's downlinks (read once
+per worker, not once per client). One call trains several clients and hands back their uplinks
+together, and their new states as separate Ray objects.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 import time
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,14 +25,25 @@ from fedray.platform.algorithm import (
     ClientContext,
     ClientModule,
     Payload,
-    batch_loader,
+    commits_state,
     derive_seed,
+    seed_torch,
     tests_with_global_model,
 )
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.data import ArrayDataset, ClientShard, normalize
+from fedray.platform.devices import (
+    DeviceError,
+    configure_device,
+    is_device_error,
+    is_out_of_memory,
+    worker_device,
+)
+from fedray.platform.errors import ContractError
+from fedray.platform.local_training import LocalTraining
 from fedray.platform.memory import retain_freed_memory
-from fedray.platform.models import arch_for_client, build_model
+from fedray.platform.models import FedModel, arch_for_client, build_model
+from fedray.platform.pool import first_line
 from fedray.platform.registry import get as get_algorithm
 from fedray.platform.store import ClientTask
 from fedray.platform.transport import use_fast_tensor_transport
@@ -43,28 +55,9 @@ DATA_CACHE_CLIENTS = 256  # normalised shards a worker keeps (small: a few MB ea
 GLOBAL_CHUNK_CACHE = 16  # chunks of the global test set a worker keeps
 
 
-def quiet_lightning() -> None:
-    """Lightning prints banners and data-loader hints on every fit; a federation fits thousands of times."""
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", module="lightning")
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-
-
-def scan_lightning_plugins_once() -> None:
-    """Every ``Trainer()`` reads every installed package's entry points looking for callback
-    factories: about 6 ms of its 7 ms, paid on each client's fit. The installed packages do not
-    change while a process lives, so the scan's result is kept (the factories still run per Trainer)."""
-    from lightning.fabric.utilities import registry
-
-    scan = getattr(registry, "entry_points", None)  # None: a Lightning that finds its callbacks otherwise
-    if scan is not None and not hasattr(scan, "cache_info"):  # not cached yet
-        registry.entry_points = functools.cache(scan)  # type: ignore[assignment]  # same call, cached
-
-
-def make_client_model(cfg: ExperimentConfig, client_id: int, meta: dict[str, Any]):
+def make_client_model(cfg: ExperimentConfig, client_id: int, meta: dict[str, Any]) -> FedModel:
     """The client's architecture, initialised from (seed, client id) so every run starts identically."""
-    torch.manual_seed(derive_seed(cfg.seed, client_id, 0))
+    seed_torch(derive_seed(cfg.seed, client_id, 0))  # initial weights are drawn on the CPU
     arch = arch_for_client(cfg.model.group, client_id)
     return build_model(arch, meta["in_channels"], meta["image_size"], meta["num_classes"])
 
@@ -74,23 +67,24 @@ def evaluate_model(
     model: torch.nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
-    device: str,
+    device: str | torch.device,
     batch: int = EVAL_BATCH,
     scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ):
     """(correct, total, summed CE loss) of ``model`` on a normalised tensor dataset; ``scores`` (a
-    client's ``eval_logits``) replaces the plain forward pass."""
+    client's ``eval_logits``) replaces the plain forward pass. Sums stay on the device until the end."""
     was_training = model.training
     model.eval().to(device)
     forward = scores or model
-    correct, loss = 0, 0.0
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    loss = torch.zeros((), dtype=torch.float64, device=device)
     for i in range(0, len(y), batch):
         xb, yb = x[i : i + batch].to(device), y[i : i + batch].to(device)
         logits = forward(xb)
-        correct += int((logits.argmax(1) == yb).sum())
-        loss += float(torch.nn.functional.cross_entropy(logits, yb, reduction="sum"))
+        correct += (logits.argmax(1) == yb).sum()
+        loss += torch.nn.functional.cross_entropy(logits, yb, reduction="sum").double()
     model.train(was_training)
-    return correct, len(y), loss
+    return int(correct), len(y), float(loss)
 
 
 class LRU(OrderedDict):
@@ -106,11 +100,14 @@ class LRU(OrderedDict):
             self[key] = value
         return value
 
-    def keep(self, key, value) -> None:
+    def keep(self, key, value) -> list:
+        """Store ``value`` as the most recent entry; returns the values it pushed out."""
         self[key] = value
         self.move_to_end(key)
+        evicted = []
         while len(self) > self.capacity:
-            self.popitem(last=False)
+            evicted.append(self.popitem(last=False)[1])
+        return evicted
 
 
 def fetch(boxed: Any) -> Any:
@@ -121,101 +118,211 @@ def fetch(boxed: Any) -> Any:
 
 @dataclass
 class ClientData:
-    train: ArrayDataset  # normalised
-    test_x: torch.Tensor
+    train: ArrayDataset  # normalised, on the worker's device
+    test_x: torch.Tensor  # normalised, on the worker's device
     test_y: torch.Tensor
-    class_counts: torch.Tensor
+    class_counts: torch.Tensor  # [C] train samples per class, on the CPU
+
+
+@dataclass
+class ClientResult:
+    """What one client's training gave: its uplink and statistics, or the one line its code raised."""
+
+    client: int
+    uplink: Payload | None
+    stats: dict[str, float]
+    error: str | None = None
+
+
+def tensor_versions(tree: Any) -> list[int]:
+    """The in-place modification counters of every tensor in a payload (nested mappings and lists)."""
+    if torch.is_tensor(tree):
+        return [tree._version]
+    if isinstance(tree, dict):
+        return [v for value in tree.values() for v in tensor_versions(value)]
+    if isinstance(tree, (list, tuple)):
+        return [v for value in tree for v in tensor_versions(value)]
+    return []
+
+
+def to_cpu(tree: Any) -> Any:
+    """A payload with every tensor on the CPU (payloads, states and checkpoints are CPU tensors)."""
+    if torch.is_tensor(tree):
+        return tree if tree.device.type == "cpu" else tree.cpu()
+    if isinstance(tree, dict):
+        return {k: to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_cpu(v) for v in tree)
+    return tree
 
 
 class ClientHost:
-    """A worker: trains and evaluates whichever client it is handed. Free of Ray's decorator so it
+    """A worker: trains and evaluates whichever clients it is handed. Free of Ray's decorator so it
     can be driven directly (tests, benchmarks).
 
-    It keeps the modules of recently used clients (``ray.cache_clients``), each tagged with the
-    version of the committed state it holds, and their normalised shards; a task whose version
-    matches skips loading the state. A module whose training raised is dropped: it may be half-updated.
+    Algorithms whose clients keep state (``ClientModule.keeps_state``) get a module per client, kept
+    for ``ray.cache_clients`` clients and tagged with the version of the committed state it holds (a
+    task whose version matches loads nothing); a module whose training raised is dropped, as it
+    may be half-updated. Algorithms whose clients keep nothing train every client on one model per
+    architecture, which each downlink overwrites.
     """
 
     def __init__(self, cfg: ExperimentConfig, num_threads: int) -> None:
         torch.set_num_threads(max(1, num_threads))
-        quiet_lightning()
-        scan_lightning_plugins_once()
         self.cfg = cfg
         self.spec = get_algorithm(cfg.algorithm)
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device, self.device_info = worker_device(cfg)
+        configure_device(self.device, cfg.train, cfg.ray.num_gpus_per_client)
+        self.training = LocalTraining(cfg.train, self.device)
+        self.keeps_state = commits_state(self.spec.client_cls, cfg)
         self.modules: LRU = LRU(cfg.ray.cache_clients)  # client -> (version, ClientModule)
+        self.spare: dict[str, list[FedModel]] = {}  # models of evicted clients, loaded in place next
+        self.arch_models: dict[str, FedModel] = {}  # one per architecture: stateless clients, global model
         self.data: LRU = LRU(max(cfg.ray.cache_clients, DATA_CACHE_CLIENTS))  # client -> ClientData
         self.global_chunks: LRU = LRU(GLOBAL_CHUNK_CACHE)  # chunk index -> (x, y) normalised
-        self.global_models: dict[str, torch.nn.Module] = {}
+        self.payloads: dict[Any, Payload] = {}  # this round's downlinks, read once per worker
+        self.payload_round = -1
         self.meta: dict[str, Any] = {}
 
-    def setup(self, meta: dict[str, Any]) -> None:
-        """What the data says (classes, channels, normalisation), known once the driver has loaded it."""
+    def setup(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """What the data says (classes, channels, normalisation), known once the driver has loaded it.
+        Returns what this worker trains on, for the run's record."""
         self.meta = meta
+        info = self.device_info
+        return {"device": info.describe(), "kind": info.kind}
 
-    # ---- a client's data and module
+    # ---- a client's data, model and module
     def client_data(self, task: ClientTask) -> ClientData:
         data = self.data.take(task.client)
         if data is None:
             shard: ClientShard = fetch(task.shard)
-            mean, std = self.meta["mean"], self.meta["std"]
+            mean, std, device = self.meta["mean"], self.meta["std"], self.device
             data = ClientData(
-                ArrayDataset(normalize(shard.train.x, mean, std), shard.train.y),
-                normalize(shard.test.x, mean, std),
-                shard.test.y,
+                ArrayDataset(normalize(shard.train.x, mean, std).to(device), shard.train.y.to(device)),
+                normalize(shard.test.x, mean, std).to(device),
+                shard.test.y.to(device),
                 torch.bincount(shard.train.y, minlength=self.meta["num_classes"]),
             )
             self.data.keep(task.client, data)
         return data
 
+    def arch_model(self, arch: str) -> FedModel:
+        """The model every client of ``arch`` shares when clients keep nothing (and the global model
+        evaluation's): built once, overwritten by whatever is loaded into it next."""
+        model = self.arch_models.get(arch)
+        if model is None:
+            meta = self.meta
+            model = build_model(arch, meta["in_channels"], meta["image_size"], meta["num_classes"])
+            self.arch_models[arch] = model.to(self.device)
+        return model
+
     def module(self, task: ClientTask) -> ClientModule:
-        """The client's module at its committed state: from the cache, else built and loaded."""
+        """The client's module at its committed state: from the cache, else loaded into a spare model
+        in place, else built from its initial weights (a function of (seed, client id))."""
+        data = self.client_data(task)
+        ctx = ClientContext(task.client, self.cfg, self.meta["num_classes"], data.train, data.class_counts)
+        if not self.keeps_state:
+            return self.spec.client_cls(self.arch_model(arch_for_client(self.cfg.model.group, task.client)), ctx)
         cached = self.modules.take(task.client)
         if cached is not None and cached[0] == task.version:
             return cached[1]
-        data = self.client_data(task)
-        ctx = ClientContext(task.client, self.cfg, self.meta["num_classes"], data.train, data.class_counts)
-        module = self.spec.client_cls(make_client_model(self.cfg, task.client, self.meta), ctx)
+        arch = arch_for_client(self.cfg.model.group, task.client)
+        spares = self.spare.get(arch)
+        if task.state and spares:
+            module = self.spec.client_cls(spares.pop(), ctx)
+        else:  # the initial weights are drawn in construction, from (seed, client id)
+            module = self.spec.client_cls(make_client_model(self.cfg, task.client, self.meta), ctx)
+        module.to(self.device)
         if task.state:
             load_client_state(module, fetch(task.state))
-        self.modules.keep(task.client, (task.version, module))
+        self.cache(task.client, task.version, module)
         return module
 
-    # ---- the work
-    def train(self, task: ClientTask, rnd: int, payload: Payload) -> tuple[tuple[Payload, dict], dict]:
-        """Receive, fit, upload. Returns ((uplink, stats), new state): two Ray objects, so the
-        Coordinator reads the uplink and keeps only a reference to the state."""
-        import lightning as L
+    def cache(self, client: int, version: int, module: ClientModule) -> None:
+        for _, evicted in self.modules.keep(client, (version, module)):
+            self.spare.setdefault(evicted.model.arch, []).append(evicted.model)
 
+    def drop(self, client: int) -> None:
+        """Forget a client's module (it may be half-trained); its model is still good to load into."""
+        cached = self.modules.pop(client, None)
+        if cached is not None:
+            self.spare.setdefault(cached[1].model.arch, []).append(cached[1].model)
+
+    def payload(self, boxed: list, rnd: int) -> Payload:
+        """A downlink, read from the object store once per worker and round (a broadcast is one object)."""
+        if rnd != self.payload_round:
+            self.payloads, self.payload_round = {}, rnd
+        key = boxed[0] if isinstance(boxed[0], ray.ObjectRef) else id(boxed[0])
+        if key not in self.payloads:
+            self.payloads[key] = fetch(boxed)
+        return self.payloads[key]
+
+    # ---- the work
+    def train(self, rnd: int, tasks: list[ClientTask], payloads: list[list]) -> Any:
+        """Receive, fit and upload each client in turn. Returns ``(results, *states)``: the
+        :class:`ClientResult` list first (read by the Coordinator), then, when clients keep state,
+        each client's new state as a Ray object of its own (None where its code raised)."""
+        results, states = [], []
+        for task, boxed in zip(tasks, payloads, strict=True):
+            result, state = self.train_one(task, rnd, self.payload(boxed, rnd))
+            results.append(result)
+            states.append(state)
+        return (results, *states) if self.keeps_state else results
+
+    def train_one(self, task: ClientTask, rnd: int, payload: Payload) -> tuple[ClientResult, Any]:
+        """One client, with the device faults sorted from the client's own: out of memory frees the
+        cache and tries once more; any other CUDA error breaks the worker (:class:`DeviceError`), so
+        the pool replaces it and runs the clients elsewhere."""
+        for attempt in (1, 2):
+            try:
+                uplink, stats, module = self.fit_client(task, rnd, payload)
+            except (ContractError, DeviceError):
+                self.drop(task.client)
+                raise
+            except Exception as err:
+                self.drop(task.client)  # half-trained: the committed state stays the truth
+                if is_out_of_memory(err) and attempt == 1:
+                    if self.device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    continue
+                if is_out_of_memory(err) or is_device_error(err):
+                    raise DeviceError(f"client {task.client}: {first_line(err)}") from None
+                return ClientResult(task.client, None, {}, first_line(err)), None
+            state = client_state(module) if self.keeps_state else None
+            return ClientResult(task.client, uplink, stats), state
+        raise AssertionError("unreachable")
+
+    def fit_client(self, task: ClientTask, rnd: int, payload: Payload) -> tuple[Payload, dict, ClientModule]:
         start = time.perf_counter()
         module = self.module(task)
-        try:
-            # seeded before receive: every draw a client makes depends on (seed, round, client) only,
-            # never on which worker runs it or what that worker ran before
-            torch.manual_seed(derive_seed(self.cfg.seed, rnd, task.client, 2))
-            module.begin_round(rnd, payload)
-            epochs = module.local_epochs(rnd)
-            if epochs > 0:
-                trainer = L.Trainer(
-                    max_epochs=epochs,
-                    accelerator="gpu" if self.device == "cuda" else "cpu",
-                    devices=1,
-                    barebones=True,  # no loggers, checkpoints, progress bars or summaries: raw speed
-                    gradient_clip_val=self.cfg.train.grad_clip,
-                    num_sanity_val_steps=0,
-                )
-                trainer.fit(module)
-            # Lightning's teardown leaves the module on the CPU: upload (FedSC's prototype pass, FedL2G's
-            # double backward) runs where training ran
-            uplink = module.to(self.device).upload()
-            module.to("cpu")  # cached modules wait in host memory, not on the GPU
-        except BaseException:
-            self.modules.pop(task.client, None)  # half-trained: the committed state stays the truth
-            raise
+        sent = tensor_versions(payload)
+        written = None if self.keeps_state else [t._version for t in module.model.state_dict().values()]
+        # seeded before receive: every draw a client makes depends on (seed, round, client) only,
+        # never on which worker runs it or what that worker ran before
+        seed_torch(derive_seed(self.cfg.seed, rnd, task.client, 2), self.device)
+        module.begin_round(rnd, payload)
+        if written is not None:
+            require_overwritten(self.spec.name, module, written)
+        epochs = module.local_epochs(rnd)
+        if epochs > 0:
+            self.training.fit(module, epochs, self.augment_generator(rnd, task.client))
+        uplink = to_cpu(module.upload())
+        if tensor_versions(payload) != sent:
+            raise ContractError(
+                f"algorithm {self.spec.name!r}: client {task.client} changed a tensor of its downlink in "
+                "place; the downlink is shared by the worker's clients (copy it before changing it)"
+            )
         stats = module.pop_stats()
         stats["time/client_s"] = time.perf_counter() - start
-        self.modules.keep(task.client, (task.version + 1, module))
-        return (uplink, stats), client_state(module)
+        if self.keeps_state:
+            self.cache(task.client, task.version + 1, module)
+        return uplink, stats, module
+
+    def augment_generator(self, rnd: int, client: int) -> torch.Generator | None:
+        """``data.augment``'s draws for one client's round: a function of (seed, round, client)."""
+        if self.cfg.data.augment != "crop_flip":
+            return None
+        return torch.Generator().manual_seed(derive_seed(self.cfg.seed, rnd, client, 3))
 
     def evaluate(self, tasks: list[ClientTask], payload: Payload | None) -> list[tuple[int, int, int, float]]:
         """(client, correct, total, summed loss) of each client on its own test split.
@@ -243,15 +350,10 @@ class ClientHost:
             out.append((task.client, *scored))
             if saved is not None:
                 module.load_state_dict(saved)  # evaluation never changes a committed state
-            module.to("cpu")
         return out
 
     def global_model(self, arch: str, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-        model = self.global_models.get(arch)
-        if model is None:
-            meta = self.meta
-            model = build_model(arch, meta["in_channels"], meta["image_size"], meta["num_classes"])
-            self.global_models[arch] = model
+        model = self.arch_model(arch)
         model.load_state_dict(state)
         return model
 
@@ -266,19 +368,32 @@ class ClientHost:
             chunk = self.global_chunks.take(index)
             if chunk is None:
                 raw: ArrayDataset = fetch(boxed)
-                chunk = (normalize(raw.x, self.meta["mean"], self.meta["std"]), raw.y)
+                x = normalize(raw.x, self.meta["mean"], self.meta["std"]).to(self.device)
+                chunk = (x, raw.y.to(self.device))
                 self.global_chunks.keep(index, chunk)
             x, y = chunk
             out.append((index, *evaluate_model(model, x, y, self.device)))
         return out
 
 
+def require_overwritten(algorithm: str, module: ClientModule, before: list[int]) -> None:
+    """A client that keeps nothing must load every entry of its model in ``receive``: it trains on a
+    model the worker shares, and whatever it did not overwrite is another client's."""
+    for (name, tensor), version in zip(module.model.state_dict().items(), before, strict=True):
+        if tensor._version == version:
+            raise ContractError(
+                f"algorithm {algorithm!r}: {type(module).__name__} declares keeps_state = False, but "
+                f"receive() left model.{name} as it was; load the whole model from the downlink, or "
+                "keep keeps_state = True"
+            )
+
+
 def client_state(module: ClientModule) -> dict[str, Any]:
     """Everything a client keeps between rounds: its module's state_dict (parameters and registered
-    buffers) and, with ``train.keep_optimizer_state``, its optimizer state."""
+    buffers) and, with ``train.keep_optimizer_state``, its optimizer state, as CPU tensors."""
     return {
         "module": {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()},
-        "optimizer": module._optimizer_state,
+        "optimizer": to_cpu(module._optimizer_state),
     }
 
 
@@ -302,4 +417,4 @@ class ClientActor(ClientHost):
         super().__init__(cfg, num_threads)
 
 
-__all__ = ["ClientActor", "ClientHost", "batch_loader", "evaluate_model", "make_client_model"]
+__all__ = ["ClientActor", "ClientHost", "evaluate_model", "make_client_model"]

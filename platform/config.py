@@ -92,6 +92,10 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float | None = None  # max global grad norm; None = no clipping
     keep_optimizer_state: bool = False  # carry SGD momentum across rounds on the client
+    # on a GPU: "32" (full float32), "bf16-mixed" or "16-mixed" (autocast; 16-mixed scales the loss)
+    precision: Literal["32", "bf16-mixed", "16-mixed"] = "32"
+    tf32: bool = False  # let CUDA matmuls and convolutions round to TF32 (faster, not float32-exact)
+    deterministic: bool = True  # on a GPU: deterministic cuDNN / CUDA kernels, so a rerun repeats itself
 
 
 @dataclass
@@ -179,6 +183,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         raise ConfigError(f"{key}={value!r}: expected {' or '.join(_type_name(a) for a in args)} or null")
     if origin is Literal:
         allowed = typing.get_args(tp)
+        if value not in allowed and not isinstance(value, bool) and str(value) in allowed:
+            return str(value)  # precision: 32 in YAML is the number; the choice is the string "32"
         if value not in allowed:
             raise ConfigError(f"{key}={value!r}: allowed values are {', '.join(map(str, allowed))}")
         return value
@@ -381,6 +387,11 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(0 <= t.momentum < 1, f"train.momentum={t.momentum}: must be in [0, 1)")
     _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay}: must be >= 0")
     _check(t.grad_clip is None or t.grad_clip > 0, f"train.grad_clip={t.grad_clip}: must be > 0 or null")
+    _check(
+        t.precision != "16-mixed" or cfg.ray.num_gpus_per_client > 0,
+        "train.precision=16-mixed: float16 autocast needs a GPU (ray.num_gpus_per_client > 0); "
+        "on CPU use 32 or bf16-mixed",
+    )
     _check(
         is_known_model(cfg.model.group),
         f"model.group={cfg.model.group!r}: unknown model or group; see README 'Configuration' for the zoo",

@@ -21,14 +21,17 @@ from fedray.platform import storage
 from fedray.platform.algorithm import (
     Payload,
     ServerContext,
+    commits_state,
     cpu_state,
     derive_seed,
     payload_nbytes,
     tests_with_global_model,
 )
-from fedray.platform.client import EVAL_CHUNK, client_model_state, make_client_model
+from fedray.platform.client import EVAL_CHUNK, ClientResult, client_model_state, make_client_model
 from fedray.platform.config import ExperimentConfig, clients_per_round
 from fedray.platform.data import ArrayDataset
+from fedray.platform.errors import ContractError
+from fedray.platform.memory import retain_freed_memory
 from fedray.platform.models import arch_for_client
 from fedray.platform.pool import Job, WorkerPool
 from fedray.platform.registry import get as get_algorithm
@@ -37,6 +40,26 @@ from fedray.platform.transport import use_fast_tensor_transport
 
 CHECKPOINT_FILE = "checkpoint.pt"
 EVAL_CLIENTS_PER_JOB = 32  # clients one evaluation call tests: amortises a call, still spreads the work
+TRAIN_CLIENTS_PER_JOB = 8  # most clients one training call trains
+SAMPLES_PER_CALL = 256  # small clients share a call until it holds this many training samples
+
+
+def call_groups(clients: list[int], sizes: list[int], workers: int) -> list[list[int]]:
+    """The clients (in dispatch order) split into training calls. Small clients share a call until it
+    holds ``SAMPLES_PER_CALL`` samples (a call costs a Ray round trip and a worker's share of the
+    downlink), and calls shrink towards the end of the round, each at most the clients left over
+    twice the workers, so the last calls are short and no worker waits long for another to finish."""
+    groups, start = [], 0
+    while start < len(clients):
+        left = len(clients) - start
+        cap = max(1, min(TRAIN_CLIENTS_PER_JOB, -(-left // (2 * workers))))
+        end, samples = start + 1, sizes[clients[start]]
+        while end - start < cap and end < len(clients) and samples < SAMPLES_PER_CALL:
+            samples += sizes[clients[end]]
+            end += 1
+        groups.append(clients[start:end])
+        start = end
+    return groups
 
 
 def sample_clients(seed: int, rnd: int, num_clients: int, k: int) -> list[int]:
@@ -125,6 +148,15 @@ def pool_size(cfg: ExperimentConfig, resources: dict[str, float]) -> int:
     return max(1, min(fit, cfg.data.num_clients))
 
 
+def job_label(key: Any) -> str:
+    """A job's key as the progress display names it: ``client 3``, ``clients 3, 7``, ``global test chunk 2``."""
+    if key and key[0] == "global":
+        return f"global test chunk {key[1]}"
+    if key and key[0] == "clients":
+        return f"evaluation from client {key[1]}"
+    return f"client{'s' if len(key) > 1 else ''} {', '.join(map(str, key))}"
+
+
 def chunks(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
@@ -144,8 +176,9 @@ class RoundLoop:
         global_test: ArrayDataset,
         workers: list,
         options: dict[str, Any],
-    ) -> None:
-        """Build the server half, the state store and the worker pool."""
+    ) -> dict[str, Any]:
+        """Build the server half, the state store and the worker pool; returns what the workers
+        train on (``devices``: one description per worker)."""
         self.cfg, self.meta, self.shards = cfg, meta, shard_refs
         n = cfg.data.num_clients
         archs = [arch_for_client(cfg.model.group, cid) for cid in range(n)]
@@ -153,6 +186,12 @@ class RoundLoop:
         torch.manual_seed(derive_seed(cfg.seed, 4))
         self.spec = get_algorithm(cfg.algorithm)
         self.server = self.spec.server_cls(ctx)
+        self.commits = commits_state(self.spec.client_cls, cfg)
+        if not self.commits and self.server.eval_payload() is None:
+            raise ContractError(
+                f"algorithm {cfg.algorithm!r}: its client keeps nothing between rounds (keeps_state = "
+                "False) but its server sends no evaluation payload, so no client has a model to test"
+            )
         self.store = StateStore()
 
         def spawn():
@@ -160,8 +199,9 @@ class RoundLoop:
             worker.setup.remote(meta)  # runs before any job: an actor's calls run in order
             return worker
 
-        ray.get([w.setup.remote(meta) for w in workers])
-        self.pool = WorkerPool(workers, spawn, pinned=len(workers) >= n)
+        devices = [info["device"] for info in ray.get([w.setup.remote(meta) for w in workers])]
+        # a worker per client keeps each client's module for the run, when clients keep state
+        self.pool = WorkerPool(workers, spawn, pinned=self.commits and len(workers) >= n)
         # fixed-size chunks summed in chunk order: the same numbers whatever the pool size
         self.global_chunks = [
             ray.put(global_test.subset(np.arange(s, min(s + EVAL_CHUNK, len(global_test)))))
@@ -171,6 +211,7 @@ class RoundLoop:
         self.history: list[dict[str, float]] = []
         self.cum = {"up": 0, "down": 0}
         self.last_client_acc: dict[int, float] = {}
+        return {"devices": devices}
 
     # ------------------------------------------------------------------------------------ events
     def emit(self, kind: str, **data: Any) -> None:
@@ -209,18 +250,28 @@ class RoundLoop:
         self.emit("round_start", round=rnd + 1, selected=selected)
         downlinks = self.server.configure(rnd, selected)
         trained = self.pool.run(self.train_jobs(rnd, selected, downlinks), self.retry_reporter(rnd))
-        uplinks, stats = {}, {}
-        for cid, ((uplink, client_stats), (state_ref,), worker) in sorted(trained.results.items()):
-            self.store.commit(cid, state_ref, worker)  # the uplink is accepted: its state is the truth
-            uplinks[cid], stats[cid] = uplink, client_stats
-        for cid, error in trained.failed.items():
+        uplinks, stats, failed = {}, {}, {}
+        for _, (results, state_refs, worker) in trained.results.items():
+            states = state_refs or (None,) * len(results)
+            result: ClientResult
+            for result, state_ref in zip(results, states, strict=True):
+                if result.error is not None:
+                    failed[result.client] = result.error
+                    continue
+                if state_ref is not None:  # the uplink is accepted: its state is the truth
+                    self.store.commit(result.client, state_ref, worker)
+                uplinks[result.client], stats[result.client] = result.uplink, result.stats
+        for clients, error in trained.failed.items():
+            failed.update(dict.fromkeys(clients, error))
+        for cid, error in sorted(failed.items()):
             self.emit("client_failed", round=rnd + 1, client=cid, error=error)
+        uplinks = dict(sorted(uplinks.items()))
         self.server.aggregate(rnd, uplinks)
         up_bytes = sum(payload_nbytes(u) for u in uplinks.values())
         down_bytes = sum(payload_nbytes(downlinks[cid]) for cid in selected)
         self.cum["up"] += up_bytes
         self.cum["down"] += down_bytes
-        metrics = mean_stats(list(stats.values()))
+        metrics = mean_stats([stats[cid] for cid in sorted(stats)])
         metrics.update(
             {
                 "comm/up_bytes": up_bytes,
@@ -228,8 +279,8 @@ class RoundLoop:
                 "comm/up_bytes_cum": self.cum["up"],
                 "comm/down_bytes_cum": self.cum["down"],
                 "clients/selected": len(selected),
-                "clients/failed": len(trained.failed),
-                "clients/retried": len(trained.retried),
+                "clients/failed": len(failed),
+                "clients/retried": sum(len(clients) for clients in trained.retried),
             }
         )
         if (rnd + 1) % self.cfg.eval_every == 0 or rnd + 1 == self.cfg.rounds:
@@ -240,22 +291,33 @@ class RoundLoop:
         return metrics
 
     def train_jobs(self, rnd: int, selected: list[int], downlinks: dict[int, Payload]) -> list[Job]:
-        """One job per selected client, largest shards first; one object-store copy per distinct payload."""
+        """The round's training calls: clients grouped by the worker that caches them, largest shards
+        first, small ones several per call (:func:`call_groups`); one object-store copy per distinct
+        downlink."""
+        sizes = self.meta["train_sizes"]
         refs: dict[int, Any] = {}
+        by_worker: dict[Any, list[int]] = {}
+        for cid in sorted(selected, key=lambda c: (-sizes[c], c)):
+            by_worker.setdefault(self.affinity(cid), []).append(cid)
         jobs = []
-        for cid in sorted(selected, key=lambda c: (-self.meta["train_sizes"][c], c)):
-            payload = refs.setdefault(id(downlinks[cid]), ray.put(downlinks[cid]))
-            task = self.store.task(cid, self.shards[cid])
-            jobs.append(Job(cid, "train", (task, rnd, payload), self.affinity(cid), returns=2))
-        return jobs
+        for prefer, cids in by_worker.items():
+            for group in call_groups(cids, sizes, len(self.pool)):
+                tasks = [self.store.task(c, self.shards[c]) for c in group]
+                payloads = [[refs.setdefault(id(downlinks[c]), ray.put(downlinks[c]))] for c in group]
+                returns = 1 + len(group) if self.commits else 1
+                jobs.append(Job(tuple(group), "train", (rnd, tasks, payloads), prefer, returns=returns))
+        return sorted(jobs, key=lambda job: (-sizes[job.key[0]], job.key[0]))
 
     def affinity(self, cid: int) -> tuple[int, int] | None:
-        """The worker that still caches this client: its own one when every client has a worker."""
+        """The worker that still caches this client: its own one when every client has a worker; none
+        when clients keep nothing (any worker trains any client on the same shared model)."""
+        if not self.commits:
+            return None
         return self.pool.identity(cid) if self.pool.pinned else self.store.holder.get(cid)
 
     def retry_reporter(self, rnd: int):
         def report(key: Any, error: str) -> None:
-            self.emit("client_retried", round=rnd + 1, client=key, error=error)
+            self.emit("client_retried", round=rnd + 1, client=job_label(key), error=error)
 
         return report
 
@@ -388,4 +450,5 @@ class Coordinator(RoundLoop):
 
     def __init__(self) -> None:
         use_fast_tensor_transport()  # downlinks leave as raw bytes
+        retain_freed_memory()  # a round's uplinks reuse the last round's memory instead of fresh pages
         super().__init__()

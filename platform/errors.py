@@ -4,3 +4,9 @@ without importing the config machinery."""
 
 class ConfigError(ValueError):
     """A config value a user has to fix. The message is one line."""
+
+
+class ContractError(ConfigError):
+    """An algorithm that breaks a rule of the platform's contract (a hook the worker loop does not
+    call, a client that says it keeps nothing but does). The message is one line naming the rule;
+    raised before the run starts where the rule can be checked then, else in the first round."""

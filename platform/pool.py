@@ -1,14 +1,15 @@
 """The worker pool: ClientActors that take the next job when they go idle, and replace the dead.
 
-Dispatch is dynamic: a job goes to the first idle worker, in the order the jobs were given (the
-Coordinator gives the largest shards first), except that a worker first takes a job for a client
-whose module it still caches, and leaves a job another live worker caches to that worker when
-there is other work. With ``pinned`` (at least as many workers as clients) a job runs only on its
+Dispatch is dynamic: a job goes to the first worker with room (each holds up to ``IN_FLIGHT``
+calls), in the order the jobs were given (the Coordinator gives the largest shards first), except
+that a worker first takes a job for a client whose module it still caches, and leaves a job
+another live worker caches to that worker when there is other work. With ``pinned`` (at least as many workers as clients) a job runs only on its
 own worker, so every client keeps its actor for the whole run and no state moves.
 
-A worker that dies (``kill -9``, OOM, a lost node) is replaced by a fresh one in the same slot and
-its job runs again from the client's committed state: faults cost time, not results. A job whose
-own code raises is reported as failed and not retried.
+A worker that dies (``kill -9``, OOM, a lost node) or whose device breaks (a CUDA error) is replaced
+by a fresh one in the same slot and its job runs again from the clients' committed states: faults
+cost time, not results. A job whose own code raises is reported as failed and not retried; an
+algorithm that breaks the platform's contract stops the run (:class:`ContractError`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ from typing import Any
 
 import ray
 
+from fedray.platform.devices import DeviceError
+from fedray.platform.errors import ContractError
+
 MAX_RETRIES = 3  # a client that keeps killing its worker (its own OOM) is reported as failed
+IN_FLIGHT = 2  # calls queued in one worker at a time
 
 
 @dataclass
@@ -81,41 +86,56 @@ class WorkerPool:
         return free if free is not None else (queue[0] if queue else None)
 
     def run(self, jobs: list[Job], on_retry: Callable[[Any, str], None] | None = None) -> Outcome:
-        """Run every job to an outcome; returns when all are done or failed."""
+        """Run every job to an outcome; returns when all are done or failed.
+
+        Each worker holds up to ``IN_FLIGHT`` calls: the next one is already queued in the worker when
+        the current one ends, so a worker never waits for this process to collect a result and
+        dispatch again."""
         queue = list(jobs)
-        running: dict[Any, tuple[int, Job, tuple]] = {}
-        idle = set(range(len(self.workers)))
+        running: dict[Any, tuple[int, int, Job, tuple]] = {}  # first ref -> (slot, generation, job, refs)
+        load = [0] * len(self.workers)
         out = Outcome({}, {}, [])
         while queue or running:
-            for slot in sorted(idle):
-                job = self.pick(queue, slot)
-                if job is None:
-                    continue
-                queue.remove(job)
-                idle.discard(slot)
-                refs = job.submit(self.workers[slot])
-                running[refs[0]] = (slot, job, refs)
+            for _ in range(IN_FLIGHT):  # round-robin: the first jobs (the largest) spread over the workers
+                for slot in range(len(self.workers)):
+                    job = self.pick(queue, slot) if load[slot] < IN_FLIGHT else None
+                    if job is None:
+                        continue
+                    queue.remove(job)
+                    load[slot] += 1
+                    refs = job.submit(self.workers[slot])
+                    running[refs[0]] = (slot, self.generation[slot], job, refs)
             if not running:  # cannot happen while every slot holds a worker; never spin
                 raise RuntimeError(f"{len(queue)} jobs left that no worker takes")
             done, _ = ray.wait(list(running), num_returns=1)
-            slot, job, refs = running.pop(done[0])
+            slot, generation, job, refs = running.pop(done[0])
+            current = generation == self.generation[slot]  # not a call to a worker since replaced
+            if current:
+                load[slot] -= 1
             try:
                 value = ray.get(done[0])
-            except ray.exceptions.RayActorError as err:  # the worker died: replace it, run the job again
-                self.replace(slot)
-                job.attempts += 1
-                if job.attempts > MAX_RETRIES:
-                    out.failed[job.key] = f"its worker died {job.attempts} times: {first_line(err)}"
-                else:
-                    out.retried.append(job.key)
-                    queue.insert(0, job)
-                    if on_retry is not None:
-                        on_retry(job.key, first_line(err))
-            except ray.exceptions.RayError as err:  # the job's own code raised: reported, not retried
-                out.failed[job.key] = first_line(err)
+            except ray.exceptions.RayError as err:
+                cause = getattr(err, "cause", None)
+                if isinstance(cause, ContractError):  # the algorithm breaks a rule: the run stops
+                    raise cause from None
+                if isinstance(err, ray.exceptions.RayActorError) or isinstance(cause, DeviceError):
+                    # the worker died, or its device broke: replace it, run its calls again elsewhere
+                    if current:
+                        self.replace(slot)
+                        load[slot] = 0  # its other calls fail on their own and are queued again
+                    job.attempts += 1
+                    what = "died" if isinstance(err, ray.exceptions.RayActorError) else "lost its device"
+                    if job.attempts > MAX_RETRIES:
+                        out.failed[job.key] = f"its worker {what} {job.attempts} times: {first_line(err)}"
+                    else:
+                        out.retried.append(job.key)
+                        queue.insert(0, job)
+                        if on_retry is not None:
+                            on_retry(job.key, first_line(err))
+                else:  # the job's own code raised: reported, not retried
+                    out.failed[job.key] = first_line(err)
             else:
-                out.results[job.key] = (value, refs[1:], self.identity(slot))
-            idle.add(slot)
+                out.results[job.key] = (value, refs[1:], (slot, generation))
         return out
 
     def shutdown(self) -> None:

@@ -67,8 +67,8 @@ class Progress:
             )
         elif kind == "client_retried":
             self.console.print(
-                f"[yellow]round {event['round']}: worker died running {event['client']}, re-running it "
-                f"from its committed state ({event['error']})"
+                f"[yellow]round {event['round']}: worker lost running {event['client']}, re-running "
+                f"from the committed state ({event['error']})"
             )
         elif kind == "round_end":
             self._round_end(event["round"], event["metrics"])

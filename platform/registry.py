@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from fedray.platform.algorithm_config import AlgorithmConfig
-from fedray.platform.errors import ConfigError
+from fedray.platform.errors import ConfigError, ContractError
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class AlgorithmSpec:
 
 _REGISTRY: dict[str, AlgorithmSpec] = {}
 _LOADED = False
+_CHECKED: set[str] = set()
 
 
 def register(name: str, *, server: type, client: type):
@@ -79,4 +80,14 @@ def get(name: str) -> AlgorithmSpec:
         _load_all()
     if key not in _REGISTRY:
         raise ConfigError(f"algorithm={name!r}: unknown algorithm; available: {', '.join(available())}")
-    return _REGISTRY[key]
+    spec = _REGISTRY[key]
+    if key not in _CHECKED:  # the contract rules a client class shows in its code, once per process
+        check = getattr(spec.client_cls, "check_contract", None)
+        if check is None:
+            raise ContractError(
+                f"algorithm {key!r}: its client {spec.client_cls.__name__} must derive from "
+                "fedray.platform.algorithm.ClientModule"
+            )
+        check(key)
+        _CHECKED.add(key)
+    return spec

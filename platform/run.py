@@ -39,6 +39,7 @@ from fedray.platform.data import (
 )
 from fedray.platform.data.split_file import dumps_split, federation_to_split
 from fedray.platform.descriptions import run_description
+from fedray.platform.errors import ConfigError
 from fedray.platform.models import arch_for_client, build_model
 from fedray.platform.pool import first_line
 from fedray.platform.progress import Progress, mb
@@ -146,6 +147,27 @@ def ensure_ray(cfg: ExperimentConfig) -> None:
         else:
             ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), _system_config=PRELOAD, **kwargs)
     use_fast_tensor_transport()  # the shards and the global test set leave as raw bytes
+
+
+def require_gpus(cfg: ExperimentConfig) -> None:
+    """A run that asks for GPUs needs a cluster that has them: Ray would otherwise wait forever to
+    place a ClientActor that no node can hold (a GPU run resumed on a CPU machine, a typo)."""
+    import ray
+
+    need = cfg.ray.num_gpus_per_client
+    if need <= 0:
+        return
+    have = ray.cluster_resources().get("GPU", 0)
+    if have < need:
+        raise ConfigError(
+            f"ray.num_gpus_per_client={need:g}: the Ray cluster has {have:g} GPUs; set "
+            "ray.num_gpus_per_client=0 to train on CPUs, or join a cluster with GPUs (RAY_ADDRESS)"
+        )
+
+
+def device_tags(devices: list[str]) -> dict[str, str]:
+    """What the run's clients trained on (tag ``device``) and how many workers trained them."""
+    return {"device": "; ".join(sorted(set(devices))), "fedray.workers": str(len(devices))}
 
 
 class RunAborted(RuntimeError):
@@ -268,6 +290,7 @@ def run_experiment(
     fed = prepare_federation(cfg)  # config and data errors surface here, before Ray
     baseline = baseline_metrics(fed)
     ensure_ray(cfg)
+    require_gpus(cfg)  # GPUs asked for that the cluster lacks: one line now, not a wait forever
     runtime = start_runtime(cfg, placement_group, num_actors)
     ready = runtime.coordinator.setup.remote(
         cfg,
@@ -281,7 +304,7 @@ def run_experiment(
     earlier_s = 0.0  # wall time of the segments before a resume
     try:
         with sigterm_as_interrupt():
-            ray.get(ready)  # algorithm and client set-up errors surface here
+            devices = ray.get(ready)["devices"]  # algorithm and client set-up errors surface here
             if resume_run_id is not None:
                 reopened = RunTracker(cfg, run_id=resume_run_id, parent_run_id=parent_run_id, extra_tags=tags)
                 earlier_s = reopened.latest("time/wall_s") or 0.0
@@ -297,6 +320,7 @@ def run_experiment(
             if tracker is None:
                 tracker = RunTracker(cfg, parent_run_id=parent_run_id, extra_tags=tags, start_time=started)
                 record_new_run(tracker, cfg, fed, baseline, ckpt_dir)
+            tracker.set_tags(device_tags(devices))  # again on a resume: it may run elsewhere
             monitor = tracker.system_metrics(cfg.tracking.system_metrics_s)
             summary = stream_rounds(runtime, run_ref, cfg, tracker, on_round)
             result = Result(
@@ -321,6 +345,10 @@ def run_experiment(
             wall_s = earlier_s + time.time() - started  # printed by the CLI, logged as time/wall_s
             result.wall_time_s = wall_s
             return result
+    except ray.exceptions.RayTaskError as err:
+        if isinstance(err.cause, ConfigError):  # an algorithm that breaks the contract: its one line
+            raise err.cause from None
+        raise
     except ray.exceptions.RayActorError as err:
         if tracker is None:
             raise

@@ -76,4 +76,5 @@ def save_torch(obj: Any, uri: str) -> None:
 
 
 def load_torch(uri: str) -> Any:
-    return torch.load(io.BytesIO(read_bytes(uri)), weights_only=False)
+    # map_location: a checkpoint written next to a GPU loads on a machine without one
+    return torch.load(io.BytesIO(read_bytes(uri)), map_location="cpu", weights_only=False)

@@ -20,8 +20,16 @@ import torch
 
 
 def tensor_to_wire(tensor: torch.Tensor) -> tuple:
-    """A picklable form of ``tensor`` whose data is one contiguous NumPy buffer when possible."""
-    if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized:
+    """A picklable form of ``tensor`` whose data is one contiguous NumPy buffer when possible.
+
+    Only CPU tensors travel: a GPU tensor in a payload or a state would reach a process that may
+    have no GPU (the Coordinator, a checkpoint read back on a CPU node)."""
+    if tensor.device.type != "cpu":
+        raise TypeError(
+            f"a {tensor.device} tensor {tuple(tensor.shape)} was sent through Ray: payloads, client "
+            "states and checkpoints are CPU tensors (move it with .cpu())"
+        )
+    if tensor.layout != torch.strided or tensor.is_quantized:
         return ("pickle", pickle.dumps(tensor, protocol=pickle.HIGHEST_PROTOCOL))
     flat = tensor.detach().contiguous().reshape(-1)
     return (

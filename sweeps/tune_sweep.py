@@ -42,14 +42,21 @@ class SweepResult:
 # --------------------------------------------------------------------------------------------- resources
 
 
+def trial_actors(cfg: ExperimentConfig) -> int:
+    """ClientActors one trial runs: ``ray.max_actors`` (default 1), never more than it has clients."""
+    return max(1, min(cfg.ray.max_actors or 1, cfg.data.num_clients))
+
+
 def trial_resources(cfg: ExperimentConfig):
-    """Placement group of one trial: nothing for its driver, one bundle per ClientActor."""
+    """Placement group of one trial: nothing for its driver, one bundle per ClientActor. (Tune drops
+    the empty head bundle from the group it creates, so the trial counts its actors from the config,
+    :func:`trial_actors`, not from the group's bundles.)"""
     from ray import tune
 
     bundle = {"CPU": cfg.ray.num_cpus_per_client}
     if cfg.ray.num_gpus_per_client > 0:
         bundle["GPU"] = cfg.ray.num_gpus_per_client
-    actors = max(1, min(cfg.ray.max_actors or 1, cfg.data.num_clients))
+    actors = trial_actors(cfg)
     return tune.PlacementGroupFactory([{}] + [dict(bundle) for _ in range(actors)], strategy="PACK")
 
 
@@ -65,7 +72,7 @@ def run_trial(point: dict[str, Any], base: dict[str, Any], parent_run_id: str, s
 
     cfg = trial_config(base, point)
     pg = ray.util.get_current_placement_group()
-    actors = max(1, len(pg.bundle_specs) - 1) if pg is not None else None
+    actors = trial_actors(cfg) if pg is not None else None  # as many as trial_resources reserved
     tags = {
         "sweep_id": sweep_id,
         "trial_id": tune.get_context().get_trial_id() or "",
@@ -148,7 +155,7 @@ def run_sweep(
     with a time budget); ``--resume`` continues it."""
     from ray import tune
 
-    from fedray.platform.run import ensure_ray
+    from fedray.platform.run import ensure_ray, require_gpus
     from fedray.platform.tracking import RunTracker
 
     base = prepare_base(config_path, algorithm, overrides or [])
@@ -164,6 +171,7 @@ def run_sweep(
     metric = space.metric.replace("/", "_")
 
     ensure_ray(base_cfg)
+    require_gpus(base_cfg)  # a trial asking for GPUs the cluster lacks would wait forever to be placed
     if resume:
         if not tune.Tuner.can_restore(str(path)) or not state_file.is_file():
             raise ConfigError(f"--resume: no sweep to resume at {path}")

@@ -1,4 +1,6 @@
-"""A FedAvg whose client SIGKILLs its own worker process once, at a chosen round and client.
+"""A FedAvg whose client breaks its worker once, at a chosen round and client: SIGKILL of its own
+process (``train``, ``eval``), a CUDA runtime error (``cuda_error``: the device is gone, the worker
+must be replaced) or CUDA's out-of-memory error (``oom``: freed and tried again in place).
 
 Registered as ``fedavg_killer`` when this module is imported: in the test process by the tests, and in
 a worker when it unpickles the config's ``KillerConfig`` (Ray ships the driver's ``sys.path``).
@@ -11,6 +13,8 @@ import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer
 from fedray.platform.algorithm_config import AlgorithmConfig
@@ -27,9 +31,19 @@ class KillerClient(FedAvgClient):
                 marker.write_text(str(os.getpid()))
                 os.kill(os.getpid(), signal.SIGKILL)
 
+    def fail_once(self, stage: str, error: BaseException) -> None:
+        hp = self.hp
+        if hp.stage == stage and self.rnd == hp.round and self.ctx.client_id == hp.client:
+            marker = Path(hp.marker)
+            if not marker.exists():
+                marker.write_text(str(os.getpid()))
+                raise error
+
     def training_step(self, batch, batch_idx):
         if batch_idx == 1:  # mid-fit: one optimiser step already taken
             self.kill_once("train")
+            self.fail_once("cuda_error", RuntimeError("CUDA error: an illegal memory access was encountered"))
+            self.fail_once("oom", torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
         return super().training_step(batch, batch_idx)
 
     def load_for_eval(self, payload) -> None:
@@ -40,7 +54,7 @@ class KillerClient(FedAvgClient):
 @register("fedavg_killer", server=FedAvgServer, client=KillerClient)
 @dataclass
 class KillerConfig(AlgorithmConfig):
-    stage: str = "none"  # train | eval | none
+    stage: str = "none"  # train | eval | cuda_error | oom | none
     round: int = 1  # 0-based round of a training kill
     client: int = 0
     marker: str = ""

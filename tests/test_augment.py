@@ -32,11 +32,15 @@ def test_draws_follow_the_generator_and_cover_shifts_and_flips():
 
 
 def trained_state(augment: str):
-    cfg = load_config(None, tiny_overrides(**{"data.augment": augment, "train.local_epochs": 1}))
+    """Client 0's model after one round of local training (``local``: its own model, no downlink)."""
+    cfg = load_config(
+        None, tiny_overrides(algorithm="local", **{"data.augment": augment, "train.local_epochs": 1})
+    )
     fed = prepare_federation(cfg)
     host = ClientHost(cfg, num_threads=1)
     host.setup(federation_meta(fed))
-    _, state = host.train(ClientTask(0, [fed.shards[0]]), 0, {})
+    (result,), state = host.train(0, [ClientTask(0, [fed.shards[0]])], [[{}]])
+    assert result.error is None
     return state["module"]
 
 

@@ -13,6 +13,7 @@ from fedray.platform.algorithm import ClientModule, Server, ServerContext
 from fedray.platform.algorithm_config import AlgorithmConfig
 from fedray.platform.client import ClientHost, make_client_model
 from fedray.platform.config import clients_per_round, load_config
+from fedray.platform.errors import ContractError
 from fedray.platform.registry import available, register
 from fedray.platform.run import federation_meta, prepare_federation
 from fedray.platform.store import ClientTask
@@ -47,8 +48,10 @@ def host_for(*overrides: str, **settings):
 
 
 def uplink(host: ClientHost, fed, cid: int, rnd: int, payload=None):
-    (up, _), _ = host.train(ClientTask(cid, [fed.shards[cid]]), rnd, payload or {})
-    return up
+    results = host.train(rnd, [ClientTask(cid, [fed.shards[cid]])], [[payload or {}]])
+    result = (results[0] if host.keeps_state else results)[0]
+    assert result.error is None, result.error
+    return result.uplink
 
 
 @pytest.mark.parametrize("epochs", [0, 1])
@@ -79,4 +82,95 @@ def test_every_algorithm_trains_at_the_round_it_is_given(algorithm):
     payload = server.configure(7, list(range(clients_per_round(cfg))))
     for cid in (0, 1):
         uplink(host, fed, cid, 7, payload[cid])
-        assert host.modules[cid][1].rnd == 7
+        if host.keeps_state:
+            assert host.modules[cid][1].rnd == 7
+
+
+# ------------------------------------------------------------------------------------ the worker's rules
+
+
+class ForgetfulClient(ClientModule):
+    """Says it keeps nothing, but loads only the head of the downlink: the rest of its model would be
+    whatever client the worker trained last."""
+
+    keeps_state = False
+
+    def receive(self, rnd, payload) -> None:
+        self.model.head.load_state_dict(payload["head"])
+
+
+class InPlaceClient(ClientModule):
+    """Keeps its state, but scales the downlink it was given in place (the worker shares it)."""
+
+    def receive(self, rnd, payload) -> None:
+        payload["scale"].mul_(2)
+
+
+class TrainerClient(ClientModule):
+    """Reaches for Lightning's Trainer, which fedray's worker loop does not have."""
+
+    def training_step(self, batch, batch_idx):
+        self.trainer.optimizers[0].zero_grad()
+        return super().training_step(batch, batch_idx)
+
+
+class StepClient(ClientModule):
+    """Overrides a Lightning hook the worker loop does not call."""
+
+    def optimizer_step(self, *args, **kwargs):
+        raise AssertionError("never called")
+
+
+for _name, _client in [
+    ("forgetful_probe", ForgetfulClient),
+    ("inplace_probe", InPlaceClient),
+    ("trainer_probe", TrainerClient),
+    ("step_probe", StepClient),
+]:
+    register(_name, server=Server, client=_client)(dataclass(type(f"{_name}Config", (AlgorithmConfig,), {})))
+
+
+def test_a_client_that_keeps_nothing_must_load_its_whole_model():
+    _, fed, host = host_for(algorithm="forgetful_probe")
+    head = {k: v.clone() for k, v in host.arch_model("cnn_small").head.state_dict().items()}
+    with pytest.raises(ContractError) as err:
+        host.train(0, [ClientTask(0, [fed.shards[0]])], [[{"head": head}]])
+    assert "keeps_state = False, but receive() left model.features.conv1.weight as it was" in str(err.value)
+
+
+def test_a_downlink_changed_in_place_is_refused():
+    _, fed, host = host_for(algorithm="inplace_probe")
+    with pytest.raises(ContractError, match="changed a tensor of its downlink in place"):
+        host.train(0, [ClientTask(0, [fed.shards[0]])], [[{"scale": torch.ones(3)}]])
+
+
+def test_the_trainer_is_not_there_and_says_so():
+    _, fed, host = host_for(algorithm="trainer_probe", **{"train.local_epochs": 1})
+    with pytest.raises(ContractError, match=r"TrainerClient\.trainer: fedray trains clients with its own loop"):
+        host.train(0, [ClientTask(0, [fed.shards[0]])], [[{}]])
+
+
+def test_a_hook_the_loop_does_not_call_is_refused_before_the_run(capsys):
+    from fedray.platform.cli import main
+
+    assert main(["run", *tiny_overrides(algorithm="step_probe")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "fedray: error: algorithm 'step_probe': StepClient overrides LightningModule.optimizer_step, which "
+        "fedray's worker loop does not call (the platform steps the optimizer (train.grad_clip, "
+        "train.precision))"
+    )
+
+
+def test_clients_that_keep_nothing_share_one_model_and_commit_nothing():
+    _, fed, host = host_for(algorithm="fedavg")
+    payload = {"model": {k: v.clone() for k, v in host.arch_model("cnn_small").state_dict().items()}}
+    tasks = [ClientTask(c, [fed.shards[c]]) for c in (0, 1)]
+    results = host.train(0, tasks, [[payload], [payload]])
+    assert [r.client for r in results] == [0, 1] and all(r.error is None for r in results)
+    assert len(host.modules) == 0 and list(host.arch_models) == ["cnn_small"]  # no per-client module
+
+    _, _, stateful = host_for(algorithm="fedavg", **{"train.keep_optimizer_state": True})
+    results, *states = stateful.train(0, tasks, [[payload], [payload]])
+    assert len(states) == 2 and set(states[0]) == {"module", "optimizer"}  # momentum kept: committed
+    assert sorted(stateful.modules) == [0, 1]

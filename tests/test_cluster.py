@@ -194,6 +194,8 @@ def test_stopped_run_resumes_on_a_two_node_cluster_with_token_auth(mlflow_store,
     for d in dirs.values():
         d.mkdir()
     overrides = tiny_overrides(
+        # clients that keep state (their own extractors), so committed states cross nodes and resume
+        algorithm="lgfedavg",
         rounds=4,
         checkpoint_every=2,
         storage_path="../storage",  # relative to the driver's cwd: the driver resolves it before it travels

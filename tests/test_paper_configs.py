@@ -60,6 +60,10 @@ def one_round(cfg) -> None:
     )
     selected = sample_clients(cfg.seed, 0, n, clients_per_round(cfg))
     payloads = server.configure(0, selected)
-    uplinks = {c: host.train(ClientTask(c, [fed.shards[c]]), 0, payloads[c])[0][0] for c in selected}
+    tasks = [ClientTask(c, [fed.shards[c]]) for c in selected]
+    results = host.train(0, tasks, [[payloads[c]] for c in selected])
+    results = results[0] if host.keeps_state else results
+    assert [r.error for r in results] == [None] * len(selected)
+    uplinks = {r.client: r.uplink for r in results}
     server.aggregate(0, uplinks)
     assert len(uplinks) == clients_per_round(cfg)

@@ -94,6 +94,8 @@ def test_two_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store):
     assert sorted(float(c.data.params["fedprox.mu"]) for c in children) == [0.0, 1.0]
     for child in children:
         assert child.data.tags["sweep_id"] == result.path.name
+        # ray.max_actors=2 reserves two ClientActor bundles, and the trial runs two workers in them
+        assert child.data.tags["fedray.workers"] == "2" and child.data.tags["device"] == "cpu"
         assert [m.step for m in client.get_metric_history(child.info.run_id, "acc/global")] == [1, 2]
     artifacts = {a.path for a in client.list_artifacts(result.parent_run_id)}
     assert {"best_config.yaml", "trials.csv", "search_space.yaml", "trial_curves.png"} <= artifacts

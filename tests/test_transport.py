@@ -83,3 +83,10 @@ def test_ray_puts_tensor_data_out_of_band_and_actors_do_too(client_actor):
             assert registered
     finally:
         ray.kill(coordinator)
+
+
+def test_only_cpu_tensors_travel():
+    """A tensor on another device (a GPU; here the meta device, which this machine has) is refused
+    with one line, not pickled for a process that may have no such device."""
+    with pytest.raises(TypeError, match=r"a meta tensor \(2, 3\) was sent through Ray: payloads"):
+        tensor_to_wire(torch.empty(2, 3, device="meta"))

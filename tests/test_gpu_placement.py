@@ -1,0 +1,120 @@
+"""GPU placement without a GPU: what the runtime decides from the config and from Ray's assignment.
+
+The machine has no GPU, so the placement test starts its own local Ray that declares one
+(``num_gpus=1``) in a subprocess (the session's Ray is never touched): Ray then hands out 0.25 slices
+of a GPU the process cannot use, which is the situation to get right. The device choice and the
+sweep's bundles are checked without Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import tiny_overrides
+from mlflow.tracking import MlflowClient
+
+from fedray.platform import run as run_module
+from fedray.platform.config import load_config
+from fedray.platform.devices import worker_device
+from fedray.platform.errors import ConfigError
+from fedray.platform.run import run_experiment
+from fedray.sweeps.tune_sweep import trial_actors, trial_resources
+
+
+def config(*extra: str):
+    return load_config(None, tiny_overrides(**dict(item.split("=", 1) for item in extra)))
+
+
+def test_a_run_that_asks_for_no_gpu_trains_on_the_cpu_even_where_cuda_is_visible(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU node
+    device, info = worker_device(config(), gpu_ids=("0",))
+    assert device.type == "cpu" and info.describe() == "cpu"
+
+
+def test_a_gpu_slice_without_cuda_trains_on_the_cpu_and_says_why(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    device, info = worker_device(config("ray.num_gpus_per_client=0.25"), gpu_ids=("0",))
+    assert device.type == "cpu"
+    assert info.describe() == "cpu (Ray assigned GPU 0, but CUDA is not available in this process)"
+
+
+def test_a_gpu_slice_with_cuda_trains_on_the_gpu_ray_assigned(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "Fake GPU")
+    device, info = worker_device(config("ray.num_gpus_per_client=0.25"), gpu_ids=("3",))
+    # Ray narrows CUDA_VISIBLE_DEVICES to the assigned GPU, which the process then sees as cuda:0
+    assert device == torch.device("cuda", 0)
+    assert info.describe() == "cuda (Fake GPU, Ray GPU 3)"
+
+
+def test_a_trial_reserves_a_gpu_slice_per_client_actor_and_runs_that_many():
+    cfg = config("ray.num_gpus_per_client=0.25", "ray.max_actors=2")
+    factory = trial_resources(cfg)
+    assert [b for b in factory.bundles if b] == [{"CPU": 1.0, "GPU": 0.25}] * 2
+    assert trial_actors(cfg) == 2
+    assert factory.required_resources == {"CPU": 2.0, "GPU": 0.5}
+
+
+def test_gpus_asked_for_where_the_cluster_has_none_fail_in_one_line(ray_session, mlflow_store, monkeypatch):
+    started = []
+    monkeypatch.setattr(run_module, "start_runtime", lambda *a, **k: started.append(a))
+    with pytest.raises(ConfigError) as err:
+        run_experiment(config("ray.num_gpus_per_client=0.25"))
+    message = str(err.value)
+    assert "ray.num_gpus_per_client=0.25: the Ray cluster has 0 GPUs" in message and "\n" not in message
+    assert started == []  # no actor was started to wait for a GPU
+    assert MlflowClient(mlflow_store).search_experiments(filter_string="name = 'quickstart'") == []
+
+
+PLACEMENT = textwrap.dedent(
+    """
+    import json, sys
+    import ray
+    from mlflow.tracking import MlflowClient
+    from fedray.platform.config import load_config
+    from fedray.platform.coordinator import pool_size
+    from fedray.platform.run import run_experiment
+
+    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    cfg = load_config(None, json.loads(sys.argv[1]))
+    free_gpu = []
+    result = run_experiment(cfg, on_round=lambda rnd, m: free_gpu.append(ray.available_resources().get("GPU", 0.0)))
+    tags = MlflowClient().get_run(result.run_id).data.tags
+    print(json.dumps({
+        "pool": pool_size(cfg, ray.cluster_resources()),
+        "workers": tags["fedray.workers"],
+        "device": tags["device"],
+        "free_gpu_during_rounds": free_gpu,
+        "finished": result.finished,
+        "failed": sum(h["clients/failed"] for h in result.history),
+    }))
+    ray.shutdown()
+    """
+)
+
+
+def test_quarter_gpu_slices_put_four_client_actors_on_one_gpu(tmp_path):
+    overrides = [o for o in tiny_overrides(rounds=2) if not o.startswith("ray.max_actors")]
+    overrides += ["ray.num_gpus_per_client=0.25", f"storage_path={tmp_path / 'store'}"]
+    done = subprocess.run(
+        [sys.executable, "-c", PLACEMENT, json.dumps(overrides)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    # four CPUs and one GPU in quarters: four ClientActors, all four slices held while rounds run
+    assert seen["pool"] == 4 and seen["workers"] == "4"
+    assert seen["free_gpu_during_rounds"] == [0.0, 0.0]
+    # each worker was assigned GPU 0 by Ray, cannot use it here, trained on the CPU and said so
+    assert seen["device"] == "cpu (Ray assigned GPU 0, but CUDA is not available in this process)"
+    assert seen["finished"] and seen["failed"] == 0
