@@ -51,7 +51,7 @@ from fedray.platform.transport import use_fast_tensor_transport
 # the global test set is split across actors in chunks this size: its sums never depend on the pool size
 EVAL_CHUNK = 1024
 EVAL_BATCH = 128  # forward passes this size stay in cache; 1024-image batches are about 1.7x slower on a CPU
-DATA_CACHE_CLIENTS = 256  # normalised shards a worker keeps (small: a few MB each for CIFAR clients)
+DATA_CACHE_BYTES = 2**30  # normalised shards a worker keeps, in bytes (1,700 clients of 50 CIFAR images)
 GLOBAL_CHUNK_CACHE = 16  # chunks of the global test set a worker keeps
 
 
@@ -88,25 +88,38 @@ def evaluate_model(
 
 
 class LRU(OrderedDict):
-    """A mapping that forgets its least recently used entries beyond ``capacity``."""
+    """A mapping that forgets its least recently used entries beyond ``capacity``: a number of
+    entries, or with ``weigh`` a total weight (bytes). Use ``take``, ``keep`` and ``pop``."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, weigh: Callable[[Any], int] | None = None) -> None:
         super().__init__()
         self.capacity = capacity
+        self.weigh = weigh or (lambda value: 1)
+        self.weight = 0
 
     def take(self, key):
-        value = self.pop(key, None)
-        if value is not None:
-            self[key] = value
+        """The entry for ``key`` (None if absent), now the most recently used."""
+        if key not in self:
+            return None
+        self.move_to_end(key)
+        return self[key]
+
+    def pop(self, key, default=None):
+        if key not in self:
+            return default
+        value = super().pop(key)
+        self.weight -= self.weigh(value)
         return value
 
     def keep(self, key, value) -> list:
-        """Store ``value`` as the most recent entry; returns the values it pushed out."""
-        self[key] = value
-        self.move_to_end(key)
+        """Store ``value`` as the most recent entry; returns the values it pushed out (the newest
+        entry itself stays, however heavy)."""
+        self.pop(key)
+        super().__setitem__(key, value)
+        self.weight += self.weigh(value)
         evicted = []
-        while len(self) > self.capacity:
-            evicted.append(self.popitem(last=False)[1])
+        while self.weight > self.capacity and len(self) > 1:
+            evicted.append(self.pop(next(iter(self))))
         return evicted
 
 
@@ -122,6 +135,10 @@ class ClientData:
     test_x: torch.Tensor  # normalised, on the worker's device
     test_y: torch.Tensor
     class_counts: torch.Tensor  # [C] train samples per class, on the CPU
+
+    def nbytes(self) -> int:
+        tensors = (self.train.x, self.train.y, self.test_x, self.test_y)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass
@@ -145,14 +162,15 @@ def tensor_versions(tree: Any) -> list[int]:
     return []
 
 
-def to_cpu(tree: Any) -> Any:
-    """A payload with every tensor on the CPU (payloads, states and checkpoints are CPU tensors)."""
+def to_cpu(tree: Any, copy: bool = False) -> Any:
+    """A payload with every tensor on the CPU (payloads, states and checkpoints are CPU tensors);
+    with ``copy``, in memory of its own even where it already was on the CPU."""
     if torch.is_tensor(tree):
-        return tree if tree.device.type == "cpu" else tree.cpu()
+        return tree.detach().to("cpu", copy=copy)
     if isinstance(tree, dict):
-        return {k: to_cpu(v) for k, v in tree.items()}
+        return {k: to_cpu(v, copy) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(to_cpu(v) for v in tree)
+        return type(tree)(to_cpu(v, copy) for v in tree)
     return tree
 
 
@@ -178,7 +196,7 @@ class ClientHost:
         self.modules: LRU = LRU(cfg.ray.cache_clients)  # client -> (version, ClientModule)
         self.spare: dict[str, list[FedModel]] = {}  # models of evicted clients, loaded in place next
         self.arch_models: dict[str, FedModel] = {}  # one per architecture: stateless clients, global model
-        self.data: LRU = LRU(max(cfg.ray.cache_clients, DATA_CACHE_CLIENTS))  # client -> ClientData
+        self.data: LRU = LRU(DATA_CACHE_BYTES, weigh=ClientData.nbytes)  # client -> ClientData
         self.global_chunks: LRU = LRU(GLOBAL_CHUNK_CACHE)  # chunk index -> (x, y) normalised
         self.payloads: dict[Any, Payload] = {}  # this round's downlinks, read once per worker
         self.payload_round = -1
@@ -226,6 +244,8 @@ class ClientHost:
         cached = self.modules.take(task.client)
         if cached is not None and cached[0] == task.version:
             return cached[1]
+        if cached is not None:  # a state committed since elsewhere: its model takes the new one in place
+            self.drop(task.client)
         arch = arch_for_client(self.cfg.model.group, task.client)
         spares = self.spare.get(arch)
         if task.state and spares:
@@ -392,8 +412,8 @@ def client_state(module: ClientModule) -> dict[str, Any]:
     """Everything a client keeps between rounds: its module's state_dict (parameters and registered
     buffers) and, with ``train.keep_optimizer_state``, its optimizer state, as CPU tensors."""
     return {
-        "module": {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()},
-        "optimizer": to_cpu(module._optimizer_state),
+        "module": to_cpu(module.state_dict(), copy=True),
+        "optimizer": to_cpu(module._optimizer_state, copy=True),  # the next fit updates its buffers in place
     }
 
 

@@ -174,3 +174,18 @@ def test_clients_that_keep_nothing_share_one_model_and_commit_nothing():
     results, *states = stateful.train(0, tasks, [[payload], [payload]])
     assert len(states) == 2 and set(states[0]) == {"module", "optimizer"}  # momentum kept: committed
     assert sorted(stateful.modules) == [0, 1]
+
+
+def test_caches_forget_the_least_recently_used_by_count_or_by_weight():
+    from fedray.platform.client import LRU
+
+    by_count = LRU(2)
+    assert [by_count.keep(k, k) for k in "abc"] == [[], [], ["a"]]
+    by_weight = LRU(10, weigh=len)  # shards are weighed in bytes
+    by_weight.keep("a", "x" * 4)
+    by_weight.keep("b", "y" * 4)
+    assert by_weight.take("a") == "x" * 4  # now the most recent: "b" goes first
+    assert by_weight.keep("c", "z" * 4) == ["y" * 4]
+    assert list(by_weight) == ["a", "c"] and by_weight.weight == 8
+    assert by_weight.keep("d", "w" * 20) == ["x" * 4, "z" * 4]  # the newest stays, however heavy
+    assert by_weight.pop("d") == "w" * 20 and by_weight.weight == 0
