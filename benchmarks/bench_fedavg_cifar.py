@@ -1,33 +1,46 @@
-"""fedray against a plain single-process PyTorch loop doing the same FedAvg training.
+"""fedray against a plain single-process PyTorch loop doing the same FedAvg training, on two workloads.
 
-Real CIFAR-10 (the JPEGs in ../shared/data), 10,000 training images, 20 clients, Dirichlet(0.5),
-the FedAvg CNN, 1 local epoch, batch 50, 10 rounds, every client every round. Both sides train on the
-identical partition with the same optimizer; the plain loop uses all cores in one process, fedray
-uses one ClientActor per core. Prints wall times, the ratio fedray/plain, peak memory and the final
-global accuracies.
+Real CIFAR-10 (the JPEGs in ../shared/data), FedAvg with the FedAvg CNN, both sides on the identical
+partition, the same clients each round and the same optimizer:
 
-What each clock covers: both start in a process that has imported its libraries (torch for the
-plain loop; ray, Lightning, and MLflow with its sqlite store for fedray), and fedray's starts with
-Ray up and its worker processes booted and importing done (Ray's prestarted workers and the spare
-Coordinator of ``ensure_ray``). fedray's clock covers everything a run does: loading the data,
-starting the actors, creating the MLflow run and logging to it, the rounds, the final artifacts
-and tearing the actors down. Each side waits for an idle machine before its clock starts, and the
-two sides alternate ``--repeats`` times (a fresh Ray for every fedray repeat): a shared VM's speed
-drifts by 10-20 % over minutes, so the ratio is taken between the medians.
+- ``w1``: 10,000 training images, 20 clients, Dirichlet(0.5), 1 local epoch, batch 50, 10 rounds,
+  every client every round: the model's compute dominates.
+- ``cross-device``: pfl-research's benchmark shape scaled to a CPU: the 50,000 training images split
+  IID into 1,000 clients of 50, 50 clients per round, 1 local epoch, batch 10 (5 SGD steps a
+  client), SGD lr 0.05, 20 rounds, the global model tested after rounds 10 and 20: what a framework
+  spends per client dominates.
 
-    make bench                      # or: python benchmarks/bench_fedavg_cifar.py --rounds 3 --repeats 1
+The plain loop uses every core in one process (one model reused, the global state copied in and
+each client's state copied out); fedray uses one ClientActor per core.
+
+``--mode cold`` (the default) times each side as one fresh command, as a user runs it (``fedray
+run`` starting its own Ray; the plain loop as its own ``python`` process), interleaved ``--cold-repeats``
+times per workload, and reports for each workload the whole command and the rounds without
+evaluation (fedray's ``time/round_s`` from MLflow against the plain loop's own round clock), each as
+a ratio of medians with the pairwise spread, fedray's ``time/client_s`` against the plain loop's
+one-thread time per client (measured after its rounds, one thread, the same clients), when each side
+finished round 1, and the peak PSS of each side's process tree (Ray's daemons, workers and object
+store included). ``--mode warm`` keeps the older W1 figure: both clocks start in one process that
+has imported everything, with Ray already up.
+
+A shared VM's speed drifts by 10-30 % over minutes, so the two sides alternate and ratios are taken
+between medians.
+
+    make bench                      # or: python benchmarks/bench_fedavg_cifar.py --workload cross-device --cold-repeats 1
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # MLflow and its sqlite store (1-2 s of imports) are loaded before the clocks start, like torch;
@@ -40,7 +53,8 @@ import torch.nn.functional as F
 from fedray.algorithms.fedavg import weighted_average
 from fedray.platform.algorithm import batch_loader
 from fedray.platform.client import evaluate_model
-from fedray.platform.config import load_config
+from fedray.platform.config import clients_per_round, load_config
+from fedray.platform.coordinator import sample_clients
 from fedray.platform.data import ArrayDataset, normalize
 from fedray.platform.data.archive import unpack_image_archive
 from fedray.platform.memory import retain_freed_memory
@@ -207,132 +221,216 @@ def timed_fedray(cfg) -> tuple[float, int, Result]:
         ray.shutdown()
 
 
-def plain_fedavg(cfg, on_round=None) -> float:
+def is_eval_round(cfg, rnd: int) -> bool:
+    """Whether fedray tests the global model after round ``rnd`` (1-based), as the Coordinator decides."""
+    return rnd % cfg.eval_every == 0 or rnd == cfg.rounds
+
+
+def plain_fedavg(cfg, on_round=None, client_times: list[float] | None = None) -> float:
     """The same FedAvg, written as the single-process loop a researcher would write by hand, from
-    the same cached tensors and the same partition. ``on_round(rnd)`` is called after each round."""
+    the same cached tensors and the same partition: the clients fedray samples each round, one model
+    reused, the global model tested when fedray tests it. ``on_round(rnd, seconds, evaluated)`` is
+    called after each round; ``client_times`` collects each client's seconds."""
     torch.set_num_threads(os.cpu_count() or 1)
     fed = prepare_federation(cfg)
     meta = (fed.in_channels, fed.image_size, fed.num_classes)
     torch.manual_seed(cfg.seed)
     global_model = build_model(cfg.model.group, *meta)
     local = build_model(cfg.model.group, *meta)
-    shards = [(normalize(s.train.x, fed.mean, fed.std), s.train.y) for s in fed.shards]
-    t = cfg.train
-    for rnd in range(cfg.rounds):
-        states, weights = [], []
-        for cid, (x, y) in enumerate(shards):
-            local.load_state_dict(global_model.state_dict())
-            opt = torch.optim.SGD(
-                local.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
-            )
-            data = ArrayDataset(x, y)
-            for _ in range(t.local_epochs):
-                for xb, yb in batch_loader(data, t.batch_size, shuffle=True, seed=rnd * 1000 + cid):
-                    opt.zero_grad()
-                    F.cross_entropy(local(xb), yb).backward()
-                    opt.step()
-            states.append({k: v.clone() for k, v in local.state_dict().items()})
-            weights.append(len(y))
-        global_model.load_state_dict(weighted_average(states, weights))
-        if on_round is not None:
-            on_round(rnd + 1)
     x_test = normalize(fed.global_test.x, fed.mean, fed.std)
-    correct, total, _ = evaluate_model(global_model, x_test, fed.global_test.y, "cpu")
-    return correct / total
+    k = clients_per_round(cfg)
+    acc = float("nan")
+    for rnd in range(cfg.rounds):
+        start = time.perf_counter()
+        states, weights = [], []
+        for cid in sample_clients(cfg.seed, rnd, cfg.data.num_clients, k):
+            client_start = time.perf_counter()
+            states.append(train_plain_client(cfg, fed, local, global_model.state_dict(), cid, rnd))
+            weights.append(len(fed.shards[cid].train))
+            if client_times is not None:
+                client_times.append(time.perf_counter() - client_start)
+        global_model.load_state_dict(weighted_average(states, weights))
+        evaluated = is_eval_round(cfg, rnd + 1)
+        if evaluated:
+            correct, total, _ = evaluate_model(global_model, x_test, fed.global_test.y, "cpu")
+            acc = correct / total
+        if on_round is not None:
+            on_round(rnd + 1, time.perf_counter() - start, evaluated)
+    return acc
+
+
+def train_plain_client(cfg, fed, local, global_state, cid: int, rnd: int) -> dict:
+    """One client of the plain loop: its shard normalised, the global state loaded into the one
+    reused model, a fresh SGD, its local epochs, its state copied out."""
+    shard = fed.shards[cid]
+    data = ArrayDataset(normalize(shard.train.x, fed.mean, fed.std), shard.train.y)
+    local.load_state_dict(global_state)
+    t = cfg.train
+    opt = torch.optim.SGD(local.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+    for _ in range(t.local_epochs):
+        for xb, yb in batch_loader(data, t.batch_size, shuffle=True, seed=rnd * 1000 + cid):
+            opt.zero_grad()
+            F.cross_entropy(local(xb), yb).backward()
+            opt.step()
+    return {k: v.clone() for k, v in local.state_dict().items()}
+
+
+def plain_one_thread_client_s(cfg, clients: int = 50) -> float:
+    """The plain loop's median seconds per client on one thread (the yardstick for fedray's
+    ``time/client_s``, which each one-thread ClientActor measures): round 0's clients, trained again."""
+    torch.set_num_threads(1)
+    fed = prepare_federation(cfg)
+    meta = (fed.in_channels, fed.image_size, fed.num_classes)
+    torch.manual_seed(cfg.seed)
+    global_model, local = build_model(cfg.model.group, *meta), build_model(cfg.model.group, *meta)
+    times = []
+    for cid in sample_clients(cfg.seed, 0, cfg.data.num_clients, clients_per_round(cfg))[:clients]:
+        start = time.perf_counter()
+        train_plain_client(cfg, fed, local, global_model.state_dict(), cid, 0)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 # ------------------------------------------------------------------------------------------- cold
 
 
-def timed_command(argv: list[str], env: dict[str, str]) -> tuple[float, float, int]:
-    """(whole command s, s to the end of round 1, peak tree PSS) of one command, as a user runs it:
-    a fresh process (and, for fedray, a fresh Ray). Round 1 ends when its progress line is printed."""
+PLAIN_DONE = "plain global accuracy"  # the plain child's last line of the workload itself
+
+
+@dataclass
+class ColdRun:
+    """One side's cold command: the whole command, its end of round 1, its rounds without evaluation
+    and its time per client (fedray's ``time/client_s``; the plain loop's on one thread), peak PSS."""
+
+    seconds: float
+    first_round: float
+    peak_pss: int
+    rounds: list[float] = field(default_factory=list)  # seconds of each round without evaluation
+    client_s: float | None = None
+
+
+def timed_command(
+    argv: list[str], env: dict[str, str], done_marker: str | None = None
+) -> tuple[float, float, int, list[str]]:
+    """(whole command s, s to the end of round 1, peak tree PSS, its output lines) of one command, as
+    a user runs it: a fresh process (and, for fedray, a fresh Ray). Round 1 ends when its progress
+    line is printed; the command ends when it exits, or when it prints a line starting with
+    ``done_marker`` (what it does after that is not the workload)."""
     wait_until_idle()
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    first_round, tail = None, []
+    first_round, done, lines = None, None, []
     with TreePss(proc.pid, interval=2.0) as mem:
         for line in proc.stdout:
-            tail = [*tail[-20:], line]
+            lines.append(line)
             if first_round is None and line.startswith("round") and line.split()[1].startswith("1/"):
                 first_round = time.perf_counter() - t0
+            if done is None and done_marker is not None and line.startswith(done_marker):
+                done = time.perf_counter() - t0
         proc.wait()
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0 if done is None else done
     if proc.returncode != 0:
-        raise SystemExit(f"{argv[0]} failed ({proc.returncode}):\n{''.join(tail)}")
-    return seconds, first_round if first_round is not None else seconds, mem.peak
+        raise SystemExit(f"{argv[0]} failed ({proc.returncode}):\n{''.join(lines[-20:])}")
+    return seconds, first_round if first_round is not None else seconds, mem.peak, lines
 
 
-def cold_pairs(overrides: list[str], repeats: int, tmp: Path) -> None:
+def fedray_cold(argv: list[str], env: dict[str, str], cfg) -> ColdRun:
+    """``fedray run`` as one cold command; its rounds and clients read back from its MLflow run."""
+    from mlflow.tracking import MlflowClient
+
+    seconds, first, peak, lines = timed_command(argv, env)
+    run_id = next(m.group(1) for line in lines if (m := re.search(r"MLflow run id: (\w+)", line)))
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    rounds = {m.step: m.value for m in client.get_metric_history(run_id, "time/round_s")}
+    clients = [m.value for m in client.get_metric_history(run_id, "time/client_s")]
+    plain_rounds = [s for step, s in sorted(rounds.items()) if not is_eval_round(cfg, step)]
+    return ColdRun(seconds, first, peak, plain_rounds, statistics.median(clients))
+
+
+def plain_cold(argv: list[str], env: dict[str, str]) -> ColdRun:
+    """The plain loop as one cold command: it prints each round's seconds, its accuracy (where the
+    command's clock stops), then its one-thread time per client."""
+    seconds, first, peak, lines = timed_command(argv, env, done_marker=PLAIN_DONE)
+    rounds = [float(m.group(1)) for line in lines if (m := re.match(r"round \d+/\d+ ([\d.]+)s$", line.strip()))]
+    client = next(float(m.group(1)) for line in lines if (m := re.match(r"one-thread client ([\d.]+)s", line)))
+    return ColdRun(seconds, first, peak, rounds, client)
+
+
+def cold_pairs(name: str, overrides: list[str], repeats: int, tmp: Path) -> None:
     """``fedray run`` as one cold command against the plain loop in a fresh process, interleaved."""
+    cfg = load_config(None, overrides)
     fedray = str(Path(sys.executable).with_name("fedray"))
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"}
     fed_argv = [fedray, "run", *[o for o in overrides if not o.startswith("progress")], f"storage_path={tmp}"]
     plain_argv = [sys.executable, __file__, "--plain-child", *overrides]
-    fed_runs, plain_runs = [], []
+    fed_runs: list[ColdRun] = []
+    plain_runs: list[ColdRun] = []
     for rep in range(1, repeats + 1):
-        fed_runs.append(timed_command(fed_argv, env))
-        plain_runs.append(timed_command(plain_argv, env))
+        fed_runs.append(fedray_cold(fed_argv, env, cfg))
+        plain_runs.append(plain_cold(plain_argv, env))
         f, p = fed_runs[-1], plain_runs[-1]
         print(
-            f"cold pair {rep}: fedray {f[0]:.1f}s (round 1 at {f[1]:.1f}s), plain {p[0]:.1f}s (round 1 at {p[1]:.1f}s)",
+            f"{name} cold pair {rep}: fedray {f.seconds:.1f}s (round 1 at {f.first_round:.1f}s, rounds "
+            f"{statistics.median(f.rounds):.2f}s), plain {p.seconds:.1f}s (round 1 at {p.first_round:.1f}s, "
+            f"rounds {statistics.median(p.rounds):.2f}s)",
             flush=True,
         )
-    gib = 2**30
+    report_cold(name, fed_runs, plain_runs)
+
+
+def ratio_line(what: str, fed: list[float], plain: list[float]) -> str:
+    """``what: fedray/plain = r (medians; pairwise lo-hi)``."""
+    pairwise = sorted(f / p for f, p in zip(fed, plain))
     med = statistics.median
-    print(f"\n{'cold':<10}{'median s':>10}{'round 1 at s':>14}{'peak PSS GiB':>14}   all runs s")
-    for name, runs in (("fedray", fed_runs), ("plain", plain_runs)):
-        every = " ".join(f"{r[0]:.1f}" for r in runs)
-        print(
-            f"{name:<10}{med(r[0] for r in runs):>10.1f}{med(r[1] for r in runs):>14.1f}"
-            f"{max(r[2] for r in runs) / gib:>14.2f}   {every}"
-        )
-    ratios = sorted(f[0] / p[0] for f, p in zip(fed_runs, plain_runs))
-    print(
-        f"cold ratio fedray/plain = {med(r[0] for r in fed_runs) / med(r[0] for r in plain_runs):.2f} "
-        f"(medians; pairwise {ratios[0]:.2f}-{ratios[-1]:.2f}); round 1 ends "
-        f"{med(r[1] for r in fed_runs) - med(r[1] for r in plain_runs):+.1f}s after the plain loop's"
+    return (
+        f"{what}: fedray {med(fed):.2f}s, plain {med(plain):.2f}s, ratio of medians {med(fed) / med(plain):.2f} "
+        f"(pairwise {pairwise[0]:.2f}-{pairwise[-1]:.2f})"
     )
+
+
+def report_cold(name: str, fed: list[ColdRun], plain: list[ColdRun]) -> None:
+    med = statistics.median
+    gib = 2**30
+    print(f"\n{name}, cold, {len(fed)} interleaved pairs")
+    print(f"{'':<8}{'command s':>11}{'round 1 at s':>14}{'round s':>9}{'client ms':>11}{'peak PSS GiB':>14}")
+    for side, runs in (("fedray", fed), ("plain", plain)):
+        print(
+            f"{side:<8}{med(r.seconds for r in runs):>11.1f}{med(r.first_round for r in runs):>14.1f}"
+            f"{med(med(r.rounds) for r in runs):>9.2f}{1000 * med(r.client_s for r in runs):>11.1f}"
+            f"{max(r.peak_pss for r in runs) / gib:>14.2f}"
+        )
+    print(ratio_line("whole command", [r.seconds for r in fed], [r.seconds for r in plain]))
+    print(
+        ratio_line(
+            "round without evaluation (median)",
+            [med(r.rounds) for r in fed],
+            [med(r.rounds) for r in plain],
+        )
+    )
+    fed_client = med(r.client_s for r in fed)
+    plain_client = med(r.client_s for r in plain)
+    print(
+        f"time per client: fedray's time/client_s {1000 * fed_client:.1f} ms (median over runs of each run's "
+        f"median) vs the plain loop's one-thread client {1000 * plain_client:.1f} ms: {fed_client / plain_client:.2f}x"
+    )
+    print(f"round 1 ends {med(r.first_round for r in fed) - med(r.first_round for r in plain):+.1f}s after the plain loop's")
 
 
 def plain_child(overrides: list[str]) -> None:
-    """The plain loop as its own process: prints a line per round, as ``fedray run`` does."""
+    """The plain loop as its own process: a line per round with its seconds, as ``fedray run`` prints
+    one, then its one-thread time per client."""
     cfg = load_config(None, overrides)
-    acc = plain_fedavg(cfg, on_round=lambda rnd: print(f"round {rnd}/{cfg.rounds}", flush=True))
-    print(f"plain global accuracy {100 * acc:.2f} %")
+
+    def show(rnd: int, seconds: float, evaluated: bool) -> None:
+        print(f"round {rnd}/{cfg.rounds} {seconds:.3f}s{' (evaluated)' if evaluated else ''}", flush=True)
+
+    acc = plain_fedavg(cfg, on_round=show)
+    print(f"{PLAIN_DONE} {100 * acc:.2f} %", flush=True)
+    print(f"one-thread client {plain_one_thread_client_s(cfg):.4f}s", flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", help="unpacked CIFAR-10 JPEG tree (train/<class>, test/<class>)")
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--clients", type=int, default=20)
-    parser.add_argument("--train-samples", type=int, default=10_000)
-    parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each side")
-    parser.add_argument(
-        "--plain-retains-memory",
-        action="store_true",
-        help="give this process (the plain loop's, and fedray's driver) the allocator setting "
-        "fedray's ClientActors use; a hand-written loop does not have it, so this shows how much "
-        "of the ratio it explains",
-    )
-    parser.add_argument(
-        "--mode",
-        choices=["cold", "warm", "both"],
-        default="both",
-        help="cold: each side as one fresh command, as a user runs it (fedray run starts its own Ray); "
-        "warm: both clocks inside this process, Ray up before fedray's starts",
-    )
-    parser.add_argument("--cold-repeats", type=int, default=5, help="alternating cold pairs")
-    parser.add_argument("--plain-child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.plain_child is not None:
-        return plain_child(args.plain_child)
-    if args.plain_retains_memory and not retain_freed_memory():
-        parser.error("--plain-retains-memory: this C library has no mallopt, or MALLOC_*_THRESHOLD_ is set")
-
-    root = cifar_root(args.data)
-    overrides = [
+def w1_overrides(root: Path, args) -> list[str]:
+    return [
         "name=bench",
         "data.dataset=imagefolder",
         f"data.root={root}",
@@ -352,21 +450,84 @@ def main() -> None:
         "train.momentum=0.9",
         "progress=false",
     ]
-    cfg = load_config(None, overrides)
-    t0 = time.perf_counter()
-    fed = prepare_federation(cfg)  # decodes once; both timed runs then load the same tensor cache
-    print(
-        f"data: {sum(len(s.train) for s in fed.shards)} training images over {len(fed.shards)} clients, "
-        f"{len(fed.global_test)} test images (prepared in {time.perf_counter() - t0:.1f}s)"
+
+
+def cross_device_overrides(root: Path, args) -> list[str]:
+    return [
+        "name=bench-cross-device",
+        "data.dataset=imagefolder",
+        f"data.root={root}",
+        "data.num_clients=1000",
+        "data.partition.kind=iid",
+        "data.split.train=1.0",
+        "data.split.test=0.0",
+        "model.group=fedavg_cnn",
+        f"rounds={args.xd_rounds}",
+        f"eval_every={max(1, args.xd_rounds // 2)}",
+        "checkpoint_every=0",
+        "train.fraction=0.05",
+        "train.local_epochs=1",
+        "train.batch_size=10",
+        "train.lr=0.05",
+        "train.momentum=0.0",
+        "eval.clients=selected",
+        "progress=false",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", help="unpacked CIFAR-10 JPEG tree (train/<class>, test/<class>)")
+    parser.add_argument(
+        "--workload", choices=["w1", "cross-device", "both"], default="both", help="which workload (cold mode)"
     )
+    parser.add_argument("--rounds", type=int, default=10, help="W1's rounds")
+    parser.add_argument("--xd-rounds", type=int, default=20, help="the cross-device shape's rounds")
+    parser.add_argument("--clients", type=int, default=20, help="W1's clients")
+    parser.add_argument("--train-samples", type=int, default=10_000, help="W1's training images")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each side (warm)")
+    parser.add_argument(
+        "--plain-retains-memory",
+        action="store_true",
+        help="give this process (the plain loop's, and fedray's driver) the allocator setting "
+        "fedray's ClientActors use; a hand-written loop does not have it, so this shows how much "
+        "of the ratio it explains",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=["cold", "warm", "both"],
+        default="cold",
+        help="cold: each side as one fresh command, as a user runs it (fedray run starts its own Ray); "
+        "warm: W1 with both clocks inside this process, Ray up before fedray's starts",
+    )
+    parser.add_argument("--cold-repeats", type=int, default=5, help="alternating cold pairs per workload")
+    parser.add_argument("--plain-child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.plain_child is not None:
+        return plain_child(args.plain_child)
+    if args.plain_retains_memory and not retain_freed_memory():
+        parser.error("--plain-retains-memory: this C library has no mallopt, or MALLOC_*_THRESHOLD_ is set")
+
+    root = cifar_root(args.data)
+    workloads = {"w1": w1_overrides(root, args), "cross-device": cross_device_overrides(root, args)}
+    chosen = list(workloads) if args.workload == "both" else [args.workload]
+    for name in chosen:
+        t0 = time.perf_counter()
+        fed = prepare_federation(load_config(None, workloads[name]))  # decodes once; every run reads the cache
+        print(
+            f"{name} data: {sum(len(s.train) for s in fed.shards)} training images over {len(fed.shards)} "
+            f"clients, {len(fed.global_test)} test images (prepared in {time.perf_counter() - t0:.1f}s)"
+        )
 
     if args.mode in ("cold", "both"):
-        with tempfile.TemporaryDirectory() as tmp:
-            cold_pairs(overrides, args.cold_repeats, Path(tmp))
+        for name in chosen:
+            with tempfile.TemporaryDirectory() as tmp:
+                cold_pairs(name, workloads[name], args.cold_repeats, Path(tmp))
+            print()
         if args.mode == "cold":
             return
-        print()
 
+    cfg = load_config(None, workloads["w1"])
     fedray_runs, plain_runs = [], []
     for rep in range(1, args.repeats + 1):
         fedray_runs.append(timed_fedray(cfg))
