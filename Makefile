@@ -10,7 +10,7 @@ EXP ?=
 OUT ?=
 PAPER ?=
 
-.PHONY: install run compare sweep report test test-slow lint typecheck bench bench-scale reproduce ui clean
+.PHONY: install run compare sweep report test test-slow lint typecheck bench bench-scale gpu-check reproduce ui clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,9 @@ bench: install  ## fedray vs a plain PyTorch loop on real CIFAR-10
 
 bench-scale: install  ## FedSSA on CIFAR-10 at 100/1,000/10,000 clients, e.g. make bench-scale ARGS="--clients 100 --rounds 2"
 	$(BIN)/python benchmarks/bench_scale.py $(ARGS)
+
+gpu-check: install  ## on a GPU node: nine checks, one table, < 10 min (no GPU: one line, exit 0), e.g. ARGS="--only 1,4"
+	@$(BIN)/python benchmarks/gpu_check.py $(ARGS)
 
 reproduce: install  ## a paper's comparison on the CIFAR-10 JPEGs: make reproduce PAPER=fedssa [ARGS="--scale full"]
 	@test -n "$(PAPER)" || { echo 'usage: make reproduce PAPER=fedcross|fedssa|fedl2g|fedsc [ARGS="--seeds 0,1,2 --scale full"]' >&2; exit 2; }

@@ -149,19 +149,30 @@ def ensure_ray(cfg: ExperimentConfig) -> None:
     use_fast_tensor_transport()  # the shards and the global test set leave as raw bytes
 
 
-def require_gpus(cfg: ExperimentConfig) -> None:
+def require_gpus(cfg: ExperimentConfig, before_ray: bool = False) -> None:
     """A run that asks for GPUs needs a cluster that has them: Ray would otherwise wait forever to
-    place a ClientActor that no node can hold (a GPU run resumed on a CPU machine, a typo)."""
-    import ray
-
+    place a ClientActor that no node can hold (a GPU run resumed on a CPU machine, a typo).
+    ``before_ray``: checked against this machine's visible GPUs when the run will start a local Ray
+    (nothing is started for a run that cannot go); a cluster is asked once it is joined."""
     need = cfg.ray.num_gpus_per_client
     if need <= 0:
         return
-    have = ray.cluster_resources().get("GPU", 0)
+    if before_ray:
+        import ray
+
+        if ray.is_initialized() or os.environ.get("RAY_ADDRESS") or cfg.ray.address:
+            return  # a running Ray or a cluster: asked after joining it
+        have = float(torch.cuda.device_count())
+        where = "this machine has"
+    else:
+        import ray
+
+        have = ray.cluster_resources().get("GPU", 0)
+        where = "the Ray cluster has"
     if have < need:
         raise ConfigError(
-            f"ray.num_gpus_per_client={need:g}: the Ray cluster has {have:g} GPUs; set "
-            "ray.num_gpus_per_client=0 to train on CPUs, or join a cluster with GPUs (RAY_ADDRESS)"
+            f"ray.num_gpus_per_client={need:g}: {where} {have:g} GPUs; set ray.num_gpus_per_client=0 "
+            "to train on CPUs, or join a cluster with GPUs (RAY_ADDRESS)"
         )
 
 
@@ -287,6 +298,7 @@ def run_experiment(
     import ray
 
     started = time.time()  # the MLflow run's start: its Duration is this call's wall time
+    require_gpus(cfg, before_ray=True)
     fed = prepare_federation(cfg)  # config and data errors surface here, before Ray
     baseline = baseline_metrics(fed)
     ensure_ray(cfg)

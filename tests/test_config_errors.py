@@ -41,6 +41,8 @@ def test_bad_config_value_is_one_line_error(overrides, needle):
         (["data.dataset=imagefolder", "data.root=/nonexistent/tree"], "data.root"),
         (["algorithm=nope"], "unknown algorithm"),
         (["train.fraction=2"], "train.fraction=2"),
+        (["--stop-after", "1", "train.fraction=2"], "train.fraction=2"),  # an override after an option
+        (["ray.num_gpus_per_client=0.25"], "ray.num_gpus_per_client=0.25: "),  # no GPU here
     ],
 )
 def test_cli_reports_one_line_and_starts_no_ray(overrides, needle, capsys, tmp_path, monkeypatch):
