@@ -184,7 +184,7 @@ class FedCrossServer(Server):
             init = cpu_state(self.model)
             self.middleware = [{k: v.clone() for k, v in init.items()} for _ in range(self.num_models)]
         else:
-            self.middleware = [cpu_state(ctx.make_model(i)) for i in range(self.num_models)]
+            self.middleware = [cpu_state(ctx.distinct_model(i)) for i in range(self.num_models)]
         self.assignment: dict[int, int] = {}  # client id -> index of the middleware model it got
         self.collaborators: list[int] = []  # last round's co(i), for inspection
         self._update_global()

@@ -81,7 +81,14 @@ class ServerContext:
     num_clients: int
     num_classes: int
     client_archs: list[str]
-    make_model: Callable[[int], FedModel]  # client id -> freshly initialised model of its architecture
+    make_model: Callable[[int], FedModel]  # client id -> its initial model, as ``model.init`` says
+    # client id -> a model drawn from (seed, id) whatever ``model.init`` says: independent draws
+    make_distinct_model: Callable[[int], FedModel] | None = None
+
+    def distinct_model(self, i: int) -> FedModel:
+        """Model ``i`` of several that must start from different weights (FedCross's K middleware
+        models with ``same_init: false``), even where clients share their initialisation."""
+        return (self.make_distinct_model or self.make_model)(i)
 
     @property
     def homogeneous(self) -> bool:
@@ -331,9 +338,10 @@ class ShuffledBatches:
             order = order.to(self.x.device)
         for i in range(len(self)):
             if order is None:
-                yield self.x[i * self.batch_size : (i + 1) * self.batch_size], self.y[
-                    i * self.batch_size : (i + 1) * self.batch_size
-                ]
+                yield (
+                    self.x[i * self.batch_size : (i + 1) * self.batch_size],
+                    self.y[i * self.batch_size : (i + 1) * self.batch_size],
+                )
             else:
                 idx = order[i * self.batch_size : (i + 1) * self.batch_size]
                 yield self.x[idx], self.y[idx]

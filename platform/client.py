@@ -42,7 +42,7 @@ from fedray.platform.devices import (
 from fedray.platform.errors import ContractError
 from fedray.platform.local_training import LocalTraining
 from fedray.platform.memory import retain_freed_memory
-from fedray.platform.models import FedModel, arch_for_client, build_model
+from fedray.platform.models import FedModel, arch_for_client, build_model, first_client_of_arch
 from fedray.platform.pool import first_line
 from fedray.platform.registry import get as get_algorithm
 from fedray.platform.store import ClientTask
@@ -55,9 +55,15 @@ DATA_CACHE_BYTES = 2**30  # normalised shards a worker keeps, in bytes (1,700 cl
 GLOBAL_CHUNK_CACHE = 16  # chunks of the global test set a worker keeps
 
 
-def make_client_model(cfg: ExperimentConfig, client_id: int, meta: dict[str, Any]) -> FedModel:
-    """The client's architecture, initialised from (seed, client id) so every run starts identically."""
-    seed_torch(derive_seed(cfg.seed, client_id, 0))  # initial weights are drawn on the CPU
+def make_client_model(
+    cfg: ExperimentConfig, client_id: int, meta: dict[str, Any], init: str | None = None
+) -> FedModel:
+    """The client's architecture with its initial weights: with ``model.init`` (or ``init``) shared,
+    the draw of the first client of that architecture, so all its clients start alike; per_client,
+    a draw of its own. Either way a function of (seed, client id): every run starts identically."""
+    init = init or cfg.model.init
+    draw = first_client_of_arch(cfg.model.group, client_id) if init == "shared" else client_id
+    seed_torch(derive_seed(cfg.seed, draw, 0))  # initial weights are drawn on the CPU
     arch = arch_for_client(cfg.model.group, client_id)
     return build_model(arch, meta["in_channels"], meta["image_size"], meta["num_classes"])
 
@@ -236,11 +242,13 @@ class ClientHost:
 
     def module(self, task: ClientTask) -> ClientModule:
         """The client's module at its committed state: from the cache, else loaded into a spare model
-        in place, else built from its initial weights (a function of (seed, client id))."""
+        in place, else built from its initial weights (``model.init``: a function of (seed, client id))."""
         data = self.client_data(task)
         ctx = ClientContext(task.client, self.cfg, self.meta["num_classes"], data.train, data.class_counts)
         if not self.keeps_state:
-            return self.spec.client_cls(self.arch_model(arch_for_client(self.cfg.model.group, task.client)), ctx)
+            return self.spec.client_cls(
+                self.arch_model(arch_for_client(self.cfg.model.group, task.client)), ctx
+            )
         cached = self.modules.take(task.client)
         if cached is not None and cached[0] == task.version:
             return cached[1]
@@ -250,7 +258,7 @@ class ClientHost:
         spares = self.spare.get(arch)
         if task.state and spares:
             module = self.spec.client_cls(spares.pop(), ctx)
-        else:  # the initial weights are drawn in construction, from (seed, client id)
+        else:  # the initial weights are drawn in construction (make_client_model)
             module = self.spec.client_cls(make_client_model(self.cfg, task.client, self.meta), ctx)
         module.to(self.device)
         if task.state:

@@ -80,6 +80,9 @@ class DataConfig:
 class ModelConfig:
     # a single architecture name from the zoo, or a group name (fedssa_cnns, htfe2, ...)
     group: str = "cnn_small"
+    # shared: every client of one architecture starts from the same weights, drawn from (seed,
+    # architecture), as PFLlib and HtFLlib start theirs; per_client: each from (seed, client id)
+    init: Literal["shared", "per_client"] = "shared"
 
 
 @dataclass

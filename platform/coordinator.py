@@ -182,7 +182,14 @@ class RoundLoop:
         self.cfg, self.meta, self.shards = cfg, meta, shard_refs
         n = cfg.data.num_clients
         archs = [arch_for_client(cfg.model.group, cid) for cid in range(n)]
-        ctx = ServerContext(cfg, n, meta["num_classes"], archs, lambda cid: make_client_model(cfg, cid, meta))
+        ctx = ServerContext(
+            cfg,
+            n,
+            meta["num_classes"],
+            archs,
+            make_model=lambda cid: make_client_model(cfg, cid, meta),
+            make_distinct_model=lambda i: make_client_model(cfg, i, meta, init="per_client"),
+        )
         torch.manual_seed(derive_seed(cfg.seed, 4))
         self.spec = get_algorithm(cfg.algorithm)
         self.server = self.spec.server_cls(ctx)

@@ -27,13 +27,20 @@ def _partition(cfg: ExperimentConfig) -> str:
     return f"long-tailed (rho={p.long_tail_rho:g}), {text}" if p.long_tail_rho else text
 
 
+def _init(cfg: ExperimentConfig) -> str:
+    if cfg.model.init == "shared":
+        return "clients of one architecture start from the same weights"
+    return "each client starts from weights of its own"
+
+
 def run_description(cfg: ExperimentConfig) -> str:
     t, s = cfg.train, cfg.data.split
     return (
         f"{cfg.algorithm} ({_values(cfg.algo)}) on {cfg.data.dataset}"
         f"{f' ({cfg.data.train_subset} training images)' if cfg.data.train_subset else ''}, "
         f"{cfg.data.num_clients} clients, {_partition(cfg)}, each client's data split "
-        f"{s.train:g}/{s.val:g}/{s.test:g} ({s.convention}); model group {cfg.model.group}; "
+        f"{s.train:g}/{s.val:g}/{s.test:g} ({s.convention}); model group {cfg.model.group} "
+        f"({_init(cfg)}); "
         f"{cfg.rounds} rounds with {clients_per_round(cfg)} clients per round, {t.local_epochs} local "
         f"epoch(s) of batch {t.batch_size}, SGD lr {t.lr:g} momentum {t.momentum:g}; seed {cfg.seed}; "
         f"evaluated every {cfg.eval_every} round(s) on {cfg.eval.clients} clients."

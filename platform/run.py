@@ -451,4 +451,7 @@ def log_final(
 def resume_experiment(run_id: str, **kwargs: Any) -> Result:
     """Continue an interrupted run from its last checkpoint, to the same final numbers."""
     text = storage.read_bytes(storage.join(checkpoint_dir_of(run_id), "config.yaml")).decode()
-    return run_experiment(build_config(yaml.safe_load(text)), resume_run_id=run_id, **kwargs)
+    raw = yaml.safe_load(text)
+    # a run saved before model.init existed gave every client its own initial draw
+    raw.setdefault("model", {}).setdefault("init", "per_client")
+    return run_experiment(build_config(raw), resume_run_id=run_id, **kwargs)

@@ -145,6 +145,13 @@ def arch_for_client(group: str, client_id: int) -> str:
     return members[client_id % len(members)]
 
 
+def first_client_of_arch(group: str, client_id: int) -> int:
+    """The lowest client id with client ``client_id``'s architecture: the id a shared initialisation
+    draws from, so it is a function of the architecture (and client 0's, the global model's, is kept)."""
+    members = model_group(group)
+    return members.index(members[client_id % len(members)])
+
+
 def resolve_style(spec: ArchSpec, style: str | None, image_size: int) -> str | None:
     if not spec.styles:
         return None

@@ -1,0 +1,109 @@
+"""Initial weights (``model.init``): shared per architecture, as PFLlib and HtFLlib start their
+clients, or drawn per client. Checked on the models a worker builds and trains (no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_overrides
+
+from fedray.algorithms.fedcross import FedCrossServer
+from fedray.platform.algorithm import ServerContext, derive_seed, seed_torch
+from fedray.platform.client import ClientHost, make_client_model
+from fedray.platform.config import load_config
+from fedray.platform.descriptions import run_description
+from fedray.platform.errors import ConfigError
+from fedray.platform.models import arch_for_client, build_model
+from fedray.platform.run import federation_meta, prepare_federation
+from fedray.platform.store import ClientTask
+
+
+def states_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def setup(*overrides: str, **settings):
+    cfg = load_config(None, [*tiny_overrides(**settings), *overrides])
+    fed = prepare_federation(cfg)
+    return cfg, fed, federation_meta(fed)
+
+
+def test_shared_clients_of_one_architecture_start_alike_and_part_after_training():
+    cfg, fed, meta = setup(algorithm="fedproto", **{"train.local_epochs": 1})
+    assert cfg.model.init == "shared"  # the default
+    first, second = make_client_model(cfg, 0, meta), make_client_model(cfg, 1, meta)
+    assert states_equal(first, second)
+
+    host = ClientHost(cfg, num_threads=1)
+    host.setup(meta)
+    for cid in (0, 1):
+        host.train(1, [ClientTask(cid, [fed.shards[cid]])], [[{}]])
+    trained = [host.modules.take(cid)[1].model for cid in (0, 1)]
+    assert not states_equal(trained[0], first)  # it trained from the shared start ...
+    assert not states_equal(trained[0], trained[1])  # ... on its own data
+
+
+def test_shared_architectures_draw_apart_and_client_zero_keeps_its_draw():
+    # cnn_small and cnn_small_deep both open with a conv of one shape: a shared draw is per architecture
+    cfg, _, meta = setup(algorithm="fedproto", **{"model.group": "small_hetero", "data.num_clients": 6})
+    models = [make_client_model(cfg, cid, meta) for cid in range(6)]
+    assert [m.arch for m in models[:3]] == [m.arch for m in models[3:]]
+    for cid in range(3):
+        assert states_equal(models[cid], models[cid + 3])
+    common = [
+        k
+        for k, v in models[0].state_dict().items()
+        if k in models[2].state_dict() and models[2].state_dict()[k].shape == v.shape and v.numel() > 1
+    ]
+    assert common, "the test needs two architectures with a parameter of one name and shape"
+    assert not any(torch.equal(models[0].state_dict()[k], models[2].state_dict()[k]) for k in common)
+
+    # client 0's draw, the one FedAvg's global model starts from, is what it always was
+    seed_torch(derive_seed(cfg.seed, 0, 0))
+    before = build_model(models[0].arch, meta["in_channels"], meta["image_size"], meta["num_classes"])
+    assert states_equal(models[0], before)
+
+
+def test_per_client_is_the_earlier_draw_of_every_client():
+    cfg, _, meta = setup(
+        "model.init=per_client",
+        algorithm="fedproto",
+        **{"model.group": "small_hetero", "data.num_clients": 6},
+    )
+    for cid in range(6):
+        arch = arch_for_client(cfg.model.group, cid)
+        seed_torch(derive_seed(cfg.seed, cid, 0))  # what every client drew before model.init existed
+        earlier = build_model(arch, meta["in_channels"], meta["image_size"], meta["num_classes"])
+        assert states_equal(make_client_model(cfg, cid, meta), earlier)
+    assert not states_equal(make_client_model(cfg, 0, meta), make_client_model(cfg, 3, meta))
+
+
+@pytest.mark.parametrize("init", ["shared", "per_client"])
+def test_fedcross_independent_middleware_models_stay_independent(init):
+    # same_init: false asks for K different starts, whichever way clients are initialised
+    cfg, fed, meta = setup(f"model.init={init}", "fedcross.same_init=false", algorithm="fedcross")
+    n = len(fed.shards)
+    ctx = ServerContext(
+        cfg,
+        n,
+        meta["num_classes"],
+        ["cnn_small"] * n,
+        make_model=lambda cid: make_client_model(cfg, cid, meta),
+        make_distinct_model=lambda i: make_client_model(cfg, i, meta, init="per_client"),
+    )
+    server = FedCrossServer(ctx)
+    first, second = server.middleware[0], server.middleware[1]
+    assert not all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_the_run_says_how_it_was_initialised():
+    shared, _, _ = setup()
+    per_client, _, _ = setup("model.init=per_client")
+    assert "same weights" in run_description(shared)
+    assert "weights of its own" in run_description(per_client)
+
+
+def test_an_unknown_init_is_a_one_line_error():
+    with pytest.raises(ConfigError, match=r"model\.init"):
+        load_config(None, ["model.init=random"])
