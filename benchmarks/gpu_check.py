@@ -849,7 +849,7 @@ def load_checkpoints(directory: str) -> dict[str, Any]:
         if any(t.device.type != "cpu" for t in tensors):
             report["off_cpu"].append(name)
         try:
-            torch.load(io.BytesIO(storage.read_bytes(path)), weights_only=False)
+            torch.load(io.BytesIO(storage.read_bytes(path)), weights_only=True)
         except Exception as err:
             report["saved_on_gpu"].append(f"{name}: {last_line(str(err))}")
     return report

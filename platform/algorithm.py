@@ -72,6 +72,10 @@ def seed_torch(seed: int, device: torch.device | None = None) -> None:
         torch.cuda.manual_seed(seed)
 
 
+# what a server's state_dict saves by its own state_dict(): a module's weights, an optimizer's state
+STATEFUL = (nn.Module, torch.optim.Optimizer)
+
+
 # --------------------------------------------------------------------------------------------- contexts
 
 
@@ -147,10 +151,22 @@ class Server:
         return None if model is None else {"model": cpu_state(model)}
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in vars(self).items() if k not in ("ctx", "hp")}
+        """What a checkpoint keeps of the server: its attributes, a module or optimizer as its own
+        ``state_dict()``. A checkpoint holds tensors and plain values only (it is loaded with
+        ``weights_only``), so an attribute of another kind needs these two methods overridden."""
+        return {
+            k: v.state_dict() if isinstance(v, STATEFUL) else v
+            for k, v in vars(self).items()
+            if k not in ("ctx", "hp")
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        vars(self).update(state)
+        for k, v in state.items():
+            current = getattr(self, k, None)
+            if isinstance(current, STATEFUL):
+                current.load_state_dict(v)  # the module built in __init__ takes the saved weights
+            else:
+                setattr(self, k, v)
 
 
 class ClientModule(L.LightningModule):

@@ -39,11 +39,10 @@ from fedray.platform.devices import (
     is_out_of_memory,
     worker_device,
 )
-from fedray.platform.errors import ContractError
+from fedray.platform.errors import ContractError, first_line
 from fedray.platform.local_training import LocalTraining
 from fedray.platform.memory import retain_freed_memory
 from fedray.platform.models import FedModel, arch_for_client, build_model, first_client_of_arch
-from fedray.platform.pool import first_line
 from fedray.platform.registry import get as get_algorithm
 from fedray.platform.store import ClientTask
 from fedray.platform.transport import use_fast_tensor_transport

@@ -109,6 +109,9 @@ class RayConfig:
     max_actors: int | None = None  # cap on the ClientActor pool (default: what the resources allow)
     num_cpus: int | None = None  # CPUs for a local Ray (default: the machine's)
     cache_clients: int = 32  # client modules a worker keeps between calls (a returning client loads nothing)
+    # a Coordinator that dies is started again from the last checkpoint this many times (its rounds
+    # since then recomputed to the same numbers); past that the run stops with the --resume line
+    max_coordinator_restarts: int = 3
 
 
 @dataclass
@@ -131,6 +134,9 @@ class TrackingConfig:
     experiment: str | None = None  # default: the config's name
     log_client_models: int = 100  # personalised client models logged at the end; above this, none
     system_metrics_s: float = 10.0  # MLflow system metrics (CPU, memory, GPU) sampling interval; 0 = off
+    # how long a run waits out a tracking server that does not answer (its rounds go on meanwhile)
+    # before it stops as Ctrl-C does
+    max_outage_s: float = 900.0
 
 
 @dataclass
@@ -404,7 +410,15 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(r.num_gpus_per_client >= 0, f"ray.num_gpus_per_client={r.num_gpus_per_client}: must be >= 0")
     _check(r.max_actors is None or r.max_actors >= 1, f"ray.max_actors={r.max_actors}: must be >= 1")
     _check(r.cache_clients >= 1, f"ray.cache_clients={r.cache_clients}: must be >= 1")
+    _check(
+        r.max_coordinator_restarts >= 0,
+        f"ray.max_coordinator_restarts={r.max_coordinator_restarts}: must be >= 0 (0 = stop at the first death)",
+    )
     _check(cfg.eval.sample_size >= 1, f"eval.sample_size={cfg.eval.sample_size}: must be >= 1")
+    _check(
+        cfg.tracking.max_outage_s >= 0,
+        f"tracking.max_outage_s={cfg.tracking.max_outage_s}: must be >= 0 (seconds)",
+    )
     _check(
         cfg.tracking.log_client_models >= 0,
         f"tracking.log_client_models={cfg.tracking.log_client_models}: must be >= 0 (0 = never)",

@@ -62,6 +62,22 @@ def call_groups(clients: list[int], sizes: list[int], workers: int) -> list[list
     return groups
 
 
+def hold_here(refs: tuple) -> tuple:
+    """Objects a worker returned (client states), held on this process's node: one produced on
+    another node is copied here (this process owns the copy), so losing that node loses nothing.
+    On one machine nothing is copied; on a cluster it costs a transfer of the state per client."""
+    if not refs:
+        return refs
+    here = ray.get_runtime_context().get_node_id()
+    locations = ray.experimental.get_object_locations(list(refs))
+    # an object with no node is small enough to live in this process already
+    remote = [r for r in refs if locations[r]["node_ids"] and here not in locations[r]["node_ids"]]
+    if not remote:
+        return refs
+    copies = dict(zip(remote, [ray.put(value) for value in ray.get(remote)]))
+    return tuple(copies.get(r, r) for r in refs)
+
+
 def sample_clients(seed: int, rnd: int, num_clients: int, k: int) -> list[int]:
     """K distinct clients, a pure function of (seed, round) so a resumed run samples the same ones."""
     rng = np.random.default_rng(derive_seed(seed, rnd, 3))
@@ -117,6 +133,19 @@ def scheduling(placement_group) -> dict[str, Any]:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group)}
+
+
+def coordinator_scheduling(placement_group) -> dict[str, Any]:
+    """The Coordinator runs on the driver's node (outside a Tune trial): the node the run cannot
+    lose anyway, so the client states it holds there survive the loss of any other node."""
+    if placement_group is not None:
+        return scheduling(placement_group)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # hard: a soft affinity let Ray start it on another node now and then; this node lives as long
+    # as the driver does
+    here = ray.get_runtime_context().get_node_id()
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
 
 
 def worker_options(cfg: ExperimentConfig, placement_group=None) -> dict[str, Any]:
@@ -193,6 +222,7 @@ class RoundLoop:
         torch.manual_seed(derive_seed(cfg.seed, 4))
         self.spec = get_algorithm(cfg.algorithm)
         self.server = self.spec.server_cls(ctx)
+        storage.check_plain(self.server.state_dict(), f"{cfg.algorithm}'s server state")  # checkpointable
         self.commits = commits_state(self.spec.client_cls, cfg)
         if not self.commits and self.server.eval_payload() is None:
             raise ContractError(
@@ -203,12 +233,11 @@ class RoundLoop:
 
         def spawn():
             worker = start_worker(cfg, options)
-            worker.setup.remote(meta)  # runs before any job: an actor's calls run in order
-            return worker
+            return worker, worker.setup.remote(meta)  # runs before any job: an actor's calls run in order
 
         devices = [info["device"] for info in ray.get([w.setup.remote(meta) for w in workers])]
         # a worker per client keeps each client's module for the run, when clients keep state
-        self.pool = WorkerPool(workers, spawn, pinned=self.commits and len(workers) >= n)
+        self.pool = WorkerPool(workers, spawn, pinned=self.commits and len(workers) >= n, hold=hold_here)
         # fixed-size chunks summed in chunk order: the same numbers whatever the pool size
         self.global_chunks = [
             ray.put(global_test.subset(np.arange(s, min(s + EVAL_CHUNK, len(global_test)))))

@@ -10,3 +10,13 @@ class ContractError(ConfigError):
     """An algorithm that breaks a rule of the platform's contract (a hook the worker loop does not
     call, a client that says it keeps nothing but does). The message is one line naming the rule;
     raised before the run starts where the rule can be checked then, else in the first round."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint or stored state that cannot be used as it is (altered, or not fedray's)."""
+
+
+def first_line(err: BaseException) -> str:
+    """An exception as one line: the last line of its message (a remote traceback's cause), capped."""
+    text = str(err).strip().splitlines()
+    return (text[-1] if text else type(err).__name__)[:300]

@@ -21,10 +21,16 @@ from typing import Any
 import ray
 
 from fedray.platform.devices import DeviceError
-from fedray.platform.errors import ContractError
+from fedray.platform.errors import ContractError, first_line
 
 MAX_RETRIES = 3  # a client that keeps killing its worker (its own OOM) is reported as failed
 IN_FLIGHT = 2  # calls queued in one worker at a time
+# how long the pool waits with every worker a replacement that no node has room for (a lost node)
+PLACEMENT_WAIT_S = 600.0
+
+
+# a worker gone, with its process or its node: what it was running (and returned) runs again
+LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
 
 
 @dataclass
@@ -50,17 +56,22 @@ class Outcome:
     retried: list[Any]  # keys re-run after their worker died
 
 
-def first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return (text[-1] if text else type(err).__name__)[:300]
-
-
 class WorkerPool:
-    def __init__(self, workers: list, spawn: Callable[[], Any], *, pinned: bool) -> None:
+    def __init__(
+        self,
+        workers: list,
+        spawn: Callable[[], tuple[Any, Any]],
+        *,
+        pinned: bool,
+        hold: Callable[[tuple], tuple] | None = None,
+    ) -> None:
         self.workers = list(workers)
         self.generation = [0] * len(self.workers)
-        self.spawn = spawn  # a fresh, set-up worker
+        self.spawn = spawn  # a fresh worker and the ref its set-up returns once Ray has placed it
+        self.placing: dict[int, Any] = {}  # slot -> set-up ref of a replacement not placed yet
         self.pinned = pinned
+        # a job's other returned objects (client states) -> copies where a lost node cannot take them
+        self.hold = hold or (lambda refs: refs)
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -70,14 +81,38 @@ class WorkerPool:
 
     def replace(self, slot: int) -> None:
         ray.kill(self.workers[slot], no_restart=True)
-        self.workers[slot] = self.spawn()
+        self.workers[slot], self.placing[slot] = self.spawn()
         self.generation[slot] += 1
+
+    def ready(self, slot: int) -> bool:
+        """Whether the slot's worker runs: a replacement waits for a node with room (a lost node's
+        CPUs are gone until it, or another, joins) and takes no jobs meanwhile."""
+        if slot not in self.placing:
+            return True
+        if not ray.wait([self.placing[slot]], timeout=0)[0]:
+            return False
+        del self.placing[slot]
+        return True
+
+    def wait_for_placement(self, queue: list[Job]) -> None:
+        """Nothing runs and jobs are left: every worker is a replacement Ray has not placed yet."""
+        placed, _ = ray.wait(list(self.placing.values()), num_returns=1, timeout=PLACEMENT_WAIT_S)
+        if not placed:
+            raise RuntimeError(
+                f"{len(queue)} jobs left and none of the {len(self.workers)} replacement workers could "
+                f"be placed in {PLACEMENT_WAIT_S:.0f} s: the cluster has lost the resources they need"
+            )
 
     def pick(self, queue: list[Job], slot: int) -> Job | None:
         """The job an idle worker takes next (see the module docstring)."""
         me = self.identity(slot)
-        if self.pinned:  # a client's job runs on its own slot; jobs of no client run anywhere
-            return next((j for j in queue if j.prefer is None or j.prefer[0] == slot), None)
+        if (
+            self.pinned
+        ):  # a client's job runs on its own slot, or anywhere while that slot's worker is being placed
+            return next(
+                (j for j in queue if j.prefer is None or j.prefer[0] == slot or j.prefer[0] in self.placing),
+                None,
+            )
         mine = next((j for j in queue if j.prefer == me), None)
         if mine is not None:
             return mine
@@ -98,33 +133,40 @@ class WorkerPool:
         while queue or running:
             for _ in range(IN_FLIGHT):  # round-robin: the first jobs (the largest) spread over the workers
                 for slot in range(len(self.workers)):
-                    job = self.pick(queue, slot) if load[slot] < IN_FLIGHT else None
+                    job = self.pick(queue, slot) if load[slot] < IN_FLIGHT and self.ready(slot) else None
                     if job is None:
                         continue
                     queue.remove(job)
                     load[slot] += 1
                     refs = job.submit(self.workers[slot])
                     running[refs[0]] = (slot, self.generation[slot], job, refs)
+            if not running and self.placing:
+                self.wait_for_placement(queue)
+                continue
             if not running:  # cannot happen while every slot holds a worker; never spin
                 raise RuntimeError(f"{len(queue)} jobs left that no worker takes")
-            done, _ = ray.wait(list(running), num_returns=1)
+            # a replacement placed meanwhile wakes the loop, so it takes jobs at once
+            done, _ = ray.wait([*running, *self.placing.values()], num_returns=1)
+            if done[0] not in running:
+                continue
             slot, generation, job, refs = running.pop(done[0])
             current = generation == self.generation[slot]  # not a call to a worker since replaced
             if current:
                 load[slot] -= 1
             try:
                 value = ray.get(done[0])
+                held = self.hold(refs[1:])  # fails as a dead worker would when its node went first
             except ray.exceptions.RayError as err:
                 cause = getattr(err, "cause", None)
                 if isinstance(cause, ContractError):  # the algorithm breaks a rule: the run stops
                     raise cause from None
-                if isinstance(err, ray.exceptions.RayActorError) or isinstance(cause, DeviceError):
+                if isinstance(err, LOST) or isinstance(cause, DeviceError):
                     # the worker died, or its device broke: replace it, run its calls again elsewhere
                     if current:
                         self.replace(slot)
                         load[slot] = 0  # its other calls fail on their own and are queued again
                     job.attempts += 1
-                    what = "died" if isinstance(err, ray.exceptions.RayActorError) else "lost its device"
+                    what = "lost its device" if isinstance(cause, DeviceError) else "died"
                     if job.attempts > MAX_RETRIES:
                         out.failed[job.key] = f"its worker {what} {job.attempts} times: {first_line(err)}"
                     else:
@@ -135,7 +177,7 @@ class WorkerPool:
                 else:  # the job's own code raised: reported, not retried
                     out.failed[job.key] = first_line(err)
             else:
-                out.results[job.key] = (value, refs[1:], (slot, generation))
+                out.results[job.key] = (value, held, (slot, generation))
         return out
 
     def shutdown(self) -> None:

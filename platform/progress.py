@@ -53,6 +53,13 @@ class Progress:
         if self._bar is not None:
             self._bar.__exit__(*exc)
 
+    def warn(self, text: str) -> None:
+        """A line that must reach the user whether or not the display is on (stderr when off)."""
+        if self.enabled:
+            self.console.print(f"[yellow]{text}", soft_wrap=True)  # one line in a log, whatever the width
+        else:
+            print(text, file=sys.stderr, flush=True)
+
     def handle(self, event: dict[str, Any]) -> None:
         if not self.enabled:
             return

@@ -39,11 +39,11 @@ from fedray.platform.data import (
 )
 from fedray.platform.data.split_file import dumps_split, federation_to_split
 from fedray.platform.descriptions import run_description
-from fedray.platform.errors import ConfigError
+from fedray.platform.errors import ConfigError, first_line
 from fedray.platform.models import arch_for_client, build_model
-from fedray.platform.pool import first_line
 from fedray.platform.progress import Progress, mb
 from fedray.platform.tracking import TAG_CHECKPOINT, RunTracker, checkpoint_dir_of, run_name
+from fedray.platform.tracking_outage import TrackingUnavailable
 from fedray.platform.transport import use_fast_tensor_transport
 
 FINAL_KEYS = ("acc/personal_mean", "acc/personal_std", "acc/personal_weighted", "acc/global")
@@ -181,6 +181,11 @@ def device_tags(devices: list[str]) -> dict[str, str]:
     return {"device": "; ".join(sorted(set(devices))), "fedray.workers": str(len(devices))}
 
 
+def restarted(cfg: ExperimentConfig) -> str:
+    limit = cfg.ray.max_coordinator_restarts
+    return f" after {limit} restart{'s' * (limit != 1)}" if limit else ""
+
+
 class RunAborted(RuntimeError):
     """The run cannot go on (its Coordinator died); the message says how to resume. One line."""
 
@@ -229,30 +234,52 @@ def start_runtime(cfg: ExperimentConfig, placement_group=None, num_actors: int |
     Lightning at the same time, while the driver goes on."""
     import ray
 
-    from fedray.platform.coordinator import Coordinator, pool_size, scheduling, start_worker, worker_options
+    from fedray.platform.coordinator import (
+        Coordinator,
+        coordinator_scheduling,
+        pool_size,
+        start_worker,
+        worker_options,
+    )
 
     size = num_actors or pool_size(cfg, ray.available_resources() or ray.cluster_resources())
     options = worker_options(cfg, placement_group)
     workers = [start_worker(cfg, options) for _ in range(size)]
-    coordinator = Coordinator.options(**scheduling(placement_group))  # type: ignore[attr-defined]  # @ray.remote
+    coordinator = Coordinator.options(**coordinator_scheduling(placement_group))  # type: ignore[attr-defined]
     return Runtime(coordinator.remote(), workers, options)
 
 
-def stream_rounds(runtime: Runtime, run_ref, cfg: ExperimentConfig, tracker: RunTracker, on_round) -> dict:
-    """Show and log the Coordinator's events until its ``run`` returns; returns its summary."""
+def stream_rounds(
+    runtime: Runtime, run_ref, progress: Progress, tracker: RunTracker, on_round, logged: list[int]
+) -> dict:
+    """Show and log the Coordinator's events until its ``run`` returns; returns its summary.
+    ``logged[0]`` is the last round logged: a restarted Coordinator's recomputed rounds are shown
+    again but logged (and reported to ``on_round``) once."""
     import ray
 
-    with Progress(cfg.rounds, f"{cfg.algorithm} on {cfg.data.dataset}", enabled=cfg.progress) as progress:
-        done = False
-        while not done:
-            done = bool(ray.wait([run_ref], timeout=0)[0])
-            for event in ray.get(runtime.coordinator.poll.remote(0.0 if done else 0.5)):
-                progress.handle(event)
-                if event["type"] == "round_end":
-                    tracker.log_metrics(event["metrics"], step=event["round"])
-                    if on_round is not None:
-                        on_round(event["round"], event["metrics"])
+    done = False
+    while not done:
+        done = bool(ray.wait([run_ref], timeout=0)[0])
+        for event in ray.get(runtime.coordinator.poll.remote(0.0 if done else 0.5)):
+            progress.handle(event)
+            if event["type"] == "round_end" and event["round"] > logged[0]:
+                tracker.log_metrics(event["metrics"], step=event["round"])
+                logged[0] = event["round"]
+                if on_round is not None:
+                    on_round(event["round"], event["metrics"])
     return ray.get(run_ref)
+
+
+def restart_from_checkpoint(runtime: Runtime, ckpt_dir: str) -> int:
+    """A fresh Coordinator at the run's last checkpoint (or at the start, before the first one);
+    returns the round it goes on from. The rounds after it are recomputed to the same numbers."""
+    import ray
+
+    from fedray.platform.coordinator import CHECKPOINT_FILE
+
+    if not storage.exists(storage.join(ckpt_dir, CHECKPOINT_FILE)):
+        return 0
+    return len(ray.get(runtime.coordinator.load_checkpoint.remote(ckpt_dir)))
 
 
 def log_unlogged_rounds(tracker: RunTracker, history: list[dict[str, float]]) -> None:
@@ -303,16 +330,18 @@ def run_experiment(
     baseline = baseline_metrics(fed)
     ensure_ray(cfg)
     require_gpus(cfg)  # GPUs asked for that the cluster lacks: one line now, not a wait forever
-    runtime = start_runtime(cfg, placement_group, num_actors)
-    ready = runtime.coordinator.setup.remote(
-        cfg,
-        federation_meta(fed),
-        [ray.put(shard) for shard in fed.shards],
-        fed.global_test,
-        runtime.workers,
-        runtime.worker_options,
-    )
+    shard_refs = [ray.put(shard) for shard in fed.shards]  # the driver's: they outlive a Coordinator
+
+    def launch() -> tuple[Runtime, Any]:
+        runtime = start_runtime(cfg, placement_group, num_actors)
+        ready = runtime.coordinator.setup.remote(
+            cfg, federation_meta(fed), shard_refs, fed.global_test, runtime.workers, runtime.worker_options
+        )
+        return runtime, ready
+
+    runtime, ready = launch()
     status, tracker, monitor, wall_s = "FAILED", None, None, None
+    outage = False  # the tracking server stayed down past tracking.max_outage_s
     earlier_s = 0.0  # wall time of the segments before a resume
     try:
         with sigterm_as_interrupt():
@@ -334,7 +363,43 @@ def run_experiment(
                 record_new_run(tracker, cfg, fed, baseline, ckpt_dir)
             tracker.set_tags(device_tags(devices))  # again on a resume: it may run elsewhere
             monitor = tracker.system_metrics(cfg.tracking.system_metrics_s)
-            summary = stream_rounds(runtime, run_ref, cfg, tracker, on_round)
+            logged, restarts = [tracker.last_step("comm/up_bytes")], 0
+            with Progress(
+                cfg.rounds, f"{cfg.algorithm} on {cfg.data.dataset}", enabled=cfg.progress
+            ) as progress:
+                while True:
+                    try:
+                        if run_ref is None:  # the Coordinator died: a fresh one, at the last checkpoint
+                            runtime.stop()
+                            runtime, ready = launch()
+                            ray.get(ready)
+                            resumed_at = restart_from_checkpoint(runtime, ckpt_dir)
+                            progress.warn(
+                                f"restarted from round {resumed_at}'s checkpoint"
+                                if resumed_at
+                                else "restarted from the start (no checkpoint yet)"
+                            )
+                            tracker.set_tags({"fedray.coordinator_restarts": str(restarts)})
+                            tracker.log_metrics({"run/coordinator_restarts": restarts}, step=logged[0])
+                            run_ref = runtime.coordinator.run.remote(ckpt_dir, stop_after_round)
+                        summary = stream_rounds(runtime, run_ref, progress, tracker, on_round, logged)
+                        # the personalised models, fetched before the loop ends: a Coordinator that
+                        # dies now restarts at the last round's checkpoint and hands them over
+                        finals = None
+                        if summary["finished"]:
+                            finals = ray.get(
+                                runtime.coordinator.client_models.remote(cfg.tracking.log_client_models)
+                            )
+                        break
+                    except ray.exceptions.RayActorError as err:
+                        if restarts >= cfg.ray.max_coordinator_restarts:
+                            raise
+                        restarts += 1
+                        progress.warn(
+                            f"the Coordinator died ({first_line(err)}); restarting it, "
+                            f"restart {restarts} of {cfg.ray.max_coordinator_restarts}"
+                        )
+                        run_ref = None
             result = Result(
                 tracker.run_id,
                 tracker.experiment_id,
@@ -345,10 +410,8 @@ def run_experiment(
                 0.0,
                 extra=baseline,
             )
-            if summary["finished"]:
-                models, note = ray.get(
-                    runtime.coordinator.client_models.remote(cfg.tracking.log_client_models)
-                )
+            if finals is not None:
+                models, note = finals
                 log_final(tracker, result, fed, summary["global_model"], models, note)
             status = "FINISHED" if summary["finished"] else "KILLED"
             closing, monitor = monitor, None  # closed here, not again by the finally below
@@ -366,8 +429,15 @@ def run_experiment(
             raise
         status = "FAILED"
         raise RunAborted(
-            f"the Coordinator process died ({first_line(err)}); "
+            f"the Coordinator process died ({first_line(err)}){restarted(cfg)}; "
             f"resume from the last checkpoint with  fedray run --resume {tracker.run_id}"
+        ) from None
+    except TrackingUnavailable as err:
+        status, outage = "KILLED", True
+        if tracker is None:  # only the tracker's writes wait out an outage: it exists
+            raise
+        raise RunAborted(
+            f"{err}: the run stopped as Ctrl-C stops it; resume with  fedray run --resume {tracker.run_id}"
         ) from None
     except KeyboardInterrupt:
         status = "KILLED"
@@ -380,7 +450,16 @@ def run_experiment(
                 with contextlib.suppress(Exception):
                     monitor.finish()
             if tracker is not None:
-                tracker.end(status, wall_s=earlier_s + time.time() - started if wall_s is None else wall_s)
+                try:
+                    tracker.end(
+                        status, wall_s=earlier_s + time.time() - started if wall_s is None else wall_s
+                    )
+                except TrackingUnavailable as err:
+                    if not outage:  # down only at the end: the rounds are done and checkpointed
+                        raise RunAborted(
+                            f"{err}: the run could not be closed; resume with  fedray run --resume "
+                            f"{tracker.run_id} to log what is missing"
+                        ) from None
         finally:
             runtime.stop()  # whatever MLflow did, the run's processes end
 
@@ -450,8 +529,13 @@ def log_final(
 
 def resume_experiment(run_id: str, **kwargs: Any) -> Result:
     """Continue an interrupted run from its last checkpoint, to the same final numbers."""
-    text = storage.read_bytes(storage.join(checkpoint_dir_of(run_id), "config.yaml")).decode()
-    raw = yaml.safe_load(text)
+    from fedray.platform.coordinator import CHECKPOINT_FILE
+
+    directory = checkpoint_dir_of(run_id)
+    storage.load_torch(
+        storage.join(directory, CHECKPOINT_FILE)
+    )  # an altered checkpoint stops here, before Ray
+    raw = yaml.safe_load(storage.read_bytes(storage.join(directory, "config.yaml")).decode())
     # a run saved before model.init existed gave every client its own initial draw
     raw.setdefault("model", {}).setdefault("init", "per_client")
     return run_experiment(build_config(raw), resume_run_id=run_id, **kwargs)

@@ -9,11 +9,15 @@ travels, so the Coordinator writes to the same place on whatever node it lands.
 from __future__ import annotations
 
 import io
+import pickle
 import posixpath
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from fedray.platform.errors import CheckpointError, ContractError, first_line
 
 
 def resolve(path: str) -> str:
@@ -69,12 +73,51 @@ def read_bytes(uri: str) -> bytes:
         return src.read()
 
 
-def save_torch(obj: Any, uri: str) -> None:
+# what a checkpoint may hold: torch.load(weights_only=True) rebuilds these and runs no other code
+PLAIN = (torch.Tensor, int, float, str, bool, bytes, type(None), torch.Size, torch.dtype, torch.device)
+
+
+def check_plain(obj: Any, where: str) -> None:
+    """ContractError naming the first value in ``obj`` that is not a tensor or a plain value."""
+    if isinstance(obj, PLAIN):
+        return
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)):
+                raise ContractError(f"{where} has a key of type {type(k).__name__}; {HOLDS}")
+            check_plain(v, f"{where}.{k}")
+        return
+    if isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            check_plain(v, f"{where}[{i}]")
+        return
+    kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    raise ContractError(f"{where} is a {kind}; {HOLDS}")
+
+
+HOLDS = (
+    "a checkpoint holds tensors, numbers, strings and lists/dicts of them only "
+    "(override the server's state_dict and load_state_dict to convert it)"
+)
+
+
+def save_torch(obj: Any, uri: str, what: str = "checkpoint") -> None:
+    check_plain(obj, what)
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     write_bytes(uri, buffer.getvalue())
 
 
 def load_torch(uri: str) -> Any:
-    # map_location: a checkpoint written next to a GPU loads on a machine without one
-    return torch.load(io.BytesIO(read_bytes(uri)), map_location="cpu", weights_only=False)
+    """Tensors and plain values only (``weights_only``): a file under a shared storage path that
+    carries a pickled object is refused in one line, and nothing in it runs."""
+    try:
+        # map_location: a checkpoint written next to a GPU loads on a machine without one
+        return torch.load(io.BytesIO(read_bytes(uri)), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))  # the callable the file names
+        reason = f"it would call {found.group(1)}" if found else first_line(err)
+        raise CheckpointError(
+            f"{uri}: refused to load, it holds more than tensors and plain values ({reason}); "
+            "it was not written by fedray or has been altered"
+        ) from None

@@ -65,7 +65,11 @@ class StateStore:
         for start in range(0, len(changed), 64):  # bounded batches: never every state in memory at once
             batch = changed[start : start + 64]
             for client, state in zip(batch, ray.get([self.refs[c] for c in batch])):
-                storage.save_torch(state, storage.join(directory, "states", self.file_name(client)))
+                storage.save_torch(
+                    state,
+                    storage.join(directory, "states", self.file_name(client)),
+                    f"client {client}'s state",
+                )
                 if client in self.written:
                     self.superseded.append(f"{client}-v{self.written[client]}.pt")
                 self.written[client] = self.version[client]

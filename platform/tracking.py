@@ -10,11 +10,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from fedray.platform.config import ExperimentConfig, config_yaml, flatten
+from fedray.platform.errors import first_line
+from fedray.platform.tracking_outage import PatientCalls, shorten_http_retries, unreachable
 
 TAG_CHECKPOINT = "fedray.checkpoint_dir"
 
@@ -85,7 +88,10 @@ class RunTracker:
 
         quiet_mlflow()
         self.uri = tracking_uri(cfg)
+        shorten_http_retries(self.uri)
         self.client = MlflowClient(tracking_uri=self.uri)
+        # every write once the run exists waits out an outage of the tracking server (bounded)
+        self.patient = PatientCalls(self.uri, cfg.tracking.max_outage_s)
         if run_id is not None:
             self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")
@@ -106,31 +112,33 @@ class RunTracker:
 
         params = [Param(k, str(v)) for k, v in flatten(cfg.to_dict()).items()]
         for i in range(0, len(params), 100):  # MLflow's batch limit
-            self.client.log_batch(self.run_id, params=params[i : i + 100])
+            self.patient(self.client.log_batch, self.run_id, params=params[i : i + 100])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
+        now = int(time.time() * 1000)  # fixed before any retry: a batch sent twice is stored once
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
         for i in range(0, len(batch), 1000):
-            self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
+            self.patient(self.client.log_batch, self.run_id, metrics=batch[i : i + 1000])
 
     def latest(self, key: str) -> float | None:
         """The value of ``key`` at its highest step (None when never logged)."""
-        history = self.client.get_metric_history(self.run_id, key)
+        history = self.patient(self.client.get_metric_history, self.run_id, key)
         return max(history, key=lambda m: (m.step, m.timestamp)).value if history else None
 
     def last_step(self, key: str) -> int:
         """The highest step logged for ``key`` (0 when none)."""
-        return max((m.step for m in self.client.get_metric_history(self.run_id, key)), default=0)
+        return max(
+            (m.step for m in self.patient(self.client.get_metric_history, self.run_id, key)), default=0
+        )
 
     def set_tags(self, tags: dict[str, str]) -> None:
         for k, v in tags.items():
-            self.client.set_tag(self.run_id, k, v)
+            self.patient(self.client.set_tag, self.run_id, k, v)
 
     def log_file(self, path: str | Path, artifact_path: str | None = None) -> None:
-        self.client.log_artifact(self.run_id, str(path), artifact_path)
+        self.patient(self.client.log_artifact, self.run_id, str(path), artifact_path)
 
     def log_text(self, text: str, name: str) -> None:
         with tempfile.TemporaryDirectory() as tmp:
@@ -161,7 +169,8 @@ class RunTracker:
         if "serialization_format" not in inspect.signature(mlflow.pytorch.log_model).parameters:
             fmt = {}
         with mlflow_globals(self.uri, self.experiment_id):
-            mlflow.pytorch.log_model(
+            self.patient(
+                mlflow.pytorch.log_model,
                 model,
                 name=name,
                 input_example=example.numpy(),
@@ -177,11 +186,13 @@ class RunTracker:
         from mlflow.entities import DatasetInput, InputTag
 
         context = InputTag(key="mlflow.data.context", value="train")
-        self.client.log_inputs(self.run_id, [DatasetInput(dataset._to_mlflow_entity(), [context])])
+        self.patient(
+            self.client.log_inputs, self.run_id, [DatasetInput(dataset._to_mlflow_entity(), [context])]
+        )
 
     def describe(self, text: str) -> None:
         """The run's description in the UI."""
-        self.client.set_tag(self.run_id, "mlflow.note.content", text)
+        self.patient(self.client.set_tag, self.run_id, "mlflow.note.content", text)
 
     def system_metrics(self, interval_s: float) -> SystemMetrics | None:
         """MLflow's own system metrics of this machine every ``interval_s`` seconds, until
@@ -192,7 +203,7 @@ class RunTracker:
         """Close the run; ``wall_s`` is logged as ``time/wall_s`` (what the CLI prints)."""
         if wall_s is not None:
             self.log_metrics({"time/wall_s": wall_s}, step=0)
-        self.client.set_terminated(self.run_id, status=status)
+        self.patient(self.client.set_terminated, self.run_id, status=status)
 
 
 @contextlib.contextmanager
@@ -238,8 +249,13 @@ class SystemMetrics:
     def finish(self) -> None:
         self.monitor.finish()  # stops the sampling thread
         self.monitor.collect_metrics()
-        self.monitor.publish_metrics(self.monitor.aggregate_metrics())
-        self.monitor.mlflow_logger.flush()
+        try:
+            self.monitor.publish_metrics(self.monitor.aggregate_metrics())
+            self.monitor.mlflow_logger.flush()
+        except Exception as err:  # samples are MLflow's own, taken while the server was down: best effort
+            if not unreachable(err):
+                raise
+            print(f"system metrics: the last sample was not sent ({first_line(err)})", file=sys.stderr)
 
 
 def existing_experiment(client, name: str, uri: str):

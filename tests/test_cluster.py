@@ -1,4 +1,5 @@
-"""A run stopped and resumed on a real two-node Ray cluster with token authentication.
+"""A run stopped and resumed, and a run that loses a node, on a real two-node Ray cluster with token
+authentication.
 
 Two ``ray start --block`` processes on this machine (a head and a worker node, 1 CPU each, each with
 its own temp dir and working directory, both stopped by pid) form the cluster; a separate driver
@@ -94,8 +95,9 @@ def record(result, before):
         "finished": result.finished,
         "history": result.history,
         "client_acc": {str(k): v for k, v in result.client_acc.items()},
-        "client_actor_nodes": sorted(node for cls, node in new if cls == "ClientActor"),
-        "coordinator_nodes": sorted(node for cls, node in new if cls == "Coordinator"),
+        "client_actor_nodes": sorted(node or "not placed" for cls, node in new if cls == "ClientActor"),
+        "coordinator_nodes": sorted(node or "not placed" for cls, node in new if cls == "Coordinator"),
+        "driver_node": ray.get_runtime_context().get_node_id(),
     }
 
 
@@ -110,6 +112,37 @@ out["stopped_status"] = MlflowClient().get_run(out["stopped"]["run_id"]).info.st
 all_cpus_free()
 before = actors()
 out["resumed"] = record(resume_experiment(out["stopped"]["run_id"]), before)
+
+# the worker node lost mid-run: its raylet (with its object store) and its processes killed once
+# round 2 is logged, while round 3 trains; rounds 1-2 committed client states on both nodes. Six
+# rounds of 40 local epochs (a second or two each, so the driver, which logs behind the Coordinator,
+# kills the node with rounds to go), against an undisturbed run of the same config
+import psutil
+
+me = ray.get_runtime_context().get_node_id()
+other = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != me][0]
+out["driver_on_head"] = any("node:__internal_head__" in n["Resources"] for n in ray.nodes() if n["NodeID"] == me)
+
+
+def lose_the_other_node(rnd, metrics):
+    if rnd != 2:
+        return
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        if f"--node_id={other}" in (proc.info["cmdline"] or []) and "raylet" in (proc.info["name"] or ""):
+            doomed = [proc, *proc.children(recursive=True)]  # the raylet and the node's workers
+            for p in doomed:
+                p.kill()
+            note(f"killed node {other}: raylet pid {proc.pid} and {len(doomed) - 1} processes")
+            out["killed_node"] = True
+
+
+longer = [*overrides, "rounds=6", "train.local_epochs=40"]
+all_cpus_free()
+before = actors()
+out["full10"] = record(run_experiment(load_config(None, longer)), before)
+all_cpus_free()
+before = actors()
+out["node_lost"] = record(run_experiment(load_config(None, longer), on_round=lose_the_other_node), before)
 with open(out_path, "w") as f:
     json.dump(out, f)
 """
@@ -297,11 +330,29 @@ def check(report: dict, mlflow_store: str, dirs: dict[str, Path]) -> None:
             i + 1 for i, h in enumerate(full["history"]) if key in h
         ], key
 
-    # every run's ClientActors (one per CPU: two) ran on both nodes, its Coordinator on one of them
+    # every run's ClientActors (one per CPU: two) ran on both nodes, its Coordinator on the driver's
     assert len(report["nodes"]) == 2
     for run in (full, stopped, resumed):
         assert len(run["client_actor_nodes"]) == 2 and set(run["client_actor_nodes"]) == set(report["nodes"])
-        assert len(run["coordinator_nodes"]) == 1 and run["coordinator_nodes"][0] in report["nodes"]
+        assert run["coordinator_nodes"] == [run["driver_node"]]  # the Coordinator runs beside the driver
+
+    # the node lost in round 3 took a worker and the states it had committed in its object store;
+    # the run went on with the other node's worker, from the copies held beside the Coordinator, to
+    # the uninterrupted run's numbers (re-run clients counted)
+    lost, reference = report["node_lost"], report["full10"]
+    assert report["driver_on_head"] and report["killed_node"]
+    assert lost["finished"] and len(lost["history"]) == 6
+    assert sum(h["clients/retried"] for h in lost["history"]) >= 1  # the lost node's calls ran again
+    assert "not placed" in lost["client_actor_nodes"]  # its replacement waited for a node with room
+    assert lost["coordinator_nodes"] == [lost["driver_node"]]  # not restarted: it held the states
+    assert all(h["clients/failed"] == 0 for h in lost["history"])
+    uncounted = [
+        {k: v for k, v in h.items() if k != "clients/retried"} for h in without_timing(lost["history"])
+    ]
+    assert uncounted == [
+        {k: v for k, v in h.items() if k != "clients/retried"} for h in without_timing(reference["history"])
+    ]
+    assert lost["client_acc"] == reference["client_acc"]
 
     # the checkpoints are under the storage path, resolved against the driver's cwd, and nowhere else
     storage = dirs["storage"].resolve()
@@ -313,7 +364,10 @@ def check(report: dict, mlflow_store: str, dirs: dict[str, Path]) -> None:
     state = torch.load(ckpt / "checkpoint.pt", weights_only=False)
     assert state["round"] == 4 and without_timing(state["history"]) == without_timing(full["history"])
     assert sorted(p.name for p in (ckpt / "states").iterdir()) == sorted(state["states"].values())
-    full_ckpt = Path(client.get_run(full["run_id"]).data.tags["fedray.checkpoint_dir"])
-    assert sorted(storage.iterdir()) == sorted([ckpt, full_ckpt])
+    others = [
+        Path(client.get_run(run["run_id"]).data.tags["fedray.checkpoint_dir"])
+        for run in (full, reference, lost)
+    ]
+    assert sorted(storage.iterdir()) == sorted([ckpt, *others])
     for name in ("head-cwd", "worker-cwd", "driver-cwd"):
         assert not any(dirs[name].iterdir()), f"{name} holds {sorted(os.listdir(dirs[name]))}"

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -260,6 +263,59 @@ def test_imagefolder_parallel_decode_matches_serial(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets, "_PARALLEL_MIN_FILES", 0)
     monkeypatch.setattr(datasets.os, "cpu_count", lambda: 2)
     np.testing.assert_array_equal(datasets._decode_parallel(paths, 6), serial)
+
+
+def noise_images(folder: Path, n: int, size: int = 6) -> list[str]:
+    """Distinct random PNGs, so a decode that puts an image in the wrong row fails."""
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(folder / f"{i:03d}.png")
+    return sorted(str(p) for p in folder.glob("*.png"))
+
+
+def test_parallel_decode_forks_nothing_and_finishes_beside_busy_threads(tmp_path, monkeypatch):
+    # a forked pool in a process that runs threads can deadlock on a lock a thread held at the fork
+    paths = noise_images(tmp_path / "imgs", 37)
+    serial = datasets._decode_files(paths, 6)
+    monkeypatch.setattr(datasets, "_PARALLEL_MIN_FILES", 0)
+    monkeypatch.setattr(datasets.os, "cpu_count", lambda: 4)
+
+    def no_fork():
+        raise AssertionError("image decoding forked a process")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def busy():  # torch's intra-op threads and a lock taken over and over, as in a training process
+        a = torch.randn(64, 64)
+        while not stop.is_set():
+            with lock:
+                a = torch.tanh(a @ a)
+
+    threads = [threading.Thread(target=busy, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        with ThreadPoolExecutor(1) as runner:  # a hang fails the test instead of stopping the suite
+            decoded = runner.submit(datasets._decode_parallel, paths, 6).result(timeout=120)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    np.testing.assert_array_equal(decoded, serial)
+
+
+def test_an_unreadable_image_is_named(tmp_path, monkeypatch):
+    paths = noise_images(tmp_path / "imgs", 12)
+    Path(paths[7]).write_bytes(Path(paths[7]).read_bytes()[:40])  # truncated
+    monkeypatch.setattr(datasets, "_PARALLEL_MIN_FILES", 0)
+    monkeypatch.setattr(datasets.os, "cpu_count", lambda: 2)
+    for decode in (datasets._decode_files, datasets._decode_parallel):
+        with pytest.raises(ConfigError, match=r"007\.png: not a readable image") as info:
+            decode(paths, 6)
+        assert "\n" not in str(info.value)
 
 
 def test_cache_falls_back_to_home_when_root_cache_is_not_writable(tmp_path, isolated_home):

@@ -87,8 +87,38 @@ def coordinator_of(proc: subprocess.Popen) -> psutil.Process:
     pytest.fail("no Coordinator process found")
 
 
-def test_a_dead_coordinator_is_one_line_with_the_resume_command(tmp_path):
-    proc = start_run(tmp_path)
+def round_metrics(client: MlflowClient, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    """Every logged value of every round metric, as (step, value) in step order; clocks left out."""
+    keys = [k for k in client.get_run(run_id).data.metrics if not k.startswith(("time/", "system/", "run/"))]
+    return {k: sorted((m.step, m.value) for m in client.get_metric_history(run_id, k)) for k in keys}
+
+
+def test_a_dead_coordinator_restarts_from_its_checkpoint_to_the_same_numbers(tmp_path):
+    # rounds of a second or so, so the Coordinator is killed with rounds to go
+    proc = start_run(tmp_path, "rounds=6", "checkpoint_every=3", "train.local_epochs=20")
+    wait_for_round(proc, 4)  # rounds 4.. run past the checkpoint of round 3, and are recomputed
+    coordinator_of(proc).kill()  # SIGKILL
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-2000:]
+    lines = (out + err).splitlines()
+    assert any(
+        line.startswith("the Coordinator died (") and line.endswith("restart 1 of 3") for line in lines
+    )
+    assert "restarted from round 3's checkpoint" in lines, out + err
+
+    reference = start_run(tmp_path, "rounds=6", "checkpoint_every=3", "train.local_epochs=20")
+    assert reference.communicate(timeout=600)[0] and reference.returncode == 0
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()], order_by=["start_time"])
+    restarted, undisturbed = runs[0], runs[1]
+    assert restarted.info.status == "FINISHED" and restarted.data.tags["fedray.coordinator_restarts"] == "1"
+    got, want = round_metrics(client, restarted.info.run_id), round_metrics(client, undisturbed.info.run_id)
+    assert got == want  # every round once (rounds 4.. were recomputed, not logged twice), bit for bit
+    assert [step for step, _ in got["comm/up_bytes"]] == list(range(1, 7))
+
+
+def test_a_dead_coordinator_past_its_restarts_is_one_line_with_the_resume_command(tmp_path):
+    proc = start_run(tmp_path, "ray.max_coordinator_restarts=0")
     wait_for_round(proc, 1)
     coordinator_of(proc).kill()  # SIGKILL
     _, err = proc.communicate(timeout=600)

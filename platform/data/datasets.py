@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import multiprocessing
+import itertools
 import os
 import tempfile
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from fedray.platform.errors import ConfigError
+from fedray.platform.errors import ConfigError, first_line
 
 if TYPE_CHECKING:  # config imports this module; the types are only annotations here
     from fedray.platform.config import DataConfig
@@ -57,7 +58,7 @@ DIGITS_TEST_FRACTION = 0.2
 SYNTHETIC_TEST_FRACTION = 0.2
 SYNTHETIC_SEED = 20240611  # fixed: the synthetic set is the same for every experiment seed
 SYNTHETIC_NOISE_STD = 48.0  # pixel noise around the class prototype (0..255 scale)
-_PARALLEL_MIN_FILES = 4096  # below this many images, a process pool costs more than it saves
+_PARALLEL_MIN_FILES = 4096  # below this many images, threads cost more than they save
 
 
 # ------------------------------------------------------------------------------------------ containers
@@ -591,30 +592,42 @@ def _imagefolder_image_size(train_dir: Path, classes: Sequence[str]) -> int:
     raise ConfigError(f"data.root={str(train_dir.parent)!r}: train/ holds no images")
 
 
-def _decode_files(paths: Sequence[str], size: int) -> np.ndarray:
-    """Decode images to RGB uint8 ``[n, size, size, 3]``, resizing any that differ."""
+def _decode_files(paths: Sequence[str], size: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Decode images to RGB uint8 ``[n, size, size, 3]``, resizing any that differ. A file that will
+    not decode is a ConfigError naming it."""
     from PIL import Image
 
-    out = np.empty((len(paths), size, size, 3), dtype=np.uint8)
+    out = np.empty((len(paths), size, size, 3), dtype=np.uint8) if out is None else out
     for i, path in enumerate(paths):
-        with Image.open(path) as im:
-            rgb = im.convert("RGB")
-            if rgb.size != (size, size):
-                rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
-            out[i] = np.asarray(rgb)
+        try:
+            with Image.open(path) as im:
+                rgb = im.convert("RGB")
+                if rgb.size != (size, size):
+                    rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
+                out[i] = np.asarray(rgb)
+        except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for a truncated or foreign file
+            raise ConfigError(f"{path}: not a readable image ({first_line(e)})") from e
     return out
 
 
 def _decode_parallel(paths: Sequence[str], size: int) -> np.ndarray:
-    """Decode in a process pool (chunks, so each worker ships back one array) when it pays off."""
+    """Decode on a few threads, each filling its own slice of one array. Threads, not processes: PIL
+    releases the GIL while it decodes and resizes, and a forked process pool can deadlock in a process
+    that already runs threads (torch's, Ray's, MLflow's)."""
     workers = min(8, os.cpu_count() or 1)
     if len(paths) < _PARALLEL_MIN_FILES or workers < 2:
         return _decode_files(paths, size)
-    chunks = [list(c) for c in np.array_split(np.asarray(paths, dtype=object), workers * 4) if len(c)]
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    with multiprocessing.get_context(method).Pool(workers) as pool:
-        parts = pool.starmap(_decode_files, [(chunk, size) for chunk in chunks])
-    return np.concatenate(parts)
+    out = np.empty((len(paths), size, size, 3), dtype=np.uint8)
+    bounds = np.linspace(0, len(paths), workers * 4 + 1).astype(int)
+    with ThreadPoolExecutor(workers, thread_name_prefix="fedray-decode") as pool:
+        jobs = [
+            pool.submit(_decode_files, paths[a:b], size, out[a:b])
+            for a, b in itertools.pairwise(bounds)
+            if b > a
+        ]
+        for job in jobs:  # the first failure, in file order; the pool's exit waits for the others
+            job.result()
+    return out
 
 
 def _imagefolder_listing(split_dir: Path, classes: list[str]) -> tuple[list[str], np.ndarray]:

@@ -1,0 +1,122 @@
+"""Checkpoints load no code: tensors and plain values only, written and read that way.
+
+A storage path may be a shared directory or a bucket; whoever can write there must not be able to
+run code in the driver or the Coordinator on ``--resume``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_overrides
+from mlflow.tracking import MlflowClient
+
+from fedray.platform import storage
+from fedray.platform.algorithm import Server, ServerContext
+from fedray.platform.config import load_config
+from fedray.platform.errors import CheckpointError, ContractError
+
+FEDRAY = str(Path(sys.executable).with_name("fedray"))
+
+
+class Payload:
+    """A pickled object that runs code when it is loaded: it makes a directory."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_a_file_carrying_an_object_is_refused_in_one_line_and_runs_nothing(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "state.pt"
+    torch.save({"module": {"w": torch.ones(2)}, "extra": Payload(marker)}, path)
+    with pytest.raises(CheckpointError, match="refused to load") as info:
+        storage.load_torch(str(path))
+    assert "\n" not in str(info.value) and "it would call posix.mkdir" in str(info.value)
+    assert not marker.exists()
+
+
+def test_tensors_and_plain_values_round_trip(tmp_path):
+    state = {"w": torch.arange(3.0), "round": 4, "history": [{"acc": 0.5}], "name": "x", "none": None}
+    storage.save_torch(state, str(tmp_path / "c.pt"))
+    back = storage.load_torch(str(tmp_path / "c.pt"))
+    assert torch.equal(back["w"], state["w"]) and back["history"] == state["history"]
+
+
+class ServerWithModel(Server):
+    def __init__(self, ctx: ServerContext) -> None:
+        super().__init__(ctx)
+        self.model = torch.nn.Linear(3, 2)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+        self.counts = torch.zeros(2)
+
+
+def test_a_server_saves_its_modules_and_optimizers_as_state_dicts_and_loads_them_in_place(tmp_path):
+    ctx = ServerContext(load_config(None, []), 2, 2, ["a", "a"], lambda cid: None)  # type: ignore[arg-type]
+    server = ServerWithModel(ctx)
+    server.model(torch.ones(1, 3)).sum().backward()
+    server.optimizer.step()  # momentum buffers exist
+    server.counts += 1
+    storage.save_torch(server.state_dict(), str(tmp_path / "s.pt"))
+
+    fresh = ServerWithModel(ctx)
+    model, optimizer = fresh.model, fresh.optimizer
+    fresh.load_state_dict(storage.load_torch(str(tmp_path / "s.pt")))
+    assert fresh.model is model and fresh.optimizer is optimizer  # the objects built in __init__
+    assert torch.equal(fresh.model.weight, server.model.weight)
+    assert torch.equal(fresh.counts, server.counts)
+    momentum = optimizer.state[model.weight]["momentum_buffer"]
+    assert torch.equal(momentum, server.optimizer.state[server.model.weight]["momentum_buffer"])
+
+
+def test_a_server_holding_another_kind_of_value_is_a_contract_error_naming_it(tmp_path):
+    ctx = ServerContext(load_config(None, []), 2, 2, ["a", "a"], lambda cid: None)  # type: ignore[arg-type]
+    server = Server(ctx)
+    server.prototypes = {3: np.zeros(4)}  # type: ignore[attr-defined]
+    with pytest.raises(ContractError, match=r"checkpoint\.server\.prototypes\.3 is a numpy\.ndarray") as info:
+        storage.save_torch({"server": server.state_dict()}, str(tmp_path / "c.pt"))
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "c.pt").exists()
+
+
+def run_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [FEDRAY, "run", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+    )
+
+
+def test_resume_refuses_an_altered_checkpoint_before_anything_runs(tmp_path):
+    args = [a for a in tiny_overrides(rounds=3, checkpoint_every=1) if not a.startswith("progress")]
+    first = run_cli(tmp_path, *args, "progress=false", "--stop-after", "1")
+    assert first.returncode == 0, first.stderr[-2000:]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    (checkpoint,) = (tmp_path / ".fedray").rglob("checkpoint.pt")
+
+    marker = tmp_path / "ran"
+    state = torch.load(checkpoint, weights_only=True)
+    state["history"].append(Payload(marker))
+    torch.save(state, checkpoint)
+
+    resumed = run_cli(tmp_path, "--resume", run.info.run_id)
+    assert resumed.returncode == 2
+    lines = resumed.stderr.strip().splitlines()
+    assert lines[-1].startswith("fedray: error: ") and "refused to load" in lines[-1], resumed.stderr[-2000:]
+    assert str(checkpoint) in lines[-1]
+    assert not marker.exists()
+    assert "Ray" not in resumed.stdout + resumed.stderr.replace(
+        lines[-1], ""
+    )  # it stopped before Ray started
