@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import queue
 import time
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -62,13 +63,13 @@ def call_groups(clients: list[int], sizes: list[int], workers: int) -> list[list
     return groups
 
 
-def hold_here(refs: tuple) -> tuple:
+def hold_here(refs: tuple, here: str) -> tuple:
     """Objects a worker returned (client states), held on this process's node: one produced on
-    another node is copied here (this process owns the copy), so losing that node loses nothing.
+    another node is copied to ``here`` (this process's node id; this process owns the copy), so
+    losing that node loses nothing.
     On one machine nothing is copied; on a cluster it costs a transfer of the state per client."""
     if not refs:
         return refs
-    here = ray.get_runtime_context().get_node_id()
     locations = ray.experimental.get_object_locations(list(refs))
     # an object with no node is small enough to live in this process already
     remote = [r for r in refs if locations[r]["node_ids"] and here not in locations[r]["node_ids"]]
@@ -236,8 +237,11 @@ class RoundLoop:
             return worker, worker.setup.remote(meta)  # runs before any job: an actor's calls run in order
 
         devices = [info["device"] for info in ray.get([w.setup.remote(meta) for w in workers])]
+        node = ray.get_runtime_context().get_node_id()  # where this process holds client states
         # a worker per client keeps each client's module for the run, when clients keep state
-        self.pool = WorkerPool(workers, spawn, pinned=self.commits and len(workers) >= n, hold=hold_here)
+        self.pool = WorkerPool(
+            workers, spawn, pinned=self.commits and len(workers) >= n, hold=partial(hold_here, here=node)
+        )
         # fixed-size chunks summed in chunk order: the same numbers whatever the pool size
         self.global_chunks = [
             ray.put(global_test.subset(np.arange(s, min(s + EVAL_CHUNK, len(global_test)))))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
@@ -85,3 +86,10 @@ def tiny_overrides(**extra):
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a server a test starts)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]

@@ -21,7 +21,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from conftest import tiny_overrides
+from conftest import free_port, tiny_overrides
 from mlflow.tracking import MlflowClient
 
 RAY_CLI = Path(sys.executable).with_name("ray")
@@ -146,12 +145,6 @@ out["node_lost"] = record(run_experiment(load_config(None, longer), on_round=los
 with open(out_path, "w") as f:
     json.dump(out, f)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def without_timing(history):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from conftest import tiny_overrides
+from conftest import free_port, tiny_overrides
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, RESOURCE_DOES_NOT_EXIST
 from mlflow.tracking import MlflowClient
@@ -82,12 +81,6 @@ def test_a_refused_request_is_not_an_outage():
 
 
 # ------------------------------------------------------------------------------------ a real server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(directory: Path, port: int) -> subprocess.Popen:
