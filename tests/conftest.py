@@ -13,7 +13,7 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        from fedray.platform.run import PRELOAD
+        from fedray.platform.run import LOCAL_RAY_CONFIG
 
         # Ray's processes inherit this: workers can import test-only algorithms (tests/killer_algorithm.py)
         tests_dir = os.path.dirname(__file__)
@@ -24,7 +24,7 @@ def ray_session():
             include_dashboard=False,
             log_to_driver=False,
             logging_level="ERROR",
-            _system_config=PRELOAD,
+            _system_config=LOCAL_RAY_CONFIG,
         )
     yield ray
     ray.shutdown()

@@ -20,6 +20,7 @@ from fedray.platform import storage
 from fedray.platform.algorithm import Server, ServerContext
 from fedray.platform.config import load_config
 from fedray.platform.errors import CheckpointError, ContractError
+from fedray.platform.run import run_experiment
 
 FEDRAY = str(Path(sys.executable).with_name("fedray"))
 
@@ -98,12 +99,13 @@ def run_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_resume_refuses_an_altered_checkpoint_before_anything_runs(tmp_path):
-    args = [a for a in tiny_overrides(rounds=3, checkpoint_every=1) if not a.startswith("progress")]
-    first = run_cli(tmp_path, *args, "progress=false", "--stop-after", "1")
-    assert first.returncode == 0, first.stderr[-2000:]
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+@pytest.mark.usefixtures("ray_session")
+def test_resume_refuses_an_altered_checkpoint_before_anything_runs(tmp_path, mlflow_store):
+    # a run stopped after round 1, in this process (its Ray is up): the checkpoint is what matters
+    cfg = load_config(None, tiny_overrides(rounds=3, checkpoint_every=1))
+    stopped = run_experiment(cfg, stop_after_round=1)
+    assert not stopped.finished
+    run = MlflowClient(mlflow_store).get_run(stopped.run_id)
     (checkpoint,) = (tmp_path / ".fedray").rglob("checkpoint.pt")
 
     marker = tmp_path / "ran"

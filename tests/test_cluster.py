@@ -193,7 +193,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 def node_env(**auth: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH_", "RAY_ADDRESS"))}
-    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", **auth)
+    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", RAY_worker_niceness="0", **auth)
     return env
 
 

@@ -1,9 +1,16 @@
-"""A run stopped from outside: SIGTERM (a scheduler's preemption) and a Coordinator that dies.
+"""A run stopped from outside, mid-round, finishes with the numbers of a run never stopped:
+SIGTERM (a scheduler's preemption), SIGKILL of the driver, and SIGKILL of the Coordinator (restarted
+on its own, or past its restarts resumed by hand).
 
-Each test runs ``fedray run`` as a user would, in its own process with its own local Ray."""
+Each stopped run is ``fedray run`` as a user starts it, in its own process with its own local Ray.
+The run is FedAvg held at a gate in round 5 (``tests/gate_algorithm.py``): the stop lands mid-round,
+after round 4 was done and before round 5's clients train, with round 3's checkpoint the last one, so
+the resume (or restart) replays round 4, whatever the machine's load. Every comparison is value for
+value, every round, with one uninterrupted run of the same config."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -11,33 +18,69 @@ import sys
 import time
 from pathlib import Path
 
+import gate_algorithm  # noqa: F401  (registers fedavg_gate in this process, for the resumes)
 import psutil
 import pytest
+import torch
 from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 
-from fedray.platform.run import resume_experiment
+from fedray.platform.config import load_config
+from fedray.platform.run import resume_experiment, run_experiment
 
-FEDRAY = str(Path(sys.executable).with_name("fedray"))
+TESTS = Path(__file__).parent
+# `fedray run` with the test algorithm registered first (an installed plugin would use an entry point)
+FEDRAY_RUN = [
+    sys.executable,
+    "-c",
+    "import sys, gate_algorithm; from fedray.platform.cli import main; sys.exit(main())",
+]
+ROUNDS, CHECKPOINT_EVERY, GATED_ROUND = 6, 3, 4  # 0-based round 4 is the fifth: round 4 done, 3 checkpointed
 
 
-def start_run(tmp_path, *extra: str) -> subprocess.Popen:
-    args = [a for a in tiny_overrides(rounds=8, checkpoint_every=1) if not a.startswith("progress")]
+def gated_overrides(gate: Path, **extra) -> list[str]:
+    settings = {
+        "algorithm": "fedavg_gate",
+        "rounds": ROUNDS,
+        "checkpoint_every": CHECKPOINT_EVERY,
+        "fedavg_gate.round": GATED_ROUND,
+        "fedavg_gate.gate": str(gate),
+        **extra,
+    }
+    return [a for a in tiny_overrides(**settings) if not a.startswith("progress")]  # round lines on
+
+
+def start_run(tmp_path, *extra: str, **popen) -> subprocess.Popen:
     return subprocess.Popen(
-        [FEDRAY, "run", *args, "ray.num_cpus=2", *extra],
+        [*FEDRAY_RUN, "run", *gated_overrides(tmp_path / "gate"), "ray.num_cpus=2", *extra],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+        env={
+            **os.environ,
+            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
+        },
+        **popen,
     )
 
 
-def wait_for_round(proc: subprocess.Popen, rnd: int) -> None:
+def wait_at_gate(proc: subprocess.Popen, tmp_path) -> None:
+    """Round 4 shown, round 5 started and held: the stop that follows lands mid-round."""
     for line in proc.stdout:
-        if line.startswith(f"round {rnd:>4}/"):
-            return
-    pytest.fail(f"the run ended before round {rnd}: {proc.stderr.read()[-2000:]}")
+        if line.startswith(f"round {GATED_ROUND:>4}/"):
+            break
+    else:
+        pytest.fail(f"the run ended before round {GATED_ROUND}: {proc.stderr.read()[-2000:]}")
+    reached = tmp_path / "gate.reached"
+    while not reached.exists():
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        time.sleep(0.05)
+
+
+def open_gate(tmp_path) -> None:
+    (tmp_path / "gate.open").touch()
 
 
 def only_run(tmp_path):
@@ -46,32 +89,82 @@ def only_run(tmp_path):
     return client, run
 
 
-@pytest.mark.usefixtures("ray_session")
-def test_sigterm_stops_the_run_as_ctrl_c_and_it_resumes(tmp_path, monkeypatch):
-    proc = start_run(tmp_path)
-    wait_for_round(proc, 2)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 130, err[-2000:]
-    assert "resume with  fedray run --resume" in out
-    client, run = only_run(tmp_path)
-    assert run.info.status == "KILLED"
-    first_wall = run.data.metrics["time/wall_s"]  # the interrupted command's time is recorded too
+def round_metrics(client: MlflowClient, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    """Every logged value of every round metric, as (step, value) in step order; clocks left out."""
+    keys = [k for k in client.get_run(run_id).data.metrics if not k.startswith(("time/", "system/", "run/"))]
+    return {k: sorted((m.step, m.value) for m in client.get_metric_history(run_id, k)) for k in keys}
 
-    # resumed from another directory, in this process (its Ray is already up: no second cold start)
+
+def checkpointed_rounds(tmp_path) -> int:
+    (checkpoint,) = (tmp_path / ".fedray").rglob("checkpoint.pt")
+    return len(torch.load(checkpoint, weights_only=True)["history"])
+
+
+@pytest.fixture(scope="module")
+def undisturbed(ray_session, tmp_path_factory) -> dict[str, list[tuple[int, float]]]:
+    """The same run, never stopped (in this process, on the session's Ray)."""
+    tmp = tmp_path_factory.mktemp("undisturbed")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        mp.chdir(tmp)
+        open_gate(tmp)
+        result = run_experiment(load_config(None, gated_overrides(tmp / "gate", progress=False)))
+    metrics = round_metrics(MlflowClient(uri), result.run_id)
+    assert [step for step, _ in metrics["comm/up_bytes"]] == list(range(1, ROUNDS + 1))
+    return metrics
+
+
+def resume_and_compare(tmp_path, monkeypatch, undisturbed):
+    """Resume the stopped run from another directory, in this process (its Ray is up), and compare."""
+    assert checkpointed_rounds(tmp_path) == CHECKPOINT_EVERY  # round 4 is replayed from round 3's state
+    open_gate(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client, run = only_run(tmp_path)
     began = time.time()
     resumed = resume_experiment(run.info.run_id)
     segment = time.time() - began
     assert resumed.finished
     after = client.get_run(run.info.run_id)
     assert after.info.status == "FINISHED"
-    # the wall time is the sum of both commands' time, not the last one's alone (the resume's own
-    # clock also holds the Ray teardown that follows the run's end: an upper bound)
-    assert first_wall + 0.5 * segment < resumed.wall_time_s <= first_wall + segment
-    assert after.data.metrics["time/wall_s"] == resumed.wall_time_s
-    steps = [m.step for m in client.get_metric_history(run.info.run_id, "acc/global")]
-    assert sorted(steps) == list(range(1, 9))  # none lost, none twice
+    assert round_metrics(client, run.info.run_id) == undisturbed  # every round once, value for value
+    return run, resumed, segment
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_sigterm_mid_round_stops_as_ctrl_c_and_the_resume_replays_to_the_same_numbers(
+    tmp_path, monkeypatch, undisturbed
+):
+    proc = start_run(tmp_path)
+    wait_at_gate(proc, tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130, err[-2000:]
+    assert "resume with  fedray run --resume" in out
+    _, run = only_run(tmp_path)
+    assert run.info.status == "KILLED"
+    first_wall = run.data.metrics["time/wall_s"]  # the interrupted command's time is recorded too
+
+    run, resumed, segment = resume_and_compare(tmp_path, monkeypatch, undisturbed)
+    # the wall time adds both commands' time (the resume's own clock is inside `segment`)
+    assert first_wall < resumed.wall_time_s <= first_wall + segment
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_killed_driver_resumes_to_the_same_numbers(tmp_path, monkeypatch, undisturbed):
+    proc = start_run(tmp_path)
+    wait_at_gate(proc, tmp_path)
+    ray_processes = psutil.Process(proc.pid).children(recursive=True)
+    proc.kill()  # SIGKILL: no handler runs, MLflow still says RUNNING
+    proc.communicate(timeout=600)
+    for process in ray_processes:  # the rest of that machine's run goes too: this test started it
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(ray_processes, timeout=60)
+    _, run = only_run(tmp_path)
+    assert run.info.status == "RUNNING"
+
+    resume_and_compare(tmp_path, monkeypatch, undisturbed)
 
 
 def coordinator_of(proc: subprocess.Popen) -> psutil.Process:
@@ -87,40 +180,37 @@ def coordinator_of(proc: subprocess.Popen) -> psutil.Process:
     pytest.fail("no Coordinator process found")
 
 
-def round_metrics(client: MlflowClient, run_id: str) -> dict[str, list[tuple[int, float]]]:
-    """Every logged value of every round metric, as (step, value) in step order; clocks left out."""
-    keys = [k for k in client.get_run(run_id).data.metrics if not k.startswith(("time/", "system/", "run/"))]
-    return {k: sorted((m.step, m.value) for m in client.get_metric_history(run_id, k)) for k in keys}
+def kill_coordinator(proc: subprocess.Popen) -> None:
+    coordinator = coordinator_of(proc)
+    assert coordinator.nice() == 0  # Ray's workers run at the user's priority, not Ray's nice 15
+    coordinator.kill()  # SIGKILL
+    coordinator.wait(timeout=60)
 
 
-def test_a_dead_coordinator_restarts_from_its_checkpoint_to_the_same_numbers(tmp_path):
-    # rounds of a second or so, so the Coordinator is killed with rounds to go
-    proc = start_run(tmp_path, "rounds=6", "checkpoint_every=3", "train.local_epochs=20")
-    wait_for_round(proc, 4)  # rounds 4.. run past the checkpoint of round 3, and are recomputed
-    coordinator_of(proc).kill()  # SIGKILL
+def test_a_dead_coordinator_restarts_from_its_checkpoint_to_the_same_numbers(tmp_path, undisturbed):
+    proc = start_run(tmp_path)
+    wait_at_gate(proc, tmp_path)
+    kill_coordinator(proc)
+    open_gate(tmp_path)  # for the restarted Coordinator's replay
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-2000:]
     lines = (out + err).splitlines()
     assert any(
         line.startswith("the Coordinator died (") and line.endswith("restart 1 of 3") for line in lines
-    )
+    ), out + err
     assert "restarted from round 3's checkpoint" in lines, out + err
 
-    reference = start_run(tmp_path, "rounds=6", "checkpoint_every=3", "train.local_epochs=20")
-    assert reference.communicate(timeout=600)[0] and reference.returncode == 0
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()], order_by=["start_time"])
-    restarted, undisturbed = runs[0], runs[1]
-    assert restarted.info.status == "FINISHED" and restarted.data.tags["fedray.coordinator_restarts"] == "1"
-    got, want = round_metrics(client, restarted.info.run_id), round_metrics(client, undisturbed.info.run_id)
-    assert got == want  # every round once (rounds 4.. were recomputed, not logged twice), bit for bit
-    assert [step for step, _ in got["comm/up_bytes"]] == list(range(1, 7))
+    client, run = only_run(tmp_path)
+    assert run.info.status == "FINISHED" and run.data.tags["fedray.coordinator_restarts"] == "1"
+    assert round_metrics(client, run.info.run_id) == undisturbed  # round 4 recomputed, logged once
 
 
-def test_a_dead_coordinator_past_its_restarts_is_one_line_with_the_resume_command(tmp_path):
+def test_a_dead_coordinator_past_its_restarts_is_one_line_and_resumes_to_the_same_numbers(
+    tmp_path, monkeypatch, undisturbed
+):
     proc = start_run(tmp_path, "ray.max_coordinator_restarts=0")
-    wait_for_round(proc, 1)
-    coordinator_of(proc).kill()  # SIGKILL
+    wait_at_gate(proc, tmp_path)
+    kill_coordinator(proc)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 1
     _, run = only_run(tmp_path)
@@ -129,3 +219,5 @@ def test_a_dead_coordinator_past_its_restarts_is_one_line_with_the_resume_comman
     assert last.endswith(f"fedray run --resume {run.info.run_id}")
     assert "Traceback" not in err
     assert run.info.status == "FAILED"
+
+    resume_and_compare(tmp_path, monkeypatch, undisturbed)
