@@ -33,8 +33,17 @@ def quiet_mlflow() -> None:
 
 
 def tracking_uri(cfg: ExperimentConfig | None = None) -> str:
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or (cfg.tracking.uri if cfg else None)
-    return uri or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    """``MLFLOW_TRACKING_URI``, else ``tracking.uri``, else ``./mlflow.db``; a local store's path made
+    absolute here (a sweep's trials, a resume, run in other directories)."""
+    uri = (
+        os.environ.get("MLFLOW_TRACKING_URI") or (cfg.tracking.uri if cfg else None) or "sqlite:///mlflow.db"
+    )
+    if uri.startswith("sqlite:///"):
+        path, query = uri.removeprefix("sqlite:///").partition("?")[::2]
+        return f"sqlite:///{Path(path).expanduser().resolve()}" + (f"?{query}" if query else "")
+    if "://" not in uri and not uri.startswith("file:"):  # a bare path: MLflow's file store
+        return str(Path(uri).expanduser().resolve())
+    return uri
 
 
 def _artifact_root(uri: str) -> str | None:

@@ -71,6 +71,10 @@ def run_trial(point: dict[str, Any], base: dict[str, Any], parent_run_id: str, s
     from fedray.platform.run import run_experiment
 
     cfg = trial_config(base, point)
+    # the sweep's store, made absolute by prepare_base: a relative MLFLOW_TRACKING_URI inherited by
+    # this worker would name a store in the trial's own directory
+    if cfg.tracking.uri:
+        os.environ["MLFLOW_TRACKING_URI"] = cfg.tracking.uri
     pg = ray.util.get_current_placement_group()
     actors = trial_actors(cfg) if pg is not None else None  # as many as trial_resources reserved
     tags = {

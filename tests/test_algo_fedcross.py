@@ -366,9 +366,9 @@ def test_bad_config_is_a_one_line_error(overrides, needle):
     assert "\n" not in str(err.value)
 
 
-def test_valid_acceleration_configs_load():
+def test_pm_da_config_loads_and_the_server_runs_its_schedule():
     # PM-DA as in Fig. 9: PM for rounds 0..49, DA for 50..99; num_middleware equal to K is accepted
-    load_config(
+    cfg = load_config(
         None,
         [
             "algorithm=fedcross",
@@ -378,8 +378,28 @@ def test_valid_acceleration_configs_load():
             "fedcross.propeller_rounds=50",
             "fedcross.dynamic_alpha_rounds=50",
             "fedcross.dynamic_alpha_start_round=50",
+            "fedcross.selection=in_order",
+            "fedcross.alpha=0.9",
         ],
     )
+    hp = cfg.algo
+    assert (hp.num_middleware, hp.propeller_rounds, hp.propeller_num) == (5, 50, 4)
+    assert (hp.dynamic_alpha_rounds, hp.dynamic_alpha_start_round, hp.alpha) == (50, 50, 0.9)
+    server = FedCrossServer(ServerContext(cfg, 10, 2, ["tiny"] * 10, tiny_model))
+    assert server.num_models == 5
+    v = torch.arange(5, dtype=torch.float64)[:, None]  # model i is the number i
+
+    def fused(rnd: int) -> list[float]:
+        return server.fuse(rnd, v)[:, 0].tolist()
+
+    # rounds 0..49, PM with P = 4 of K = 5: every model becomes the mean of all five, (0+1+2+3+4)/5
+    assert fused(0) == fused(49) == pytest.approx([2.0] * 5)
+    # DA from round 50: alpha 0.5 + 0.4 * (r - 50) / 50 with the in-order partner of round r
+    for rnd, alpha in ((50, 0.5), (75, 0.7), (99, 0.5 + 0.4 * 49 / 50), (100, 0.9), (140, 0.9)):
+        offset = rnd % 4 + 1  # in-order: co(i) = (i + r mod (K-1) + 1) mod K
+        expected = [alpha * i + (1 - alpha) * ((i + offset) % 5) for i in range(5)]
+        assert fused(rnd) == pytest.approx(expected), rnd
+        assert server.collaborators == [(i + offset) % 5 for i in range(5)]
 
 
 def test_num_middleware_fixes_the_clients_per_round():

@@ -1,5 +1,11 @@
 """Bad input fails with one clear line, before any Ray or training starts."""
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from fedray.platform.cli import main
@@ -32,31 +38,53 @@ def test_bad_config_value_is_one_line_error(overrides, needle):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize(
-    ("overrides", "needle"),
-    [
-        (["data.partition.kind=shards", "data.partition.classes_per_client=11"], "classes_per_client=11"),
-        (["data.dataset=cifar10", "data.root=/nonexistent/cifar"], "data.root"),
-        (["data.dataset=cifar10"], "data.root"),
-        (["data.dataset=imagefolder", "data.root=/nonexistent/tree"], "data.root"),
-        (["algorithm=nope"], "unknown algorithm"),
-        (["train.fraction=2"], "train.fraction=2"),
-        (["--stop-after", "1", "train.fraction=2"], "train.fraction=2"),  # an override after an option
-        (["ray.num_gpus_per_client=0.25"], "ray.num_gpus_per_client=0.25: "),  # no GPU here
-    ],
-)
-def test_cli_reports_one_line_and_starts_no_ray(overrides, needle, capsys, tmp_path, monkeypatch):
-    import ray
+CLI_CASES = [
+    (["data.partition.kind=shards", "data.partition.classes_per_client=11"], "classes_per_client=11"),
+    (["data.dataset=cifar10", "data.root=/nonexistent/cifar"], "data.root"),
+    (["data.dataset=cifar10"], "data.root"),
+    (["data.dataset=imagefolder", "data.root=/nonexistent/tree"], "data.root"),
+    (["algorithm=nope"], "unknown algorithm"),
+    (["train.fraction=2"], "train.fraction=2"),
+    (["--stop-after", "1", "train.fraction=2"], "train.fraction=2"),  # an override after an option
+    (["ray.num_gpus_per_client=0.25"], "ray.num_gpus_per_client=0.25: "),  # no GPU here
+]
 
-    calls = []
-    monkeypatch.setattr(ray, "init", lambda *a, **k: calls.append(a))  # Ray may already run for other tests
+
+@pytest.mark.parametrize(("overrides", "needle"), CLI_CASES)
+def test_cli_reports_one_line(overrides, needle, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["run", *overrides]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err, err
     assert len(err.splitlines()) == 1
-    assert calls == []
     assert not (tmp_path / "mlflow.db").exists()  # nothing heavy started, not even the store
+
+
+def test_bad_input_starts_no_ray(tmp_path):
+    """In a fresh process (this one's Ray may already run for other tests): after every bad
+    command, Ray is not initialised and the process has started no other process."""
+    script = textwrap.dedent(
+        """
+        import json, sys
+        import psutil, ray
+        from fedray.platform.cli import main
+        for overrides, _ in json.loads(sys.argv[1]):
+            assert main(["run", *overrides]) == 2, overrides
+            assert not ray.is_initialized(), overrides
+            assert psutil.Process().children(recursive=True) == [], overrides
+        print("no Ray")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(CLI_CASES)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HOME": str(tmp_path)},
+    )
+    assert done.returncode == 0 and done.stdout.split()[-2:] == ["no", "Ray"], done.stderr[-2000:]
+    assert not (tmp_path / "mlflow.db").exists()
 
 
 def test_missing_config_file_is_clear(capsys):

@@ -7,10 +7,12 @@ small one of the same kind (homogeneous stays homogeneous) so a round takes seco
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from fedray.platform.algorithm import ServerContext
 from fedray.platform.client import ClientHost, make_client_model
@@ -58,12 +60,31 @@ def one_round(cfg) -> None:
     server = host.spec.server_cls(
         ServerContext(cfg, n, meta["num_classes"], [m.arch for m in models], lambda c: models[c])
     )
-    selected = sample_clients(cfg.seed, 0, n, clients_per_round(cfg))
-    payloads = server.configure(0, selected)
+    rnd = getattr(cfg.algo, "warmup_rounds", 0)  # the first round its clients train (FedL2G warms up)
+    selected = sample_clients(cfg.seed, rnd, n, clients_per_round(cfg))
+    payloads = server.configure(rnd, selected)
     tasks = [ClientTask(c, [fed.shards[c]]) for c in selected]
-    results = host.train(0, tasks, [[payloads[c]] for c in selected])
+    results = host.train(rnd, tasks, [[payloads[c]] for c in selected])
     results = results[0] if host.keeps_state else results
     assert [r.error for r in results] == [None] * len(selected)
+    for r in results:  # every selected client trained: a finite training loss
+        assert math.isfinite(r.stats["loss/train"]), r.stats
     uplinks = {r.client: r.uplink for r in results}
-    server.aggregate(0, uplinks)
-    assert len(uplinks) == clients_per_round(cfg)
+    assert sorted(uplinks) == sorted(selected)
+
+    before = tensors(server.state_dict(), copy=True)
+    server.aggregate(rnd, uplinks)
+    after = tensors(server.state_dict())
+    assert all(t.isfinite().all() for t in after.values() if t.is_floating_point())
+    # the aggregation used what the clients sent: the server's state moved
+    assert after.keys() != before.keys() or any(not torch.equal(after[k], before[k]) for k in after)
+
+
+def tensors(tree, prefix: str = "", copy: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor in a nested state (dicts, lists), by its path."""
+    if torch.is_tensor(tree):
+        return {prefix: tree.clone() if copy else tree}
+    items = (
+        tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    )
+    return {k: v for key, value in items for k, v in tensors(value, f"{prefix}.{key}", copy).items()}

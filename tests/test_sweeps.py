@@ -1,7 +1,11 @@
 """Ray Tune sweeps: space files checked without Ray; a real 4-trial sweep; interrupt and resume."""
 
 import json
+import os
 import re
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -43,27 +47,61 @@ def test_required_hyperparameters_are_in_the_spaces():
         assert {"train.lr", "train.local_epochs"} <= keys[algo], algo
 
 
-@pytest.mark.parametrize(
-    ("params", "needle"),
-    [
-        ({"fedprox.muu": {"grid": [0.1]}}, "unknown config key 'fedprox.muu'"),
-        ({"fedprox.mu": {"choice": []}}, "choice needs a non-empty list"),
-        ({"fedprox.mu": {"grid": [-1.0]}}, "fedprox.mu=-1.0"),
-        ({"fedprox.mu": {"gaussian": [0, 1]}}, "unknown distribution 'gaussian'"),
-        ({"train.lr": {"loguniform": [0.1, 0.01]}}, "low <= high"),
-    ],
-)
-def test_invalid_space_fails_before_tune_starts(tmp_path, params, needle, monkeypatch):
-    import ray
+BAD_SPACES = [
+    ({"fedprox.muu": {"grid": [0.1]}}, "unknown config key 'fedprox.muu'"),
+    ({"fedprox.mu": {"choice": []}}, "choice needs a non-empty list"),
+    ({"fedprox.mu": {"grid": [-1.0]}}, "fedprox.mu=-1.0"),
+    ({"fedprox.mu": {"gaussian": [0, 1]}}, "unknown distribution 'gaussian'"),
+    ({"train.lr": {"loguniform": [0.1, 0.01]}}, "low <= high"),
+]
 
-    monkeypatch.chdir(tmp_path)
-    path = tmp_path / "bad.yaml"
+
+def bad_space_file(tmp_path, params, name: str = "bad.yaml") -> str:
+    path = tmp_path / name
     path.write_text(yaml.safe_dump({"search": "grid", "params": params}))
-    was_running = ray.is_initialized()
+    return str(path)
+
+
+@pytest.mark.parametrize(("params", "needle"), BAD_SPACES)
+def test_invalid_space_fails_in_one_line(tmp_path, params, needle, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError) as err:
-        run_sweep("fedprox", space_file=str(path), overrides=tiny_overrides())
+        run_sweep("fedprox", space_file=bad_space_file(tmp_path, params), overrides=tiny_overrides())
     assert needle in str(err.value) and "\n" not in str(err.value)
-    assert ray.is_initialized() == was_running  # no Ray started for a bad space
+    assert not (tmp_path / ".fedray").exists()
+
+
+def test_an_invalid_space_starts_no_ray(tmp_path):
+    """In a fresh process (this one's Ray may already run for other tests)."""
+    files = [bad_space_file(tmp_path, params, f"bad{i}.yaml") for i, (params, _) in enumerate(BAD_SPACES)]
+    script = textwrap.dedent(
+        """
+        import json, sys
+        import psutil, ray
+        from conftest import tiny_overrides
+        from fedray.platform.errors import ConfigError
+        from fedray.sweeps.tune_sweep import run_sweep
+        for space in json.loads(sys.argv[1]):
+            try:
+                run_sweep("fedprox", space_file=space, overrides=tiny_overrides())
+            except ConfigError:
+                pass
+            else:
+                raise AssertionError(space)
+            assert not ray.is_initialized(), space
+            assert psutil.Process().children(recursive=True) == [], space
+        print("no Ray")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(files)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
+    )
+    assert done.returncode == 0 and done.stdout.split()[-2:] == ["no", "Ray"], done.stderr[-2000:]
     assert not (tmp_path / ".fedray").exists()
 
 
@@ -80,7 +118,10 @@ def _tiny_space(tmp_path, mus=(0.0, 1.0)):
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_two_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store):
+def test_two_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store, monkeypatch):
+    # the store named as a user often does, relative to where the sweep starts: the trials run in
+    # their own directories, and must still log into this store
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
     result = run_sweep("fedprox", space_file=_tiny_space(tmp_path), overrides=tiny_overrides(rounds=2))
 
     assert len(result.trials) == 2 and set(result.trials["status"]) == {"ok"}
@@ -134,9 +175,7 @@ def test_two_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store):
 def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path, mlflow_store):
     space = _tiny_space(tmp_path, mus=(0.0, 1.0))
     overrides = tiny_overrides(rounds=1, **{"train.local_epochs": 1})
-    first = run_sweep(
-        "fedprox", space_file=space, overrides=overrides, max_concurrent=1, stop_after_trials=1
-    )
+    first = run_sweep("fedprox", space_file=space, overrides=overrides, max_concurrent=1, stop_after_trials=1)
     assert (first.trials["rounds"] == 1).sum() == 1
     assert MlflowClient(mlflow_store).get_run(first.parent_run_id).info.status == "KILLED"
 
@@ -154,8 +193,19 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path, mlf
 
 def test_prepare_base_makes_paths_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    base = prepare_base(None, "fedavg", ["data.root=rel/data"])
-    assert Path(base["storage_path"]).is_absolute() and Path(base["data"]["root"]).is_absolute()
-    assert base["tracking"]["uri"].startswith("sqlite:///") or "://" in base["tracking"]["uri"]
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    base = prepare_base(None, "fedavg", ["data.root=rel/data", "storage_path=rel/store"])
+    assert base["storage_path"] == str(tmp_path.resolve() / "rel" / "store")
+    assert base["data"]["root"] == str(tmp_path.resolve() / "rel" / "data")
+    assert base["tracking"]["uri"] == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"  # the default store
+    for relative in ("sqlite:///runs/mlflow.db", "runs/mlruns"):  # from the environment or the config
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", relative)
+        got = prepare_base(None, "fedavg", [])["tracking"]["uri"]
+        assert got.removeprefix("sqlite:///") == str(tmp_path.resolve() / relative.removeprefix("sqlite:///"))
+        monkeypatch.delenv("MLFLOW_TRACKING_URI")
+        got = prepare_base(None, "fedavg", [f"tracking.uri={relative}"])["tracking"]["uri"]
+        assert got.removeprefix("sqlite:///") == str(tmp_path.resolve() / relative.removeprefix("sqlite:///"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking:5000")  # a server is left as given
+    assert prepare_base(None, "fedavg", [])["tracking"]["uri"] == "http://tracking:5000"
     with pytest.raises(ConfigError):
         check_space(load_space(SPACE_FILES[0]), {"algorithm": "fedavg", "rounds": 0})
