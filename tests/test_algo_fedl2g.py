@@ -249,7 +249,7 @@ def test_training_step_is_ce_plus_guide_mse():
     assert_close(client.training_step((x, y), 0), expected)
 
 
-def test_client_upload_sends_nonzero_rows_and_leaves_the_model_alone():
+def test_client_upload_sends_the_meta_gradient_rows_of_its_study_classes_and_leaves_the_model_alone():
     model = FedModel(
         nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.BatchNorm1d(8), nn.ReLU()),
         8,
@@ -258,13 +258,23 @@ def test_client_upload_sends_nonzero_rows_and_leaves_the_model_alone():
         in_channels=1,
         image_size=8,
     )
-    client = make_client("fedl2g.study_batch=4", model=model)
-    client.receive(0, {"guide": torch.randn(3, 8)})
+    labels = torch.tensor([0, 2] * 12 + [0])  # 13 of class 0, 12 of class 2, class 1 held by nobody
+    # 25 samples - 10 in the quiz: a study batch of 15 is the whole study set, in some order
+    client = make_client("fedl2g.study_batch=15", model=model, labels=labels)
+    guide = torch.randn(3, 8)
+    client.receive(0, {"guide": guide})
     before = {k: v.clone() for k, v in model.state_dict().items()}
     up = client.upload()
-    assert up["rows"].shape == (len(up["classes"]), 8) and 1 <= len(up["classes"]) <= 3
-    assert torch.all(up["rows"].abs().sum(1) > 0)
-    for key, value in model.state_dict().items():
+    after_upload = {k: v.clone() for k, v in model.state_dict().items()}
+    # pi (Eqs. 5-6, checked against the JVP formula above) over the study set and the quiz, in train
+    # mode: non-zero exactly in the rows of the study set's classes, and those rows are what is sent
+    model.train()
+    study, quiz = (client.study.x, client.study.y), (client.quiz.x, client.quiz.y)
+    lr = client.ctx.cfg.train.lr
+    pi = meta_gradient(model, dict(model.named_parameters()), guide, study, quiz, lr, "f")
+    assert up["classes"].tolist() == [0, 2] and pi[1].abs().sum() == 0
+    assert_close(up["rows"], pi[[0, 2]])
+    for key, value in after_upload.items():
         assert torch.equal(value, before[key]), key
     again = client.upload()  # the study batch is a function of (seed, round, client)
     assert torch.equal(up["classes"], again["classes"]) and torch.equal(up["rows"], again["rows"])

@@ -210,6 +210,56 @@ def test_cpdr_mse_and_l1_by_hand():
     assert_close(cpdr_loss(z, y, o, "l1"), torch.tensor(13 / 3))
 
 
+# ------------------------------------------------------------------------------------------ plain loops
+# The equations once more, written as loops over clients, classes and samples with nothing shared
+# with the module's vectorised code: the expected values of the two halves' tests below.
+
+
+def plain_server_round(protos, mask, counts, neighbors):
+    """(R, O) of Eq. 5, 7-12: protos [K, C, d], mask [K, C], counts [K, C]."""
+    k_all, c_all, _ = protos.shape
+    rel = torch.zeros_like(protos)
+    for j in range(c_all):
+        holders = [k for k in range(k_all) if mask[k, j]]
+        if not holders:
+            continue
+        g = sum(protos[k, j] for k in holders) / len(holders)  # Eq. 5
+        phi = {k: F.cosine_similarity(g, protos[k, j], dim=0).item() for k in holders}  # Eq. 7
+        m = min(neighbors, len(holders) - 1)
+        for k in holders:  # Eq. 8-9: itself and its m nearest in phi (ties: lower index)
+            nearest = sorted((q for q in holders if q != k), key=lambda q: (abs(phi[k] - phi[q]), q))[:m]
+            rel[k, j] = sum((protos[q, j] for q in [k, *nearest]), torch.zeros_like(g)) / (m + 1)
+    n = [float(counts[k].sum()) for k in range(k_all)]
+    d = [  # Eq. 10
+        math.sqrt(0.5 * sum((float(counts[k, j]) / n[k] - 1 / c_all) ** 2 for j in range(c_all)))
+        for k in range(k_all)
+    ]
+    raw = [1 / (1 + math.exp(-(n[k] / sum(n) - d[k] / sum(d)))) for k in range(k_all)]  # Eq. 11
+    e = [r / sum(raw) for r in raw]
+    consistent = torch.zeros(c_all, protos.shape[2])
+    for j in range(c_all):  # Eq. 12, e renormalised over the holders of j
+        holders = [k for k in range(k_all) if mask[k, j]]
+        if holders:
+            total = sum(e[k] for k in holders)
+            consistent[j] = sum(e[k] / total * rel[k, j] for k in holders)
+    return rel, consistent
+
+
+def plain_client_loss(logits, z, y, all_z, rel, rmask, consistent, omask, tau):
+    """CE + RPCL (Eq. 13-14, U over all local features) + CPDR (Eq. 15, l1), sample by sample."""
+    slots = [(k, j) for k in range(rel.shape[0]) for j in range(rel.shape[1]) if rmask[k, j]]
+    u = {kj: sum(torch.dist(q, rel[kj]) for q in all_z) / len(all_z) for kj in slots}  # Eq. 13
+    rpcl, cpdr = [], []
+    for zi, yi in zip(z, y.tolist()):
+        s = {kj: F.cosine_similarity(zi, rel[kj], dim=0) / u[kj] / tau for kj in slots}
+        if any(j == yi for _, j in slots):
+            pos = sum(torch.exp(v) for (_, j), v in s.items() if j == yi)
+            rpcl.append(-torch.log(pos / sum(torch.exp(v) for v in s.values())))
+        if omask[yi]:
+            cpdr.append((zi - consistent[yi]).abs().sum())
+    return F.cross_entropy(logits, y) + sum(rpcl) / len(rpcl) + sum(cpdr) / len(cpdr)
+
+
 # ------------------------------------------------------------------------------------------ halves
 
 
@@ -254,14 +304,10 @@ def test_client_loss_is_ce_plus_rpcl_plus_cpdr_with_u_from_epoch_start():
     )
     client.on_train_epoch_start()
     loss = client.training_step((data.x, data.y), 0)
-    logits, z = client.model.forward_with_features(data.x)
-    scale = distance_scale(client.model.features(data.x), rel)  # no dropout/BN: eval == train features
-    expected = (
-        F.cross_entropy(logits, data.y)
-        + rpcl_loss(z, data.y, rel, rmask, 0.05, scale)
-        + cpdr_loss(z, data.y, o, "l1", omask)
-    )
-    assert_close(loss, expected)
+    with torch.no_grad():
+        logits, z = client.model.forward_with_features(data.x)  # no dropout/BN: eval == train features
+        expected = plain_client_loss(logits, z, data.y, z, rel, rmask, o, omask, tau=0.05)
+    assert_close(loss.detach(), expected)
     stats = client.pop_stats()
     assert {"loss/ce", "loss/rpcl", "loss/cpdr", "loss/train"} <= set(stats)
 
@@ -279,7 +325,6 @@ def test_client_upload_has_eval_mode_prototypes_and_counts():
 
 
 def test_server_builds_r_and_o_from_participants_and_sends_them():
-    from fedray.algorithms.fedavg import weighted_average
     from fedray.algorithms.fedsc import FedSCServer
     from fedray.platform.algorithm import ServerContext, payload_nbytes
     from fedray.platform.config import load_config
@@ -306,12 +351,14 @@ def test_server_builds_r_and_o_from_participants_and_sends_them():
     }
     server.aggregate(0, uplinks)
     down = server.configure(1, [1, 2])[1]
-    rel = relational_prototypes(protos, mask, 1)
+    rel, consistent = plain_server_round(protos, mask, counts, neighbors=1)
     assert_close(down["relational"], rel)
     assert torch.equal(down["relational_mask"], mask)
-    assert_close(down["consistent"], consistent_prototypes(rel, discrepancy_weights(counts), mask))
+    assert_close(down["consistent"], consistent)
     assert down["consistent_mask"].tolist() == [True, True, True]
-    assert_close(down["model"]["head.weight"], weighted_average(states, [6, 4, 4, 3])["head.weight"])
+    # FedAvg's model, weighted by the clients' sample counts 6, 4, 4, 3
+    expected = sum(n * state["head.weight"] for n, state in zip([6, 4, 4, 3], states)) / 17
+    assert_close(down["model"]["head.weight"], expected)
     extra = 4 * 3 * 128 * 4 + 4 * 3 + 3 * 128 * 4 + 3  # R float32, R mask bool, O float32, O mask bool
     assert payload_nbytes(down) == payload_nbytes({"model": down["model"]}) + extra
 

@@ -178,8 +178,13 @@ def test_full_header_comm_counts_the_whole_header_each_way_and_aggregates_the_sa
     seen = server_for([])
     seen.aggregate(0, {c: {"rows": rows[c], "classes": classes[c]} for c in rows})
     full = server_for(["fedssa.comm=full_header"])
+    init = full.header.clone()
     padded = {c: {"header": torch.zeros(4, 3).index_copy(0, classes[c], rows[c])} for c in rows}
     full.aggregate(0, padded)
+    # by hand: class 0 -> 1 (client 0 alone); 1 -> (2 + 4)/2 = 3; 2 -> 6 (client 1 alone); 3 -> unseen,
+    # its init (the zero rows padded in for unseen classes are not averaged in)
+    assert_close(full.header[:3], torch.tensor([[1.0, 1, 1], [3.0, 3, 3], [6.0, 6, 6]]))
+    assert torch.equal(full.header[3], init[3])
     assert torch.equal(full.header, seen.header)
     assert all(payload_nbytes(d) == 4 * 3 * 4 for d in full.configure(1, [0, 1, 2]).values())
 

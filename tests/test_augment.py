@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from conftest import tiny_overrides
 
+from fedray.platform import local_training
 from fedray.platform.augment import crop_flip
 from fedray.platform.client import ClientHost
 from fedray.platform.config import load_config
@@ -49,3 +50,30 @@ def test_augmentation_changes_training_and_repeats_exactly():
     assert any(not torch.equal(plain[k], aug[k]) for k in plain)
     again = trained_state("crop_flip")
     assert all(torch.equal(aug[k], again[k]) for k in aug)
+
+
+def test_evaluation_batches_are_never_augmented(monkeypatch):
+    calls = []
+    real = local_training.crop_flip
+
+    def counted(x, gen, **kwargs):
+        calls.append(len(x))
+        return real(x, gen, **kwargs)
+
+    monkeypatch.setattr(local_training, "crop_flip", counted)
+    scores = {}
+    for augment in ("crop_flip", "none"):
+        cfg = load_config(
+            None, tiny_overrides(algorithm="local", **{"data.augment": augment, "train.local_epochs": 1})
+        )
+        fed = prepare_federation(cfg)
+        host = ClientHost(cfg, num_threads=1)
+        host.setup(federation_meta(fed))
+        if augment == "crop_flip":  # the same host trains with augmentation: the spy sees it
+            (result,), state = host.train(0, [ClientTask(0, [fed.shards[0]])], [[{}]])
+            assert result.error is None and sum(calls) > 0
+            calls.clear()
+        task = ClientTask(0, [fed.shards[0]], [state], version=1)  # the trained client, committed
+        scores[augment] = host.evaluate([task], None)
+        assert calls == []  # evaluation drew no crop or flip
+    assert scores["crop_flip"] == scores["none"]  # and scores exactly as an unaugmented run would

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
@@ -16,11 +17,8 @@ from fedray.platform.data import (
     check_data,
     load_dataset,
     majority_baseline,
-    partition,
-    stratified_split,
 )
 from fedray.platform.data.datasets import ArrayDataset
-from fedray.platform.data.partition import SPLIT_STREAM, SUBSET_STREAM, stream_rng
 from fedray.platform.errors import ConfigError
 
 
@@ -52,27 +50,41 @@ def check_ids_match_data(fed, bundle) -> None:
 # ------------------------------------------------------------------------------------------ per_client
 
 
+# the split of seed 7 as fedray has always drawn it: a change of the algorithm (or of numpy's
+# generators) would move samples between clients in every stored run's split
+PER_CLIENT_DIGEST = {None: "2c7ba3f53c1c23ea", 900: "b1a6edd8484a3eef"}
+
+
+def split_digest(fed) -> str:
+    h = hashlib.sha256()
+    for s in fed.shards:
+        for part in ("train", "val", "test"):
+            h.update(np.asarray(getattr(s, f"{part}_ids"), dtype=np.int64).tobytes())
+    return h.hexdigest()[:16]
+
+
 @pytest.mark.parametrize("train_subset", [None, 900])
-def test_per_client_is_the_previous_algorithm(digits, train_subset):
-    """The default convention builds exactly what the builder built before conventions existed."""
-    cfg = cfg_for("per_client", (0.8, 0.1, 0.1), train_subset=train_subset)
-    fed = build_federation(digits, cfg, seed=7)
-    pool = digits.train  # the former algorithm, verbatim
-    if train_subset is not None:
-        fraction = train_subset / len(pool)
-        keep, _ = stratified_split(pool.y.numpy(), (fraction, 1 - fraction), stream_rng(7, SUBSET_STREAM))
-        pool = pool.subset(np.sort(keep))
-    labels = pool.y.numpy()
-    parts = partition(labels, cfg.partition, 6, 10, 7)
-    for k, idx in enumerate(parts):
-        tr, va, te = stratified_split(labels[idx], (0.8, 0.1, 0.1), stream_rng(7, SPLIT_STREAM, k))
-        for name, piece in (("train", tr), ("val", va), ("test", te)):
-            expected = pool.subset(idx[piece])
-            got = getattr(fed.shards[k], name)
-            assert torch.equal(got.x, expected.x) and torch.equal(got.y, expected.y)
-    assert fed.global_test is digits.test
-    assert (all_ids(fed) < len(digits.train)).all()
+def test_per_client_splits_each_clients_own_samples_by_the_ratios(digits, train_subset):
+    fed = build_federation(digits, cfg_for("per_client", (0.8, 0.1, 0.1), train_subset=train_subset), seed=7)
+    ids = all_ids(fed)
+    # the official train set (or a subset of it) is shared out, each sample once; its test set is the global test
+    assert len(ids) == len(np.unique(ids)) == (train_subset or len(digits.train))
+    assert (ids < len(digits.train)).all() and fed.global_test is digits.test
+    labels = digits.train.y.numpy()
+    if train_subset:  # a stratified subset: each class its share of 900, give or take one
+        share = np.bincount(labels, minlength=10) * train_subset / len(labels)
+        assert (np.abs(np.bincount(labels[ids], minlength=10) - share) <= 1).all()
+    for s in fed.shards:
+        own = np.concatenate([s.train_ids, s.val_ids, s.test_ids])
+        n = len(own)
+        # test exactly round(10 %), validation 10 % within one, train the rest
+        assert len(s.test) == math.floor(0.1 * n + 0.5) and abs(len(s.val) - 0.1 * n) <= 1
+        for c in np.unique(labels[own]):  # and per class: each part its share, give or take one (two)
+            held = (labels[own] == c).sum()
+            assert abs((labels[s.test_ids] == c).sum() - 0.1 * held) <= 1
+            assert abs((labels[s.val_ids] == c).sum() - 0.1 * held) <= 2
     check_ids_match_data(fed, digits)
+    assert split_digest(fed) == PER_CLIENT_DIGEST[train_subset]
 
 
 # ------------------------------------------------------------------------------------------ merged

@@ -97,8 +97,14 @@ def test_personalised_client_models_are_mlflow_models(two_runs):
     logged = mlflow.search_logged_models([local.experiment_id], output_format="list")
     names = sorted(m.name for m in logged if m.source_run_id == local.run_id)
     assert names == [f"client_{k}" for k in range(4)]
-    model = mlflow.pytorch.load_model(f"runs:/{local.run_id}/client_1")
-    assert model(torch.zeros(2, 1, 8, 8)).shape[0] == 2
+    # each is that client's own trained model: it scores the client's test split as the run did
+    fed = prepare_federation(local.config)
+    for k in (1, 3):
+        model = mlflow.pytorch.load_model(f"runs:/{local.run_id}/client_{k}").eval()
+        test = fed.shards[k].test
+        with torch.no_grad():
+            pred = model(normalize(test.x, fed.mean, fed.std)).argmax(1)
+        assert (pred == test.y).float().mean().item() == pytest.approx(local.client_acc[k], abs=1e-6), k
 
 
 def test_system_metrics_and_description_are_on_the_run(two_runs):
