@@ -3,7 +3,8 @@
 - What the README's reproduction table claims, at the scale and with the seeds it was measured
   (``make reproduce``'s CPU scale, seeds 0 and 1): FedSSA above Standalone and LG-FedAvg, and FedCross
   with dynamic alpha above FedAvg, each on the mean over the last rounds of both seeds. Runs are
-  deterministic, so these repeat the README's runs exactly (about 75 minutes on 2 cores).
+  deterministic, so these repeat the README's runs exactly (about 75 minutes on 2 cores, by the
+  reproduction runs' times).
 - The FedL2G and FedSC comparisons, whose ordering the README does not claim at CPU scale, at a
   smaller scale: every run finishes and beats chance; their tables are printed.
 """
