@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -93,3 +96,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def run_fresh_python(script: str, *args: str, cwd, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``script`` (dedented) in a new Python process that can import the tests' modules: for what
+    must be checked where no earlier test has started anything (Ray, allocator settings)."""
+    path = os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": path, **(env or {})},
+    )

@@ -1,12 +1,9 @@
 """Bad input fails with one clear line, before any Ray or training starts."""
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
+from conftest import run_fresh_python
 
 from fedray.platform.cli import main
 from fedray.platform.config import load_config
@@ -63,8 +60,7 @@ def test_cli_reports_one_line(overrides, needle, capsys, tmp_path, monkeypatch):
 def test_bad_input_starts_no_ray(tmp_path):
     """In a fresh process (this one's Ray may already run for other tests): after every bad
     command, Ray is not initialised and the process has started no other process."""
-    script = textwrap.dedent(
-        """
+    script = """
         import json, sys
         import psutil, ray
         from fedray.platform.cli import main
@@ -73,16 +69,8 @@ def test_bad_input_starts_no_ray(tmp_path):
             assert not ray.is_initialized(), overrides
             assert psutil.Process().children(recursive=True) == [], overrides
         print("no Ray")
-        """
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script, json.dumps(CLI_CASES)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "HOME": str(tmp_path)},
-    )
+    """
+    done = run_fresh_python(script, json.dumps(CLI_CASES), cwd=tmp_path, env={"HOME": str(tmp_path)})
     assert done.returncode == 0 and done.stdout.split()[-2:] == ["no", "Ray"], done.stderr[-2000:]
     assert not (tmp_path / "mlflow.db").exists()
 

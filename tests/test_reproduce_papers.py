@@ -1,22 +1,14 @@
 """``benchmarks/reproduce_papers.py``: every paper's comparison expands into valid configs at both
 scales, ``--only`` picks entries by label, and the results table averages over seeds. No run starts."""
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from repro_script import repro
 
 from fedray.platform.errors import ConfigError
 from fedray.platform.registry import available
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce_papers.py"
-spec = importlib.util.spec_from_file_location("reproduce_papers", SCRIPT)
-assert spec and spec.loader
-repro = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = repro  # its dataclasses look their module up
-spec.loader.exec_module(repro)
 CPU_FEDCROSS = repro.scale_overrides(repro.PAPERS["fedcross"], "cpu")
 
 
@@ -44,8 +36,13 @@ def test_every_comparison_expands_to_valid_configs(paper, scale, tmp_path):
 
 
 def test_only_runs_the_named_entries(tmp_path):
-    entries = repro.paper_entries("fedcross", [*CPU_FEDCROSS, "rounds=400"], str(tmp_path), "0,1", "exp", ["fedcross"])
-    assert [(e.label, e.config.seed, e.config.rounds) for e in entries] == [("fedcross", 0, 400), ("fedcross", 1, 400)]
+    entries = repro.paper_entries(
+        "fedcross", [*CPU_FEDCROSS, "rounds=400"], str(tmp_path), "0,1", "exp", ["fedcross"]
+    )
+    assert [(e.label, e.config.seed, e.config.rounds) for e in entries] == [
+        ("fedcross", 0, 400),
+        ("fedcross", 1, 400),
+    ]
     assert all(dotted(e.config.to_dict(), "fedcross.dynamic_alpha_rounds") == 0 for e in entries)
 
 
@@ -58,5 +55,7 @@ def test_results_table_is_mean_and_population_std_over_seeds():
     def run(last, best, wall):
         return SimpleNamespace(last=lambda m: last, best=lambda m: best, wall_time_s=wall, extra={})
 
-    table = repro.results_table(repro.PAPERS["fedcross"], {"fedavg": [run(0.40, 0.50, 10), run(0.50, 0.52, 20)]})
+    table = repro.results_table(
+        repro.PAPERS["fedcross"], {"fedavg": [run(0.40, 0.50, 10), run(0.50, 0.52, 20)]}
+    )
     assert "| fedavg | 2 | 45.00 ± 5.00 | 51.00 ± 1.00 | 46.12 ± 2.35 | 15 |" in table.splitlines()

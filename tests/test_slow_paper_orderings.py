@@ -9,27 +9,17 @@
   smaller scale: every run finishes and beats chance; their tables are printed.
 """
 
-import importlib.util
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
+from repro_script import repro
 
 from fedray.platform.config import load_config
-from fedray.platform.data.archive import unpack_image_archive
 from fedray.platform.progress import print_table, summary_table
-
-ARCHIVE = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10-jpeg.tar.gz"
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce_papers.py"
-spec = importlib.util.spec_from_file_location("reproduce_papers", SCRIPT)
-assert spec and spec.loader
-repro = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = repro  # its dataclasses look their module up
-spec.loader.exec_module(repro)
 
 # paper -> (the entries run, the one claimed first, the others, rounds in the window at the end)
 README_CLAIMS = {
@@ -111,9 +101,9 @@ COMPARISONS = {
 
 @pytest.fixture(scope="module")
 def cifar_root():
-    if not ARCHIVE.is_file():
-        pytest.skip(f"the CIFAR-10 JPEG archive is not at {ARCHIVE}")
-    return unpack_image_archive(ARCHIVE, Path.home() / ".cache" / "fedray" / "cifar10-jpeg")
+    if not repro.ARCHIVE.is_file():
+        pytest.skip(f"the CIFAR-10 JPEG archive is not at {repro.ARCHIVE}")
+    return repro.cifar_root(None)  # unpacked once, where make reproduce unpacks it
 
 
 @pytest.mark.usefixtures("ray_session")

@@ -1,16 +1,12 @@
 """Ray Tune sweeps: space files checked without Ray; a real 4-trial sweep; interrupt and resume."""
 
 import json
-import os
 import re
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import tiny_overrides
+from conftest import run_fresh_python, tiny_overrides
 from mlflow.tracking import MlflowClient
 from ui_helpers import browser_or_skip, page_dom, ui_server
 
@@ -74,8 +70,7 @@ def test_invalid_space_fails_in_one_line(tmp_path, params, needle, monkeypatch):
 def test_an_invalid_space_starts_no_ray(tmp_path):
     """In a fresh process (this one's Ray may already run for other tests)."""
     files = [bad_space_file(tmp_path, params, f"bad{i}.yaml") for i, (params, _) in enumerate(BAD_SPACES)]
-    script = textwrap.dedent(
-        """
+    script = """
         import json, sys
         import psutil, ray
         from conftest import tiny_overrides
@@ -91,16 +86,8 @@ def test_an_invalid_space_starts_no_ray(tmp_path):
             assert not ray.is_initialized(), space
             assert psutil.Process().children(recursive=True) == [], space
         print("no Ray")
-        """
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script, json.dumps(files)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
-    )
+    """
+    done = run_fresh_python(script, json.dumps(files), cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.split()[-2:] == ["no", "Ray"], done.stderr[-2000:]
     assert not (tmp_path / ".fedray").exists()
 
