@@ -9,6 +9,9 @@ PORT ?= 5000
 EXP ?=
 OUT ?=
 PAPER ?=
+# the suite runs in this many pytest processes, a test file each at a time (its tests wait on
+# servers, subprocesses and a 30 s outage as much as they compute)
+TEST_PROCESSES ?= 2
 
 .PHONY: install run compare sweep report test test-slow lint typecheck bench bench-scale gpu-check reproduce ui clean
 
@@ -42,7 +45,7 @@ typecheck: install  ## mypy on the fedray package
 	MYPYPATH=$(VENV)/typecheck $(BIN)/mypy -p fedray
 
 test: install lint typecheck  ## lint, type check, then the default suite (slow real-data tests excluded)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile
 
 test-slow: install  ## the real-data checks (CIFAR-10 JPEGs from ../shared/data)
 	$(BIN)/python -m pytest -q -m slow -s

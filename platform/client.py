@@ -192,6 +192,11 @@ class ClientHost:
 
     def __init__(self, cfg: ExperimentConfig, num_threads: int) -> None:
         torch.set_num_threads(max(1, num_threads))
+        self.configure(cfg)
+
+    def configure(self, cfg: ExperimentConfig) -> None:
+        """Everything one run sets: a worker kept for the driver's next run starts it here, holding
+        nothing of the last one (no module, data or payload)."""
         self.cfg = cfg
         self.spec = get_algorithm(cfg.algorithm)
         self.device, self.device_info = worker_device(cfg)
@@ -207,12 +212,19 @@ class ClientHost:
         self.payload_round = -1
         self.meta: dict[str, Any] = {}
 
-    def setup(self, meta: dict[str, Any]) -> dict[str, Any]:
-        """What the data says (classes, channels, normalisation), known once the driver has loaded it.
-        Returns what this worker trains on, for the run's record."""
+    def setup(self, meta: dict[str, Any], cfg: ExperimentConfig | None = None) -> dict[str, Any]:
+        """What the data says (classes, channels, normalisation), known once the driver has loaded it;
+        ``cfg`` when the worker comes from an earlier run of the driver. Returns what this worker
+        trains on, for the run's record."""
+        if cfg is not None:
+            self.configure(cfg)
         self.meta = meta
         info = self.device_info
         return {"device": info.describe(), "kind": info.kind}
+
+    def clear(self) -> None:
+        """The run is over and the worker waits for the driver's next one: what it held goes."""
+        self.configure(self.cfg)
 
     # ---- a client's data, model and module
     def client_data(self, task: ClientTask) -> ClientData:

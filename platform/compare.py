@@ -77,13 +77,15 @@ def load_comparison(
 
 def run_comparison(path: str | Path, overrides: list[str] | None = None) -> list[dict[str, Any]]:
     """Run every entry and return one summary row per label (mean ± std over seeds)."""
-    from fedray.platform.run import run_experiment
+    from fedray.platform.run import run_experiment, sharing_processes
 
     entries = load_comparison(path, overrides)
     results: dict[str, list] = {}
-    for entry in entries:
-        print(f"== {entry.label} (seed {entry.config.seed})", flush=True)
-        results.setdefault(entry.label, []).append(run_experiment(entry.config, tags={"label": entry.label}))
+    with sharing_processes():  # each entry starts on the last one's Coordinator and ClientActors
+        for entry in entries:
+            print(f"== {entry.label} (seed {entry.config.seed})", flush=True)
+            result = run_experiment(entry.config, tags={"label": entry.label})
+            results.setdefault(entry.label, []).append(result)
     return [summarize(label, rs) for label, rs in results.items()]
 
 

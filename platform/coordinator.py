@@ -210,6 +210,7 @@ class RoundLoop:
         """Build the server half, the state store and the worker pool; returns what the workers
         train on (``devices``: one description per worker)."""
         self.cfg, self.meta, self.shards = cfg, meta, shard_refs
+        self.events = queue.Queue()  # a Coordinator kept from the driver's last run starts empty
         n = cfg.data.num_clients
         archs = [arch_for_client(cfg.model.group, cid) for cid in range(n)]
         ctx = ServerContext(
@@ -236,7 +237,7 @@ class RoundLoop:
             worker = start_worker(cfg, options)
             return worker, worker.setup.remote(meta)  # runs before any job: an actor's calls run in order
 
-        devices = [info["device"] for info in ray.get([w.setup.remote(meta) for w in workers])]
+        devices = [info["device"] for info in ray.get([w.setup.remote(meta, cfg) for w in workers])]
         node = ray.get_runtime_context().get_node_id()  # where this process holds client states
         # a worker per client keeps each client's module for the run, when clients keep state
         self.pool = WorkerPool(
@@ -476,6 +477,18 @@ class RoundLoop:
 
     def shutdown(self) -> None:
         self.pool.shutdown()
+
+    def release(self) -> list:
+        """The run is over and the driver keeps its processes for its next run: the workers that
+        run now, emptied (a replacement still waiting for a node is killed); this run's server and
+        client states go."""
+        pool = self.pool
+        for slot in pool.placing:
+            ray.kill(pool.workers[slot], no_restart=True)
+        live = [worker for slot, worker in enumerate(pool.workers) if slot not in pool.placing]
+        ray.get([worker.clear.remote() for worker in live])
+        del self.pool, self.server, self.store, self.global_chunks, self.shards
+        return live
 
 
 # Two concurrent calls: run() in one thread, poll() from the driver in the other. The runtime env

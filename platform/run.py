@@ -134,6 +134,13 @@ def federation_meta(fed: Federation) -> dict[str, Any]:
 LOCAL_RAY_CONFIG = {"preload_python_modules": ["fedray.platform.client"], "worker_niceness": 0}
 
 
+def start_local_ray(num_cpus: int, **kwargs: Any) -> None:
+    """A Ray of this machine only, owned by this process (its processes end with it)."""
+    import ray
+
+    ray.init(num_cpus=num_cpus, _system_config=LOCAL_RAY_CONFIG, **kwargs)
+
+
 def ensure_ray(cfg: ExperimentConfig) -> None:
     """Join ``RAY_ADDRESS`` / ``ray.address`` if given; otherwise start a local Ray with this machine's CPUs
     (Ray prestarts one worker process per CPU for the ClientActors)."""
@@ -149,7 +156,7 @@ def ensure_ray(cfg: ExperimentConfig) -> None:
         if address:
             ray.init(address=address, **kwargs)
         else:
-            ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), _system_config=LOCAL_RAY_CONFIG, **kwargs)
+            start_local_ray(cfg.ray.num_cpus or os.cpu_count() or 1, **kwargs)
     use_fast_tensor_transport()  # the shards and the global test set leave as raw bytes
 
 
@@ -230,12 +237,98 @@ class Runtime:
         with contextlib.suppress(ray.exceptions.RayError):
             ray.get(self.coordinator.shutdown.remote(), timeout=10)
         for actor in [self.coordinator, *self.workers]:
-            ray.kill(actor)
+            with contextlib.suppress(Exception):  # a handle of a Ray since shut down
+                ray.kill(actor)
+
+
+class KeptRuntime:
+    """The Coordinator and ClientActors of the last finished run, kept for the next one while
+    ``sharing_processes()`` is open (``fedray compare``, a notebook's loop, the test session): a run
+    on them starts at once instead of waiting seconds for new processes to import torch and
+    Lightning. Idle, they hold their CPUs and GPU slices, so they are kept only where the next run
+    is known to come: inside that scope, on the same Ray, for a run with the same worker resources,
+    and never after a run that failed or for a Tune trial (its placement group goes with it)."""
+
+    sharing = 0  # open sharing_processes() scopes
+    kept: Runtime | None = None
+    node: str = ""  # the node the kept processes' Ray was joined from
+
+    @staticmethod
+    def this_node() -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+
+    @classmethod
+    def held(cls) -> dict[str, float]:
+        """The CPUs and GPUs the kept workers hold (Ray shows them free only once they are gone)."""
+        if cls.kept is None:
+            return {}
+        options, count = cls.kept.worker_options, len(cls.kept.workers)
+        return {"CPU": options["num_cpus"] * count, "GPU": options["num_gpus"] * count}
+
+    @classmethod
+    def put(cls, runtime: Runtime, placement_group=None) -> None:
+        """After a run that ended well: its processes, emptied, wait for the next run if one may
+        have them; otherwise they stop."""
+        import ray
+
+        cls.release()
+        if cls.sharing and placement_group is None:
+            with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+                workers = ray.get(runtime.coordinator.release.remote(), timeout=30)
+                cls.kept, cls.node = (
+                    Runtime(runtime.coordinator, workers, runtime.worker_options),
+                    cls.this_node(),
+                )
+                return
+        runtime.stop()
+
+    @classmethod
+    def take(cls, options: dict[str, Any], placement_group=None) -> Runtime | None:
+        """The kept processes if a run with these worker ``options`` may have them and all still
+        answer; otherwise None, and whatever was kept stops (its resources are wanted)."""
+        import ray
+
+        kept, cls.kept = cls.kept, None
+        if kept is None:
+            return None
+        usable = options == kept.worker_options and placement_group is None and cls.this_node() == cls.node
+        if usable:
+            actors = [kept.coordinator, *kept.workers]
+            answered, _ = ray.wait(
+                [a.__ray_ready__.remote() for a in actors], num_returns=len(actors), timeout=10
+            )
+            usable = len(answered) == len(actors)
+        if not usable:
+            kept.stop()
+        return kept if usable else None
+
+    @classmethod
+    def release(cls) -> None:
+        """Stop the kept processes: something else wants their resources (a sweep's trials)."""
+        kept, cls.kept = cls.kept, None
+        if kept is not None:
+            kept.stop()
+
+
+@contextlib.contextmanager
+def sharing_processes():
+    """Runs in this block start on the last one's Coordinator and ClientActors (KeptRuntime);
+    leaving it stops them."""
+    KeptRuntime.sharing += 1
+    try:
+        yield
+    finally:
+        KeptRuntime.sharing -= 1
+        if not KeptRuntime.sharing:
+            KeptRuntime.release()
 
 
 def start_runtime(cfg: ExperimentConfig, placement_group=None, num_actors: int | None = None) -> Runtime:
     """Start the Coordinator and the worker pool without waiting: every process imports torch and
-    Lightning at the same time, while the driver goes on."""
+    Lightning at the same time, while the driver goes on. The last run's processes are taken
+    where they fit (KeptRuntime)."""
     import ray
 
     from fedray.platform.coordinator import (
@@ -246,9 +339,18 @@ def start_runtime(cfg: ExperimentConfig, placement_group=None, num_actors: int |
         worker_options,
     )
 
-    size = num_actors or pool_size(cfg, ray.available_resources() or ray.cluster_resources())
     options = worker_options(cfg, placement_group)
-    workers = [start_worker(cfg, options) for _ in range(size)]
+    free = dict(ray.available_resources() or ray.cluster_resources())
+    for resource, amount in KeptRuntime.held().items():  # this run's, whether it takes them or stops them
+        free[resource] = free.get(resource, 0) + amount
+    kept = KeptRuntime.take(options, placement_group)
+    held = kept.workers if kept else []
+    size = num_actors or pool_size(cfg, free)
+    for extra in held[size:]:
+        ray.kill(extra)
+    workers = held[:size] + [start_worker(cfg, options) for _ in range(size - len(held[:size]))]
+    if kept is not None:
+        return Runtime(kept.coordinator, workers, options)
     coordinator = Coordinator.options(**coordinator_scheduling(placement_group))  # type: ignore[attr-defined]
     return Runtime(coordinator.remote(), workers, options)
 
@@ -464,8 +566,11 @@ def run_experiment(
                             f"{err}: the run could not be closed; resume with  fedray run --resume "
                             f"{tracker.run_id} to log what is missing"
                         ) from None
-        finally:
-            runtime.stop()  # whatever MLflow did, the run's processes end
+        finally:  # whatever MLflow did, the run's processes end, or wait for the next if it went well
+            if wall_s is None:
+                runtime.stop()
+            else:
+                KeptRuntime.put(runtime, placement_group)
 
 
 @contextlib.contextmanager

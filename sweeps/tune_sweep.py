@@ -159,7 +159,7 @@ def run_sweep(
     with a time budget); ``--resume`` continues it."""
     from ray import tune
 
-    from fedray.platform.run import ensure_ray, require_gpus
+    from fedray.platform.run import KeptRuntime, ensure_ray, require_gpus
     from fedray.platform.tracking import RunTracker
 
     base = prepare_base(config_path, algorithm, overrides or [])
@@ -175,6 +175,7 @@ def run_sweep(
     metric = space.metric.replace("/", "_")
 
     ensure_ray(base_cfg)
+    KeptRuntime.release()  # a caller's last run's processes would hold the CPUs the trials reserve
     require_gpus(base_cfg)  # a trial asking for GPUs the cluster lacks would wait forever to be placed
     if resume:
         if not tune.Tuner.can_restore(str(path)) or not state_file.is_file():

@@ -16,20 +16,15 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        from fedray.platform.run import LOCAL_RAY_CONFIG
+        from fedray.platform.run import sharing_processes, start_local_ray
 
         # Ray's processes inherit this: workers can import test-only algorithms (tests/killer_algorithm.py)
         tests_dir = os.path.dirname(__file__)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))
 
-        ray.init(
-            num_cpus=2,
-            include_dashboard=False,
-            log_to_driver=False,
-            logging_level="ERROR",
-            _system_config=LOCAL_RAY_CONFIG,
-        )
-    yield ray
+        start_local_ray(2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    with sharing_processes():  # a test's run starts on the last test's Coordinator and ClientActors
+        yield ray
     ray.shutdown()
 
 
@@ -47,8 +42,11 @@ def client_actor(ray_session):
         "std": [1.0],
         "train_sizes": [],
     }
+    from fedray.platform.run import KeptRuntime
+
+    KeptRuntime.release()  # the last test's kept ClientActors hold every CPU
     actor = start_worker(load_config(None, tiny_overrides()), {"num_cpus": 1})
-    ray_session.get(actor.setup.remote(meta))
+    ray_session.get(actor.setup.remote(meta), timeout=120)
     yield actor
     ray_session.kill(actor)
 

@@ -1,0 +1,89 @@
+"""Runs in one driver share their processes (``KeptRuntime``): a run starts on the last finished
+run's Coordinator and ClientActors, emptied of that run, and computes what fresh processes compute.
+A run that fails, or that needs other worker resources, gets fresh ones."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+from conftest import tiny_overrides
+
+from fedray.platform.config import load_config
+from fedray.platform.run import KeptRuntime, run_experiment
+
+
+def without_timing(history):
+    return [{k: v for k, v in h.items() if not k.startswith("time/")} for h in history]
+
+
+def kept_actors() -> dict[str, object]:
+    """The kept Coordinator and ClientActors, by actor id."""
+    kept = KeptRuntime.kept
+    assert kept is not None, "the finished run's processes were not kept"
+    return {actor._actor_id.hex(): actor for actor in [kept.coordinator, *kept.workers]}
+
+
+def what_workers_hold() -> list[tuple[int, int, int, int]]:
+    """Per kept worker: client modules, spare models, client data and payloads it still holds."""
+    return ray.get(
+        [
+            w.__ray_call__.remote(
+                lambda host: (len(host.modules), len(host.spare), len(host.data), len(host.payloads))
+            )
+            for w in KeptRuntime.kept.workers
+        ]
+    )
+
+
+def all_dead(actors: dict[str, object]) -> bool:
+    for actor in actors.values():
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=60)
+            return False
+        except ray.exceptions.RayActorError:
+            pass
+    return True
+
+
+@pytest.mark.usefixtures("ray_session", "mlflow_store")
+def test_a_run_on_kept_processes_computes_what_fresh_processes_compute():
+    KeptRuntime.release()  # whatever an earlier test left: the reference runs on new processes
+    deadline = time.monotonic() + 120
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)  # ray.kill returns before the CPUs are free again
+    # clients that keep state: every worker caches client modules and data during the run
+    cfg = load_config(None, tiny_overrides(algorithm="lgfedavg"))
+    fresh = run_experiment(cfg)
+    ids = set(kept_actors())
+    assert len(ids) == 3  # the Coordinator and two ClientActors (ray.max_actors=2)
+    assert what_workers_hold() == [(0, 0, 0, 0)] * 2
+
+    between = run_experiment(load_config(None, tiny_overrides(algorithm="fedprox", seed=1)))
+    assert between.finished and kept_actors().keys() == ids
+    again = run_experiment(cfg)
+    assert kept_actors().keys() == ids  # no process started for either run
+    assert without_timing(again.history) == without_timing(fresh.history)
+    assert again.client_acc == fresh.client_acc
+
+
+@pytest.mark.usefixtures("ray_session", "mlflow_store")
+def test_a_failed_run_or_other_worker_resources_get_fresh_processes():
+    cfg = load_config(None, tiny_overrides(rounds=2))
+    run_experiment(cfg)
+    first = kept_actors()
+
+    def fail(rnd, metrics):
+        raise RuntimeError("the driver's own error")
+
+    with pytest.raises(RuntimeError, match="the driver's own error"):
+        run_experiment(cfg, on_round=fail)
+    assert KeptRuntime.kept is None  # a failed run's processes are not trusted with the next
+    assert all_dead(first)
+
+    run_experiment(cfg)
+    second = kept_actors()
+    assert not second.keys() & first.keys()
+    run_experiment(load_config(None, tiny_overrides(rounds=2, **{"ray.num_cpus_per_client": 2})))
+    assert not kept_actors().keys() & second.keys() and all_dead(second)
