@@ -1,5 +1,6 @@
 """FedCross: Hu et al., "FedCross: Towards Accurate Federated Learning via Multi-Model Cross-Aggregation"
-(ICDE 2024, arXiv:2210.08285). Spec: specs/fedcross.md; paper Sec. III and Alg. 1.
+(ICDE 2024, arXiv:2210.08285), paper Sec. III and Alg. 1; fedray's choices where the paper is silent are
+explained in docs/algorithms/fedcross.md.
 
 The server keeps K middleware models ``W = [w^0 .. w^{K-1}]`` (K = clients per round). Each round it
 shuffles them onto the K sampled clients, each client trains its model and uploads ``v^i``, and every
@@ -13,24 +14,33 @@ with ``co(i) != i`` picked by CoModelSel (Sec. III-B1):
 - highest / lowest similarity:  ``co(i) = argmax / argmin_{j != i} cos(v^i, v^j)``
 
 The global model ``w_g = 1/K sum_i w^i`` (Sec. III-B3) is used for evaluation only; it is never sent
-for training. Training acceleration (Sec. III-D, no equations in the paper; spec §1.5 formulas):
+for training. Training acceleration (Sec. III-D gives no equations; these formulas are fedray's choice,
+see docs/algorithms/fedcross.md, Propeller models and Dynamic alpha schedule):
 
 - propeller models (PM): ``w^i = a v^i + (1-a)/P sum_{o=1..P} v^{(i+o) mod K}``, ``a = 1/(P+1)``
 - dynamic alpha (DA): ``alpha_r = 0.5 + (alpha - 0.5) (r - r_0) / R_DA`` for ``r_0 <= r < r_0 + R_DA``
 
-Spec choices:
-- [REC §1.2] in-order uses 0-based model indices i = 0..K-1 (1-based i with ``% K`` could return 0).
-- [REC §1.2, §6.2] similarity is the standard cosine ``<x,y> / (|x| |y|)`` (the paper prints ``|x| + |y|``,
-  a typo for "classic cosine"), over all float state entries of the uploaded models, flattened, float64.
-- [REC §6.3] several models may share a collaborator; ties go to the lowest index.
-- [REC §6.4] BN running statistics are fused by the same alpha rule; integer buffers are copied from self.
-- [REC §6.1] all K models start from one random init (``same_init: true``); false = K independent inits.
-- [REC §6.13] the shuffle is a random permutation assigning the K models to the K sampled clients,
-  drawn from (seed, round) so a resumed run shuffles identically.
-- [REC §1.5] PM: P = ``propeller_num`` = 4 in-order propellers ``(i+o) mod K, o = 1..P``, self weight 1/(P+1).
-- [REC §1.5] DA: linear ramp from 0.5 to ``alpha`` over ``dynamic_alpha_rounds`` rounds starting at
-  ``dynamic_alpha_start_round`` (PM-DA as in Fig. 9: PM for rounds 0..49, DA for 50..99).
-- [REC §6.5] local training is the base client's (fresh SGD from ``train.*`` each round, no momentum kept).
+Choices where the paper is silent or ambiguous; the bracket names the heading in
+docs/algorithms/fedcross.md that explains each one:
+- [In-order model indices] in-order uses 0-based model indices i = 0..K-1 (1-based i with ``% K``
+  could return 0).
+- [Similarity measure] similarity is the standard cosine ``<x,y> / (|x| |y|)`` (Sec. III-B1 prints
+  ``|x| + |y|``, a typo for "classic cosine"), over all float state entries of the uploaded models,
+  flattened, float64.
+- [Shared collaborators and ties] several models may share a collaborator; ties go to the lowest index.
+- [BatchNorm statistics and integer buffers] BN running statistics are fused by the same alpha rule;
+  integer buffers are copied from self.
+- [Initialisation of the middleware models] all K models start from one random init
+  (``same_init: true``); false = K independent inits.
+- [Shuffling models onto clients] the shuffle is a random permutation assigning the K models to the K
+  sampled clients, drawn from (seed, round) so a resumed run shuffles identically.
+- [Propeller models] PM: P = ``propeller_num`` = 4 in-order propellers ``(i+o) mod K, o = 1..P``,
+  self weight 1/(P+1).
+- [Dynamic alpha schedule] DA: linear ramp from 0.5 to ``alpha`` over ``dynamic_alpha_rounds`` rounds
+  starting at ``dynamic_alpha_start_round`` (PM-DA as in Sec. IV-E3 / Fig. 9: PM for rounds 0..49, DA
+  for 50..99).
+- [Local optimizer] local training is the base client's (fresh SGD from ``train.*`` each round, no
+  momentum kept).
 
 Other choices: ``alpha = 1.0`` is accepted (the paper's range is [0.5, 1)), since it is the identity
 fusion tests rely on. A client that fails mid-round leaves its middleware model as it was dispatched
@@ -76,7 +86,8 @@ def unflatten_state(flat: Tensor, template: Mapping[str, Tensor]) -> dict[str, T
     """Inverse of :func:`flatten_states` for one row: ``flat [P]`` -> a state dict shaped like ``template``.
 
     Float entries take their values from ``flat`` (cast back to the template's dtype); integer entries
-    are copied from ``template`` (spec §6.4: counters come from self).
+    are copied from ``template`` (counters come from self; see docs/algorithms/fedcross.md,
+    BatchNorm statistics and integer buffers).
     """
     out, offset = {}, 0
     for key, ref in template.items():
@@ -92,7 +103,10 @@ def unflatten_state(flat: Tensor, template: Mapping[str, Tensor]) -> dict[str, T
 
 
 def cosine_similarity_matrix(v: Tensor) -> Tensor:
-    """Pairwise cosine similarity ``S[i, j] = <v_i, v_j> / (|v_i| |v_j|)`` (Sec. III-B1, spec §1.2).
+    """Pairwise cosine similarity ``S[i, j] = <v_i, v_j> / (|v_i| |v_j|)`` (Sec. III-B1).
+
+    The paper prints ``|v_i| + |v_j|`` in the denominator; fedray reads it as a typo for the classic cosine
+    (see docs/algorithms/fedcross.md, Similarity measure).
 
     Shape: ``v [K, P]`` -> ``[K, K]``. Computed from the Gram matrix in float64; a zero row has
     similarity 0 to everything.
@@ -142,7 +156,8 @@ def cross_aggregate(v: Tensor, co: Tensor, alpha: float) -> Tensor:
 
 
 def propeller_aggregate(v: Tensor, num_propellers: int, self_weight: float | None = None) -> Tensor:
-    """Propeller-model fusion (Sec. III-D; formula of spec §1.5, the paper gives none).
+    """Propeller-model fusion (Sec. III-D; the paper gives no formula, this one is fedray's:
+    see docs/algorithms/fedcross.md, Propeller models).
 
     ``w_i = a * v_i + (1 - a) / P * sum_{o=1..P} v_{(i+o) mod K}`` with in-order propellers and
     ``a = 1 / (P + 1)`` by default (a uniform mean of the model and its P propellers).
@@ -157,7 +172,10 @@ def propeller_aggregate(v: Tensor, num_propellers: int, self_weight: float | Non
 
 
 def dynamic_alpha(rnd: int, alpha: float, start_round: int, ramp_rounds: int) -> float:
-    """Dynamic alpha (Sec. III-D; linear ramp of spec §1.5): 0.5 -> ``alpha`` over ``ramp_rounds``.
+    """Dynamic alpha (Sec. III-D): 0.5 -> ``alpha`` over ``ramp_rounds``.
+
+    The paper gives no schedule; the linear ramp is fedray's (see docs/algorithms/fedcross.md,
+    Dynamic alpha schedule).
 
     ``alpha_r = 0.5 + (alpha - 0.5) * (r - r_0) / R`` for ``r_0 <= r < r_0 + R``, else ``alpha``
     (also when ``R = 0``, i.e. DA is off).

@@ -1,5 +1,5 @@
 """FedL2G: Zhang et al., "FedL2G: Learning to Guide Local Training in Heterogeneous Federated
-Learning" (arXiv:2410.06490; code github.com/TsingZ0/FedL2G). Spec: specs/fedl2g.md.
+Learning" (arXiv:2410.06490; code github.com/TsingZ0/FedL2G). Design notes: docs/algorithms/fedl2g.md.
 
 The server learns guiding vectors ``G = {v^y}`` (``C x M``: feature space, M = K, for FedL2G-f; logit
 space, M = C, for FedL2G-l). Client i holds out a fixed quiz batch ``D^q`` and trains on the rest,
@@ -18,16 +18,22 @@ Only rows of classes in ``B^s`` are non-zero; those go up. The server averages e
 clients that sent it and takes a plain SGD step (Algorithm 1, line 17): ``G <- G - eta_s * pi``.
 During the first ``warmup_rounds`` rounds clients skip local training (steps 1, 3-7 only).
 
-Spec choices:
-- pi is exact autograd through the pseudo step (double backward), not Eq. 9 literally (§6.1).
+Implementation choices (reasons in docs/algorithms/fedl2g.md where the paper is silent):
+- pi is exact autograd through the pseudo step (double backward), not Eq. 9 literally
+  (docs/algorithms/fedl2g.md, The meta-gradient).
 - Quiz = ``quiz_size`` train samples drawn once by a permutation seeded by (seed, client), fixed for the
-  run, never trained on; B^s re-drawn each round (§6.3).
+  run, never trained on; B^s re-drawn each round (paper §3.2, App. C after Eq. C.11;
+  docs/algorithms/fedl2g.md, Quiz set and study batch).
   A client with fewer than 2*quiz_size train samples holds out half of them instead.
-- G starts N(0, 1) (nn.Embedding's init, §6.4); server SGD has no momentum; server_clip=100 ([code], §6.4).
-- Per-class mean over the clients that sent the class, not weighted by n_i; unsent classes get 0 (§6.2, 6.8).
-- Pseudo step and quiz run in train mode (batch statistics); BN running-stat updates are discarded (§6.7).
-- Warm-up rounds are still evaluated by the platform (the spec would log none, §6.6): models are at init.
-- Personalised: no global model; each client is tested with its own model (§3).
+- G starts N(0, 1) (nn.Embedding's init); server SGD has no momentum (Algorithm 1, line 17); server_clip=100
+  (the authors' code) (docs/algorithms/fedl2g.md, Initial guiding vectors and the server step).
+- Per-class mean over the clients that sent the class, not weighted by n_i; unsent classes get 0 (paper Eq. 6,
+  Algorithm 1, lines 15-16; docs/algorithms/fedl2g.md, Uploaded rows and their average).
+- Pseudo step and quiz run in train mode (batch statistics); BN running-stat updates are discarded
+  (docs/algorithms/fedl2g.md, Batch normalisation in the meta step).
+- Warm-up rounds are still evaluated by the platform (the authors' code logs none): models are at init
+  (docs/algorithms/fedl2g.md, Evaluation during warm-up).
+- Personalised: no global model; each client is tested with its own model on its own test set (paper App. A).
 """
 
 from __future__ import annotations
@@ -210,7 +216,9 @@ class FedL2GClient(ClientModule):
         study = (self.study.x[idx].to(device), self.study.y[idx].to(device))
         quiz = (self.quiz.x.to(device), self.quiz.y.to(device))
         was_training = self.model.training
-        self.model.train()  # batch statistics for the pseudo step and the quiz (spec §6.7)
+        # batch statistics for the pseudo step and the quiz
+        # (docs/algorithms/fedl2g.md, Batch normalisation in the meta step)
+        self.model.train()
         pi = meta_gradient(
             self.model, dict(self.model.named_parameters()), self.guide, study, quiz,
             self.ctx.cfg.train.lr, self.hp.variant,

@@ -26,18 +26,26 @@ and sends the global model, R and O down. Local loss (Alg. 1 line 28) = CE + RPC
 .. math::  L_{CPDR} = \\sum_{q=1}^d |z_q - o^y_q| \\quad (Eq. 15, ``cpdr=l1``)
            \\;\\text{ or }\\; \\mathrm{mean}(z - o^y)^2 \\quad (``cpdr=mse``, the default)
 
-Spec choices (specs/fedsc.md §7, [REC] followed where the paper is silent):
+Choices where the paper is silent or ambiguous (each explained under the named heading of
+docs/algorithms/fedsc.md):
 
-- §7.1: K, N, e_k and the FedAvg weights range over this round's participants (weights sum to 1).
-- §7.3: no R/O exist before the first aggregation, so round 0 trains with CE only.
-- §7.4: g^j, phi^j, neighbours and r^j use only holders of class j; M_j = min(M, K_j - 1), divide by M_j + 1.
-- §7.4: o^j renormalises e over the holders of j; RPCL/CPDR skip samples whose class has no prototype.
-- §7.5: U(r) per prototype at each local epoch start, no_grad, current model (eval mode); use_u=false drops U.
-- §7.6/§7.8: all K same-class relational prototypes are positives; every term is a mean over the batch.
-- §7.7: CPDR defaults to MSE (F.mse_loss, mean over batch and dims); cpdr=l1 is Eq. 15 read literally.
-- §7.9: prototypes c_k^j come from a separate eval-mode pass over the local train data after training.
-- §2.5 [CODE]: class counts n_k^j go up with the prototypes every round (Eq. 10-11 need them).
-- own choice: ties in |phi_k1 - phi_k| go to the lower client index (stable sort).
+- Participation and aggregation weights: K, N, e_k and the FedAvg weights range over this round's
+  participants (weights sum to 1).
+- The first round: no R/O exist before the first aggregation, so round 0 trains with CE only.
+- Classes a client does not hold: g^j, phi^j, neighbours and r^j use only holders of class j;
+  M_j = min(M, K_j - 1), divide by M_j + 1; o^j renormalises e over the holders of j; RPCL/CPDR skip
+  samples whose class has no prototype.
+- The normaliser U in Eq. 13: U(r) per prototype at each local epoch start, no_grad, current model
+  (eval mode); use_u=false drops U.
+- Batch reduction: every term is a mean over the batch. (RPCL's positives are all K same-class
+  relational prototypes, as Eq. 14 in paper Sec. 4.1 writes them.)
+- CPDR distance: CPDR defaults to MSE (F.mse_loss, mean over batch and dims); cpdr=l1 is Eq. 15 read
+  literally.
+- When local prototypes are computed: c_k^j come from a separate eval-mode pass over the local train
+  data after training (Alg. 1 lines 32-37 fix only that it is after training).
+- Class counts on the upload: n_k^j go up with the prototypes every round (Eq. 10-11 need them; the
+  paper's Alg. 1 line 7 lists only w_k and P_k, the released code sends them).
+- Neighbour ties: ties in |phi_k1 - phi_k| go to the lower client index (stable sort).
 """
 
 from __future__ import annotations
@@ -153,7 +161,8 @@ def cpdr_loss(
     """Consistent-prototype regulariser (Eq. 15) over the samples whose class has a prototype.
 
     ``kind="l1"``: ``sum_q |z_iq - o^{y_i}_q|`` averaged over the batch (Eq. 15 literally);
-    ``kind="mse"``: ``F.mse_loss(z_i, o^{y_i})``, the mean over batch and dims (spec §7.7).
+    ``kind="mse"``: ``F.mse_loss(z_i, o^{y_i})``, the mean over batch and dims
+    (docs/algorithms/fedsc.md, CPDR distance).
 
     Shape: z ``[B, d]``, y ``[B]``, consistent ``[C, d]``, mask ``[C]`` or None -> scalar.
     """
@@ -271,7 +280,8 @@ class FedSCClient(FedAvgClient):
 class FedSCConfig(AlgorithmConfig):
     tau: float = 0.05  # RPCL temperature (paper Fig. 5: best 0.05)
     neighbors: int = 2  # M angular neighbours per relational prototype (paper Fig. 5: best 2)
-    cpdr: Literal["mse", "l1"] = "mse"  # spec §7.7: MSE (code) by default, l1 = Eq. 15 literally
+    # cpdr: MSE by default (as the released code), l1 = Eq. 15 literally (docs/algorithms/fedsc.md, CPDR distance)
+    cpdr: Literal["mse", "l1"] = "mse"
     use_u: bool = True  # Eq. 13's 1/U similarity scaling; false = plain cosine (the released code)
 
     def validate(self, cfg: ExperimentConfig) -> None:

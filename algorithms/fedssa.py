@@ -1,5 +1,6 @@
 """FedSSA: Yi et al., "FedSSA: Semantic Similarity-based Aggregation for Efficient Model-Heterogeneous
-Personalized Federated Learning" (IJCAI 2024, arXiv:2312.09006). Spec: specs/fedssa.md.
+Personalized Federated Learning" (IJCAI 2024, arXiv:2312.09006). Choices where the paper is silent:
+docs/algorithms/fedssa.md; [code] = the authors' implementation, github.com/LipingYi/FedSSA.
 
 Each client k has its own extractor and the shared linear header ``head``, split by class into rows
 ``theta_k^s = [W_s | b_s]`` (``d+1`` values). ``S_k`` = the classes in k's train data (fixed for the run).
@@ -17,17 +18,22 @@ and keeps its unseen rows:
 
 then trains the whole model with plain cross-entropy (Eq. 6; inherited ``training_step``).
 
-Spec choices:
-- Header = ``head`` weight rows + bias, d+1 values per class (§7.1).
-- The global header starts from a random Linear init drawn by the server from the run seed (§7.5/7.6).
-- Downlink carries only the S_k rows (§7.4); the first one is the whole header (S_k not yet known).
+Implementation choices (docs/algorithms/fedssa.md, under the heading named in each line):
+- Header = ``head`` weight rows + bias, d+1 values per class (Sec. 4.1; "Header scope").
+- The global header starts from a random Linear init drawn by the server from the run seed
+  ("Initial global header").
+- Downlink carries only the S_k rows (Sec. 4.1; "What travels each way"); the first one is the whole
+  header (S_k not yet known).
 - Uplink = seen rows + their int64 class indices (Sec. 4.1), not Sec. 4.3's zero-padded full header.
   ``fedssa.comm=full_header`` sends the whole header each way instead (unseen rows zero on the way up,
   the server reads S_k from the non-zero rows), to compare with the paper's Fig. 5 communication costs.
-- Aggregation over this round's uploaders (Alg. 1); ``aggregate_all_latest`` = [code]'s variant (§7.3).
+- Aggregation over this round's uploaders (Alg. 1); ``aggregate_all_latest`` = [code]'s variant
+  ("Aggregation set").
 - That variant averages the latest rows of every client heard from so far; never-heard clients count nothing.
-- Defaults mu0 = 0.5, T_stable = 45 from [code] (§7.7); mu0 = 0 allowed (Table 5 B ablation: mu = 0).
-- Personalised evaluation: no global model; each client is tested with its own model (§4, §7.10).
+- Defaults mu0 = 0.5, T_stable = 45 from [code] ("Default hyperparameters"); mu0 = 0 allowed (Table 5
+  B ablation: mu = 0).
+- Personalised evaluation: no global model; each client is tested with its own model (Sec. 4.2,
+  Sec. 6.1; "Evaluation").
 """
 
 from __future__ import annotations
@@ -161,8 +167,10 @@ class FedSSAClient(ClientModule):
 class FedSSAConfig(AlgorithmConfig):
     ROUND_FIELDS: ClassVar[tuple[str, ...]] = ("t_stable",)  # scaled by --scale
     mu0: float = 0.5  # [code] default; the paper tunes it in (0, 1]
-    t_stable: int = 45  # [code] homogeneous runs (2 for heterogeneous); spec §7.7
-    aggregate_all_latest: bool = False  # True: [code]'s mean over all clients' latest rows (spec §7.3)
+    # [code] homogeneous runs (2 for heterogeneous): docs/algorithms/fedssa.md, Default hyperparameters
+    t_stable: int = 45
+    # True: [code]'s mean over all clients' latest rows (docs/algorithms/fedssa.md, Aggregation set)
+    aggregate_all_latest: bool = False
     comm: Literal["seen_rows", "full_header"] = "seen_rows"  # what travels: S_k's rows or the whole header
 
     def validate(self, cfg: ExperimentConfig) -> None:

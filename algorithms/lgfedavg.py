@@ -1,6 +1,6 @@
 """LG-FedAvg: Liang et al., "Think Locally, Act Globally: Federated Learning with Local and Global
 Representations" (arXiv:2001.01523), in the form the FedSSA and FedL2G papers use as a baseline
-(spec fedssa.md §6, fedl2g.md §5).
+(FedSSA paper Sec. 2 and 6.1, Table 4 case A; FedL2G paper Sec. 2.1 and 4).
 
 Every client keeps its own (possibly heterogeneous) feature extractor; only the linear header
 ``head = Linear(d, C)`` is shared. Written as one ``[C, d+1]`` tensor of rows ``[W_c | b_c]``, the server
@@ -11,9 +11,10 @@ FedAvg-averages this round's uploaders, weighted by their train sizes ``n_k``,
 and each selected client replaces its whole local header with ``\\theta^{t-1}`` before training (the
 extractor is left alone). Plain cross-entropy on the whole model (base ``ClientModule``).
 
-Spec choices:
+Implementation choices:
 - The global header starts from PyTorch's Linear init U(-1/sqrt(d), 1/sqrt(d)), drawn once by the server
-  from the run seed (fedssa.md §7.5/7.6), so every client trains on the same header at round 0.
+  from the run seed (docs/algorithms/fedssa.md, Initial global header), so every client trains on the
+  same header at round 0.
 - Personalised evaluation as in the LG-FedAvg paper and HtFLlib: each client is tested with its own
   extractor and the current global header, sent to every client before evaluation
   (``lgfedavg.eval_head: global``); ``local`` tests with the header the client last trained instead.

@@ -1,8 +1,9 @@
 """MLflow tracking: the only module that talks to MLflow.
 
 Default store: ``sqlite:///<cwd>/mlflow.db`` with artifacts in ``<cwd>/mlartifacts``; overridden by
-``MLFLOW_TRACKING_URI`` or ``tracking.uri``. One experiment per config name; per-round metrics use
-the stable names of DESIGN.md with ``step = rounds completed``.
+``MLFLOW_TRACKING_URI`` or ``tracking.uri``. One experiment per config name; per-round metrics are logged
+with ``step = rounds completed`` under fixed names that every algorithm shares (``acc/personal_mean``,
+``loss/train``, ``comm/*``, ...; README, "What a run records (MLflow)"), so MLflow compares runs.
 """
 
 from __future__ import annotations

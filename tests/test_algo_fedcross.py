@@ -100,7 +100,8 @@ def test_cross_aggregate_by_hand_and_in_order_preserves_the_sum():
 
 
 def test_lowest_similarity_does_not_preserve_the_sum():
-    # co = (2, 0, 0): model 1 is nobody's partner, so sum(w) != sum(v)  (spec §6.3)
+    # co = (2, 0, 0): model 1 is nobody's partner, so sum(w) != sum(v)
+    # (see docs/algorithms/fedcross.md, Shared collaborators and ties)
     w = cross_aggregate(HAND_V, select_collaborators(HAND_V, 0, "lowest_similarity"), 0.5)
     # sum w = .5*sum(v) + .5*(v2 + v0 + v0) = (6, 10.5) + (6, 10) = (12, 20.5) vs sum v = (12, 21)
     assert_close(w.sum(0), torch.tensor([12.0, 20.5], dtype=torch.float64))

@@ -89,8 +89,10 @@ def test_meta_gradient_equals_autograd_through_an_explicit_sgd_step(variant):
     assert pi.abs().sum() > 1e-4  # not trivially zero
 
 
-def test_meta_gradient_matches_the_spec_jvp_formula():
-    """Spec §1: pi[c] = 2*lr/(B*M) * sum_{b: y_b = c} J_z(x_b; theta) . g_q, g_q = grad_theta CE_q(theta')."""
+def test_meta_gradient_matches_the_papers_jvp_formula():
+    """Paper Eq. 9 (App. C, Eq. C.11) with l_g's 1/M kept and the class indicator explicit
+    (docs/algorithms/fedl2g.md, The meta-gradient):
+    pi[c] = 2*lr/(B*M) * sum_{b: y_b = c} J_z(x_b; theta) . g_q, g_q = grad_theta CE_q(theta')."""
     model, lr = tiny_mlp(), 0.3
     (xs, ys), (xq, yq) = batches()
     G = torch.randn(C, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)

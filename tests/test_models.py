@@ -173,7 +173,10 @@ def test_same_seed_same_init():
     ("k", "expected"), [(1, 2_621_558), (2, 1_815_142), (3, 1_320_558), (4, 1_060_358), (5, 670_058)]
 )
 def test_fedssa_cnn_param_counts_match_spec(k, expected):
-    """spec fedssa.md §3: computed CIFAR-10 sizes of CNN-1..CNN-5."""
+    """Computed CIFAR-10 parameter counts of CNN-1..CNN-5.
+
+    They match Table 3's sizes except CNN-4's: docs/algorithms/fedssa.md, Model assignment and CNN sizes.
+    """
     model = _real(f"fedssa_cnn{k}")
     assert num_params(model) == expected
     assert model.feature_dim == 500
@@ -199,7 +202,8 @@ def test_resnet20_is_the_cifar_resnet():
 
 
 def test_fedsc_resnet10_layout():
-    """spec fedsc.md §4: BasicBlock [1,1,1,1], width 64, 3x3/1 stem, no max-pool, avgpool -> 512."""
+    """FedSC paper Sec. 5.1 (ResNet-10, d = 512); layout from docs/algorithms/fedsc.md, ResNet-10 layout:
+    BasicBlock [1,1,1,1], width 64, 3x3/1 stem, no max-pool, avgpool -> 512."""
     net = _real("resnet10").features
     assert net.conv1.kernel_size == (3, 3) and net.conv1.stride == (1, 1)
     assert isinstance(net.maxpool, nn.Identity)
@@ -226,7 +230,7 @@ def test_imagenet_style_keeps_torchvision_layout():
 
 
 def test_vgg16_variants():
-    assert num_params(_meta("vgg16:imagenet")) > 130_000_000  # the paper's ">130M" (fedcross.md §6.9)
+    assert num_params(_meta("vgg16:imagenet")) > 130_000_000  # the FedCross paper's ">130M" (Sec. IV-C2)
     cifar = _real("vgg16")
     assert 14_000_000 < num_params(cifar) < 16_000_000
     assert _meta("vgg16", size=64).feature_dim == 512

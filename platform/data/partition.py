@@ -155,7 +155,7 @@ def dirichlet(
     rng: RngLike,
     max_tries: int = 1000,
 ) -> list[np.ndarray]:
-    """Label skew by Dirichlet proportions (Hsu et al. 2019; FedCross spec 6.6, FedL2G, MOON).
+    """Label skew by Dirichlet proportions (Hsu et al. 2019; used by FedCross, FedL2G and MOON).
 
     For each class ``c`` draw ``p_c ~ Dir(alpha * 1_N)`` and split the class's shuffled samples among the
     N clients by ``p_c``. Redraw everything until every client holds ``>= min_samples`` samples; a
@@ -219,7 +219,7 @@ def shamsian_plan(
     low: float = 0.4,
     high: float = 0.6,
 ) -> np.ndarray:
-    """Class-to-client proportions of pFedHN (Shamsian et al. 2021), used by FedSSA (spec section 4).
+    """Class-to-client proportions of pFedHN (Shamsian et al. 2021), used by FedSSA (its paper, Sec. 6.1).
 
     The ``num_clients * classes_per_client`` (client, class) slots are spread over the classes as evenly
     as possible; each client in turn takes ``classes_per_client`` distinct classes among those with the
@@ -280,7 +280,8 @@ def shamsian(
 
 
 def long_tail(labels: np.ndarray, rho: float, rng: RngLike) -> np.ndarray:
-    """Indices kept for an exponential long-tail profile (Cao et al. 2019; FedSC spec section 4).
+    """Indices kept for an exponential long-tail profile (Cao et al. 2019; docs/algorithms/fedsc.md,
+    Long-tailed profile).
 
     Class ``c`` (the ``c``-th class id in ascending order, of ``C``) keeps
     ``floor(n_max * rho^(-c / (C - 1)))`` random samples, so ``n_0 / n_{C-1} = rho``. ``n_max`` is the

@@ -7,8 +7,10 @@
 
 Names: ``base[:cifar|:imagenet][@K|@linK]`` (see :mod:`.registry`). Groups:
 
-- ``fedssa_cnns``: FedSSA CNN-1..CNN-5 (spec fedssa.md §3; client k -> CNN-(k % 5 + 1)).
-- ``htfe2/3/4/8/9``: FedL2G's heterogeneous extractors (spec fedl2g.md §3), every member pooled to
+- ``fedssa_cnns``: FedSSA CNN-1..CNN-5 (paper Table 3); client k -> CNN-(k % 5 + 1)
+  (docs/algorithms/fedssa.md, Model assignment and CNN sizes).
+- ``htfe2/3/4/8/9``: FedL2G's heterogeneous extractors (FedL2G paper §4 and §4.2; pooling:
+  docs/algorithms/fedl2g.md, Pooling features to K = 512), every member pooled to
   K = 512 by ``AdaptiveAvgPool1d`` and ResNets in their ``:imagenet`` layout, as in the FedL2G code
   (torchvision models unchanged at 32x32; ResNet-4..10 with the ImageNet stem).
 - ``small_hetero``: three small CNNs (d = 128/256/64) pooled to 128, for CPU tests on 8x8 digits.

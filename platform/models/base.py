@@ -16,7 +16,8 @@ from torch import Tensor, nn
 class FeaturePool(nn.Module):
     """``nn.AdaptiveAvgPool1d(k)`` over a flat ``[B, D]`` feature vector -> ``[B, k]``.
 
-    FedL2G (spec fedl2g.md §3, resolution 9) brings every heterogeneous extractor to K = 512 this way:
+    FedL2G (paper §4, "Model heterogeneity settings"; docs/algorithms/fedl2g.md, Pooling features to K = 512)
+    brings every heterogeneous extractor to K = 512 this way:
     average pooling over the channel axis, no parameters. For ``D = m * k`` it is the mean of each run of
     ``m`` consecutive values; for ``D == k`` the identity; for ``k = m * D`` each value repeated ``m`` times.
     Those two cases are computed directly (deterministic on GPU, unlike the adaptive-pool backward).

@@ -72,7 +72,7 @@ def _lenet_trunk(in_channels: int, image_size: int, c1: int, c2: int) -> tuple[O
     return layers, c2 * s * s
 
 
-# FedSSA Table 3 (spec fedssa.md §3): (Conv2 channels, FC1 width); Conv1 = 5x5x16, FC2 (rep) = 500.
+# FedSSA Table 3 (paper Appendix E): (Conv2 channels, FC1 width); Conv1 = 5x5x16, FC2 (rep) = 500.
 FEDSSA_CNNS: dict[int, tuple[int, int]] = {
     1: (32, 2000),
     2: (16, 2000),
@@ -113,7 +113,8 @@ for _k in FEDSSA_CNNS:
 def fedavg_cnn(in_channels: int, image_size: int) -> tuple[nn.Module, int]:
     """FedAvg / PFLlib ``FedAvgCNN``: conv5x5x32, pool, conv5x5x64, pool, FC512 (d=512).
 
-    Flatten dim 1600 at 32x32, 1024 at 28x28, 10816 at 64x64 (spec fedl2g.md §3, fedcross.md §6.9).
+    Flatten dim 1600 at 32x32, 1024 at 28x28, 10816 at 64x64
+    (docs/algorithms/fedl2g.md, The 4-layer CNN; docs/algorithms/fedcross.md, Model architectures).
     """
     layers, flat = _lenet_trunk(in_channels, image_size, 32, 64)
     layers["fc1"] = nn.Linear(flat, 512)

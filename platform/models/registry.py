@@ -7,8 +7,9 @@ A model name is ``base[:style][@K | @linK]``:
   ``:cifar`` = adapted to small inputs, ``:imagenet`` = the original torchvision layout. Without it the
   choice is automatic: ``cifar`` when ``image_size <= 64``, else ``imagenet``.
 - ``@K``: FedL2G's ``nn.AdaptiveAvgPool1d(K)`` over the penultimate vector (no parameters), so
-  ``feature_dim = K`` (spec fedl2g.md §3).
-- ``@linK``: a learned ``Linear(d, K)`` instead (FedSC's MobileNetV2 1280 -> 512, spec fedsc.md §7.13).
+  ``feature_dim = K`` (docs/algorithms/fedl2g.md, Pooling features to K = 512).
+- ``@linK``: a learned ``Linear(d, K)`` instead (FedSC's MobileNetV2 1280 -> 512;
+  docs/algorithms/fedsc.md, MobileNetV2 feature width).
 
 A group is a list of model names; client ``i`` gets ``group[i % len(group)]``. Any single model name is a
 homogeneous group of itself, and a comma-separated list of names is an ad-hoc group.

@@ -69,7 +69,10 @@ class CifarResNet(nn.Module):
 
 @register_model("resnet20", min_size=1)
 def resnet20(in_channels: int, image_size: int) -> tuple[nn.Module, int]:
-    """CIFAR ResNet-20 (He et al. 2016 §4.2, option-A shortcuts, 0.27M params; fedcross.md §6.9), d=64."""
+    """CIFAR ResNet-20 (He et al. 2016 §4.2, option-A shortcuts, 0.27M params), d=64.
+
+    FedCross's ResNet-20: see docs/algorithms/fedcross.md, Model architectures.
+    """
     return CifarResNet(in_channels, 3), 64
 
 

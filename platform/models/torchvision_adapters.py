@@ -7,7 +7,8 @@
   as FedL2G / PFLlib run them at 32x32; the dropout before their classifier stays in ``features``.
 - VGG-16: ``:cifar`` is the torchvision conv stack + a 512-wide classifier (Linear-ReLU-Dropout twice),
   ~15.2M params at 32x32; ``:imagenet`` is torchvision's 7x7 avg-pool + 4096-wide classifier (the
-  ">130M params" the FedCross paper implies, spec fedcross.md §6.9), d=4096.
+  ">130M params" the FedCross paper states in Sec. IV-C2; see docs/algorithms/fedcross.md, Model
+  architectures), d=4096.
 
 The first conv takes ``in_channels`` (re-initialised the model's way when replaced); with 3 channels and
 ``:imagenet`` the feature extractor is torchvision's model as constructed, and the new head gets the
