@@ -9,8 +9,8 @@ PORT ?= 5000
 EXP ?=
 OUT ?=
 PAPER ?=
-# the suite runs in this many pytest processes, a test file each at a time (its tests wait on
-# servers, subprocesses and a 30 s outage as much as they compute)
+# the suite runs in this many pytest processes, a test file each at a time: one process leaves a core
+# idle while its tests wait on servers, subprocesses and a 30 s tracking outage
 TEST_PROCESSES ?= 2
 
 .PHONY: install run compare sweep report test test-slow lint typecheck bench bench-scale gpu-check reproduce ui clean
@@ -47,7 +47,7 @@ typecheck: install  ## mypy on the fedray package
 test: install lint typecheck  ## lint, type check, then the default suite (slow real-data tests excluded)
 	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile
 
-test-slow: install  ## the real-data checks (CIFAR-10 JPEGs from ../shared/data)
+test-slow: install  ## the real-data checks (the CIFAR-10 JPEG archive: FEDRAY_CIFAR10_ARCHIVE=... or .data/)
 	$(BIN)/python -m pytest -q -m slow -s
 
 bench: install  ## fedray vs a plain PyTorch loop on real CIFAR-10

@@ -1,7 +1,7 @@
 """fedray against a plain single-process PyTorch loop doing the same FedAvg training, on two workloads.
 
-Real CIFAR-10 (the JPEGs in ../shared/data), FedAvg with the FedAvg CNN, both sides on the identical
-partition, the same clients each round and the same optimizer:
+Real CIFAR-10 (the JPEG archive at $FEDRAY_CIFAR10_ARCHIVE, else .data/cifar10-jpeg.tar.gz), FedAvg with
+the FedAvg CNN, both sides on the identical partition, the same clients each round and the same optimizer:
 
 - ``w1``: 10,000 training images, 20 clients, Dirichlet(0.5), 1 local epoch, batch 50, 10 rounds,
   every client every round: the model's compute dominates.
@@ -56,17 +56,17 @@ from fedray.platform.client import evaluate_model
 from fedray.platform.config import clients_per_round, load_config
 from fedray.platform.coordinator import sample_clients
 from fedray.platform.data import ArrayDataset, normalize
-from fedray.platform.data.archive import unpack_image_archive
+from fedray.platform.data.archive import cifar10_jpeg_archive, unpack_image_archive
 from fedray.platform.memory import retain_freed_memory
 from fedray.platform.models import build_model
 from fedray.platform.run import Result, ensure_ray, prepare_federation, run_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
-ARCHIVE = ROOT.parent / "shared" / "data" / "cifar10-jpeg.tar.gz"
+ARCHIVE = cifar10_jpeg_archive(ROOT)
 
 
 def cifar_root(path: str | None) -> Path:
-    """The unpacked JPEG tree; the shared archive is unpacked once into ~/.cache/fedray (never the repo)."""
+    """The unpacked JPEG tree; the archive is unpacked once into ~/.cache/fedray (never the repo)."""
     if path:
         return Path(path).expanduser()
     return unpack_image_archive(ARCHIVE, Path.home() / ".cache" / "fedray" / "cifar10-jpeg")

@@ -57,7 +57,7 @@ from pathlib import Path
 
 import psutil
 
-# the existing benchmark's helpers: the shared archive unpacked once, the idle wait, the memory sampler
+# the existing benchmark's helpers: the CIFAR-10 archive unpacked once, the idle wait, the memory sampler
 from bench_fedavg_cifar import TreePss, cifar_root, process_label, wait_until_idle
 
 from fedray.platform.config import DataConfig
@@ -347,7 +347,7 @@ def main() -> None:
     )
     parser.add_argument("--checkpoint-every", type=int, help="checkpoint_every (default: fedray's)")
     parser.add_argument(
-        "--data", help="unpacked CIFAR-10 JPEG tree (default: the shared archive, unpacked once)"
+        "--data", help="unpacked CIFAR-10 JPEG tree (default: $FEDRAY_CIFAR10_ARCHIVE or .data/cifar10-jpeg.tar.gz, unpacked once)"
     )
     parser.add_argument(
         "--timeout", type=float, default=0, help="stop a run after this many seconds (0: never)"

@@ -32,7 +32,7 @@ when a check failed, or with ``--keep``.
     python benchmarks/gpu_check.py --only 5 --data .data/cifar10-jpeg.tar.gz
 
 Check 5's data: ``--data`` (an unpacked CIFAR-10 JPEG tree, the ``cifar10-jpeg.tar.gz`` archive, or
-``synthetic``), else the archive in ``../shared/data`` or ``.data/`` (unpacked once into
+``synthetic``), else the archive at ``$FEDRAY_CIFAR10_ARCHIVE`` or ``.data/`` (unpacked once into
 ``~/.cache/fedray``), else the built-in synthetic set at 32x32 (1 channel; the table says so).
 """
 
@@ -86,7 +86,8 @@ END_OF_RUN_PREFIXES = ("best/", "best_round/", "final/")  # logged once, at a ru
 HEADLINE_ACC = ("acc/global", "acc/personal_mean", "acc/personal_mean_selected")
 
 ARCHIVE_NAME = "cifar10-jpeg.tar.gz"
-ARCHIVES = (ROOT.parent / "shared" / "data" / ARCHIVE_NAME, ROOT / ".data" / ARCHIVE_NAME)
+# fedray.platform.data.archive.cifar10_jpeg_archive, without importing fedray before the GPU is checked
+ARCHIVES = (Path(os.environ.get("FEDRAY_CIFAR10_ARCHIVE") or ROOT / ".data" / ARCHIVE_NAME).expanduser(),)
 UNPACKED = Path.home() / ".cache" / "fedray" / "cifar10-jpeg"
 SYNTHETIC = ["data.dataset=synthetic", "data.synthetic_samples=60000", "data.synthetic_image_size=32"]
 CROSS_DEVICE_ROUNDS, CROSS_DEVICE_EVAL_EVERY = 20, 10

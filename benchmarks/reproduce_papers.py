@@ -28,8 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
+from fedray.platform.data.archive import cifar10_jpeg_archive
+
 ROOT = Path(__file__).resolve().parents[1]
-ARCHIVE = ROOT.parent / "shared" / "data" / "cifar10-jpeg.tar.gz"
+ARCHIVE = cifar10_jpeg_archive(ROOT)  # $FEDRAY_CIFAR10_ARCHIVE, else .data/
 CACHE = Path.home() / ".cache" / "fedray" / "cifar10-jpeg"
 
 
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("paper", choices=sorted(PAPERS))
     parser.add_argument("--scale", choices=["cpu", "full"], default="cpu")
     parser.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
-    parser.add_argument("--data", help="CIFAR-10 JPEG folder with train/ and test/ (default: the shared archive)")
+    parser.add_argument("--data", help="CIFAR-10 JPEG folder with train/ and test/ (default: $FEDRAY_CIFAR10_ARCHIVE or .data/cifar10-jpeg.tar.gz, unpacked once)")
     parser.add_argument("--experiment", help="MLflow experiment (default: repro_<paper>_<scale>)")
     parser.add_argument(
         "--only", type=lambda s: s.split(","), help="comma-separated labels of the compare file to run (default: all)"

@@ -1,4 +1,5 @@
-"""Slow real-data checks (``make test-slow``) on the CIFAR-10 JPEGs in ../shared/data.
+"""Slow real-data checks (``make test-slow``) on the CIFAR-10 JPEG archive (``$FEDRAY_CIFAR10_ARCHIVE``,
+else ``.data/cifar10-jpeg.tar.gz``).
 
 - What the README's reproduction table claims, at the scale and with the seeds it was measured
   (``make reproduce``'s CPU scale, seeds 0 and 1): FedSSA above Standalone and LG-FedAvg, and FedCross
@@ -102,7 +103,7 @@ COMPARISONS = {
 @pytest.fixture(scope="module")
 def cifar_root():
     if not repro.ARCHIVE.is_file():
-        pytest.skip(f"the CIFAR-10 JPEG archive is not at {repro.ARCHIVE}")
+        pytest.skip(f"the CIFAR-10 JPEG archive is not at {repro.ARCHIVE} (set FEDRAY_CIFAR10_ARCHIVE)")
     return repro.cifar_root(None)  # unpacked once, where make reproduce unpacks it
 
 

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import tarfile
 from pathlib import Path
 
 from fedray.platform.errors import ConfigError
+
+ARCHIVE_ENV = "FEDRAY_CIFAR10_ARCHIVE"
+
+
+def cifar10_jpeg_archive(checkout: Path) -> Path:
+    """Where the benchmarks and the slow tests look for the CIFAR-10 JPEG archive
+    (``cifar10-jpeg.tar.gz``: ``train/<class>/*.jpg`` and ``test/<class>/*.jpg``):
+    ``$FEDRAY_CIFAR10_ARCHIVE``, else ``.data/`` in the checkout (git-ignored)."""
+    return Path(os.environ.get(ARCHIVE_ENV) or checkout / ".data" / "cifar10-jpeg.tar.gz").expanduser()
 
 
 def unpack_image_archive(archive: str | Path, target: str | Path) -> Path:
