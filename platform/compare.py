@@ -77,7 +77,8 @@ def load_comparison(
 
 def run_comparison(path: str | Path, overrides: list[str] | None = None) -> list[dict[str, Any]]:
     """Run every entry and return one summary row per label (mean ± std over seeds)."""
-    from fedray.platform.run import run_experiment, sharing_processes
+    from fedray.platform.run import run_experiment
+    from fedray.platform.run_processes import sharing_processes
 
     entries = load_comparison(path, overrides)
     results: dict[str, list] = {}

@@ -159,7 +159,8 @@ def run_sweep(
     with a time budget); ``--resume`` continues it."""
     from ray import tune
 
-    from fedray.platform.run import KeptRuntime, ensure_ray, require_gpus
+    from fedray.platform.run import ensure_ray, require_gpus
+    from fedray.platform.run_processes import KeptRuntime
     from fedray.platform.tracking import RunTracker
 
     base = prepare_base(config_path, algorithm, overrides or [])

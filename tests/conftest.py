@@ -16,7 +16,8 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        from fedray.platform.run import sharing_processes, start_local_ray
+        from fedray.platform.run import start_local_ray
+        from fedray.platform.run_processes import sharing_processes
 
         # Ray's processes inherit this: workers can import test-only algorithms (tests/killer_algorithm.py)
         tests_dir = os.path.dirname(__file__)
@@ -42,7 +43,7 @@ def client_actor(ray_session):
         "std": [1.0],
         "train_sizes": [],
     }
-    from fedray.platform.run import KeptRuntime
+    from fedray.platform.run_processes import KeptRuntime
 
     KeptRuntime.release()  # the last test's kept ClientActors hold every CPU
     actor = start_worker(load_config(None, tiny_overrides()), {"num_cpus": 1})

@@ -11,7 +11,8 @@ import ray
 from conftest import tiny_overrides
 
 from fedray.platform.config import load_config
-from fedray.platform.run import KeptRuntime, run_experiment
+from fedray.platform.run import run_experiment
+from fedray.platform.run_processes import KeptRuntime
 
 
 def without_timing(history):

@@ -1,0 +1,144 @@
+"""The run's processes: its Coordinator and first ClientActors, started together, stopped at its end,
+or kept for the driver's next run while ``sharing_processes()`` is open (``docs/runtime.md``, "Runs
+in one driver")."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+from fedray.platform.config import ExperimentConfig
+
+
+@dataclass
+class Runtime:
+    """The run's processes: the Coordinator and the first ClientActors, started together."""
+
+    coordinator: Any
+    workers: list
+    worker_options: dict[str, Any]
+
+    def stop(self) -> None:
+        import ray
+
+        # the Coordinator kills the workers it started as replacements; a dead one took them with it
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(self.coordinator.shutdown.remote(), timeout=10)
+        for actor in [self.coordinator, *self.workers]:
+            with contextlib.suppress(Exception):  # a handle of a Ray since shut down
+                ray.kill(actor)
+
+
+class KeptRuntime:
+    """The Coordinator and ClientActors of the last finished run, kept for the next one while
+    ``sharing_processes()`` is open (``fedray compare``, a notebook's loop, the test session): a run
+    on them starts at once instead of waiting seconds for new processes to import torch and
+    Lightning. Idle, they hold their CPUs and GPU slices, so they are kept only where the next run
+    is known to come: inside that scope, on the same Ray, for a run with the same worker resources,
+    and never after a run that failed or for a Tune trial (its placement group goes with it)."""
+
+    sharing = 0  # open sharing_processes() scopes
+    kept: Runtime | None = None
+    node: str = ""  # the node the kept processes' Ray was joined from
+
+    @staticmethod
+    def this_node() -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+
+    @classmethod
+    def held(cls) -> dict[str, float]:
+        """The CPUs and GPUs the kept workers hold (Ray shows them free only once they are gone)."""
+        if cls.kept is None:
+            return {}
+        options, count = cls.kept.worker_options, len(cls.kept.workers)
+        return {"CPU": options["num_cpus"] * count, "GPU": options["num_gpus"] * count}
+
+    @classmethod
+    def put(cls, runtime: Runtime, placement_group=None) -> None:
+        """After a run that ended well: its processes, emptied, wait for the next run if one may
+        have them; otherwise they stop."""
+        import ray
+
+        cls.release()
+        if cls.sharing and placement_group is None:
+            with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+                workers = ray.get(runtime.coordinator.release.remote(), timeout=30)
+                cls.kept, cls.node = (
+                    Runtime(runtime.coordinator, workers, runtime.worker_options),
+                    cls.this_node(),
+                )
+                return
+        runtime.stop()
+
+    @classmethod
+    def take(cls, options: dict[str, Any], placement_group=None) -> Runtime | None:
+        """The kept processes if a run with these worker ``options`` may have them and all still
+        answer; otherwise None, and whatever was kept stops (its resources are wanted)."""
+        import ray
+
+        kept, cls.kept = cls.kept, None
+        if kept is None:
+            return None
+        usable = options == kept.worker_options and placement_group is None and cls.this_node() == cls.node
+        if usable:
+            actors = [kept.coordinator, *kept.workers]
+            answered, _ = ray.wait(
+                [a.__ray_ready__.remote() for a in actors], num_returns=len(actors), timeout=10
+            )
+            usable = len(answered) == len(actors)
+        if not usable:
+            kept.stop()
+        return kept if usable else None
+
+    @classmethod
+    def release(cls) -> None:
+        """Stop the kept processes: something else wants their resources (a sweep's trials)."""
+        kept, cls.kept = cls.kept, None
+        if kept is not None:
+            kept.stop()
+
+
+@contextlib.contextmanager
+def sharing_processes():
+    """Runs in this block start on the last one's Coordinator and ClientActors (KeptRuntime);
+    leaving it stops them."""
+    KeptRuntime.sharing += 1
+    try:
+        yield
+    finally:
+        KeptRuntime.sharing -= 1
+        if not KeptRuntime.sharing:
+            KeptRuntime.release()
+
+
+def start_runtime(cfg: ExperimentConfig, placement_group=None, num_actors: int | None = None) -> Runtime:
+    """Start the Coordinator and the worker pool without waiting: every process imports torch and
+    Lightning at the same time, while the driver goes on. The last run's processes are taken
+    where they fit (KeptRuntime)."""
+    import ray
+
+    from fedray.platform.coordinator import (
+        Coordinator,
+        coordinator_scheduling,
+        pool_size,
+        start_worker,
+        worker_options,
+    )
+
+    options = worker_options(cfg, placement_group)
+    free = dict(ray.available_resources() or ray.cluster_resources())
+    for resource, amount in KeptRuntime.held().items():  # this run's, whether it takes them or stops them
+        free[resource] = free.get(resource, 0) + amount
+    kept = KeptRuntime.take(options, placement_group)
+    held = kept.workers if kept else []
+    size = num_actors or pool_size(cfg, free)
+    for extra in held[size:]:
+        ray.kill(extra)
+    workers = held[:size] + [start_worker(cfg, options) for _ in range(size - len(held[:size]))]
+    if kept is not None:
+        return Runtime(kept.coordinator, workers, options)
+    coordinator = Coordinator.options(**coordinator_scheduling(placement_group))  # type: ignore[attr-defined]
+    return Runtime(coordinator.remote(), workers, options)
