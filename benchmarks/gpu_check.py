@@ -62,6 +62,8 @@ from typing import Any, NamedTuple
 import psutil
 import torch
 
+from fedray.platform.data.archive import cifar10_jpeg_archive
+
 SCRIPT = Path(__file__).resolve()
 ROOT = SCRIPT.parents[1]
 FEDRAY = str(Path(sys.executable).with_name("fedray"))
@@ -85,9 +87,7 @@ IGNORED_PREFIXES = ("time/", "system/")  # timings and machine samples differ be
 END_OF_RUN_PREFIXES = ("best/", "best_round/", "final/")  # logged once, at a run's last step
 HEADLINE_ACC = ("acc/global", "acc/personal_mean", "acc/personal_mean_selected")
 
-ARCHIVE_NAME = "cifar10-jpeg.tar.gz"
-# fedray.platform.data.archive.cifar10_jpeg_archive, without importing fedray before the GPU is checked
-ARCHIVES = (Path(os.environ.get("FEDRAY_CIFAR10_ARCHIVE") or ROOT / ".data" / ARCHIVE_NAME).expanduser(),)
+ARCHIVES = (cifar10_jpeg_archive(ROOT),)  # $FEDRAY_CIFAR10_ARCHIVE, else .data/
 UNPACKED = Path.home() / ".cache" / "fedray" / "cifar10-jpeg"
 SYNTHETIC = ["data.dataset=synthetic", "data.synthetic_samples=60000", "data.synthetic_image_size=32"]
 CROSS_DEVICE_ROUNDS, CROSS_DEVICE_EVAL_EVERY = 20, 10

@@ -214,9 +214,9 @@ class ClientHost:
 
     def setup(self, meta: dict[str, Any], cfg: ExperimentConfig | None = None) -> dict[str, Any]:
         """What the data says (classes, channels, normalisation), known once the driver has loaded it;
-        ``cfg`` when the worker comes from an earlier run of the driver. Returns what this worker
-        trains on, for the run's record."""
-        if cfg is not None:
+        ``cfg``: the run's config, for a worker kept from an earlier run of the driver (a fresh
+        worker was built with it). Returns what this worker trains on, for the run's record."""
+        if cfg is not None and cfg != self.cfg:
             self.configure(cfg)
         self.meta = meta
         info = self.device_info

@@ -482,10 +482,7 @@ class RoundLoop:
         """The run is over and the driver keeps its processes for its next run: the workers that
         run now, emptied (a replacement still waiting for a node is killed); this run's server and
         client states go."""
-        pool = self.pool
-        for slot in pool.placing:
-            ray.kill(pool.workers[slot], no_restart=True)
-        live = [worker for slot, worker in enumerate(pool.workers) if slot not in pool.placing]
+        live = self.pool.detach()
         ray.get([worker.clear.remote() for worker in live])
         del self.pool, self.server, self.store, self.global_chunks, self.shards
         return live

@@ -183,3 +183,10 @@ class WorkerPool:
     def shutdown(self) -> None:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
+
+    def detach(self) -> list:
+        """The workers that run now, handed over for another run; a replacement still waiting for a
+        node is killed."""
+        for slot in self.placing:
+            ray.kill(self.workers[slot], no_restart=True)
+        return [worker for slot, worker in enumerate(self.workers) if slot not in self.placing]

@@ -62,7 +62,6 @@ class KeptRuntime:
         have them; otherwise they stop."""
         import ray
 
-        cls.release()
         if cls.sharing and placement_group is None:
             with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
                 workers = ray.get(runtime.coordinator.release.remote(), timeout=30)
@@ -135,9 +134,10 @@ def start_runtime(cfg: ExperimentConfig, placement_group=None, num_actors: int |
     kept = KeptRuntime.take(options, placement_group)
     held = kept.workers if kept else []
     size = num_actors or pool_size(cfg, free)
+    reused = held[:size]
     for extra in held[size:]:
         ray.kill(extra)
-    workers = held[:size] + [start_worker(cfg, options) for _ in range(size - len(held[:size]))]
+    workers = reused + [start_worker(cfg, options) for _ in range(size - len(reused))]
     if kept is not None:
         return Runtime(kept.coordinator, workers, options)
     coordinator = Coordinator.options(**coordinator_scheduling(placement_group))  # type: ignore[attr-defined]

@@ -90,6 +90,11 @@ def tiny_overrides(**extra):
     return [f"{k}={v}" for k, v in base.items()]
 
 
+def without_timing(history: list[dict[str, float]]) -> list[dict[str, float]]:
+    """A run's round metrics without its clocks (``time/*``), which differ between identical runs."""
+    return [{k: v for k, v in h.items() if not k.startswith("time/")} for h in history]
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now (for a server a test starts)."""
     with socket.socket() as s:

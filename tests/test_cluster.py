@@ -31,7 +31,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from conftest import free_port, tiny_overrides
+from conftest import free_port, tiny_overrides, without_timing
 from mlflow.tracking import MlflowClient
 
 RAY_CLI = Path(sys.executable).with_name("ray")
@@ -145,10 +145,6 @@ out["node_lost"] = record(run_experiment(load_config(None, longer), on_round=los
 with open(out_path, "w") as f:
     json.dump(out, f)
 """
-
-
-def without_timing(history):
-    return [{k: v for k, v in h.items() if not k.startswith("time/")} for h in history]
 
 
 def start_node(stack: ExitStack, args: list[str], env: dict[str, str], cwd: Path, log: Path):

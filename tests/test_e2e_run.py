@@ -7,7 +7,7 @@ import mlflow
 import mlflow.pytorch
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import tiny_overrides, without_timing
 from mlflow.tracking import MlflowClient
 
 from fedray.platform.config import load_config
@@ -62,10 +62,6 @@ def test_local_sends_nothing_and_has_no_global_model(mlflow_store, tmp_path):
     assert sorted(m.name for m in logged if m.source_run_id == result.run_id) == [f"client_{k}" for k in range(4)]
     model = mlflow.pytorch.load_model(f"runs:/{result.run_id}/client_2")
     assert model(torch.zeros(3, 1, 8, 8)).shape == (3, 10)  # the synthetic set has 10 classes
-
-
-def without_timing(history):
-    return [{k: v for k, v in h.items() if not k.startswith("time/")} for h in history]
 
 
 @pytest.mark.usefixtures("ray_session")

@@ -8,15 +8,11 @@ import time
 
 import pytest
 import ray
-from conftest import tiny_overrides
+from conftest import tiny_overrides, without_timing
 
 from fedray.platform.config import load_config
 from fedray.platform.run import run_experiment
 from fedray.platform.run_processes import KeptRuntime
-
-
-def without_timing(history):
-    return [{k: v for k, v in h.items() if not k.startswith("time/")} for h in history]
 
 
 def kept_actors() -> dict[str, object]:
@@ -38,13 +34,19 @@ def what_workers_hold() -> list[tuple[int, int, int, int]]:
     )
 
 
-def all_dead(actors: dict[str, object]) -> bool:
+def all_dead(actors: dict[str, object], within_s: float = 60) -> bool:
+    """Whether every actor is gone within ``within_s``: ``ray.kill`` is asynchronous, so a call made
+    just after it may still be answered."""
+    deadline = time.monotonic() + within_s
     for actor in actors.values():
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=60)
-            return False
-        except ray.exceptions.RayActorError:
-            pass
+        while True:
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=within_s)
+            except ray.exceptions.RayActorError:
+                break
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
     return True
 
 
