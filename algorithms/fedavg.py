@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedray.platform.algorithm import ClientModule, Payload, Server, cpu_state
-from fedray.platform.algorithm_config import AlgorithmConfig
+from fedray.platform.api.algorithm import ClientModule, Payload, Server, cpu_state
+from fedray.platform.api.registry import register
 from fedray.platform.config import ExperimentConfig
+from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.models.checks import require_homogeneous
-from fedray.platform.registry import register
 
 
 def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:

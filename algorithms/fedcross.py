@@ -56,12 +56,12 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
-from fedray.platform.algorithm import ClientModule, Payload, Server, ServerContext, cpu_state, derive_seed
-from fedray.platform.algorithm_config import AlgorithmConfig
+from fedray.platform.api.algorithm import ClientModule, Payload, Server, ServerContext, cpu_state, derive_seed
+from fedray.platform.api.registry import register
 from fedray.platform.config import ExperimentConfig, clients_per_round
+from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.errors import ConfigError
 from fedray.platform.models.checks import require_homogeneous
-from fedray.platform.registry import register
 
 Selection = Literal["in_order", "highest_similarity", "lowest_similarity"]
 

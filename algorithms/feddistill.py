@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 
 from fedray.algorithms.fedproto import FedProtoClient, FedProtoConfig, FedProtoServer
-from fedray.platform.algorithm import ServerContext
-from fedray.platform.registry import register
+from fedray.platform.api.algorithm import ServerContext
+from fedray.platform.api.registry import register
 
 
 def soft_target_ce(logits: Tensor, targets: Tensor, mask: Tensor, y: Tensor) -> Tensor:

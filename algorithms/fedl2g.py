@@ -46,14 +46,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from fedray.platform.algorithm import ClientContext, ClientModule, Payload, Server, ServerContext, derive_seed
-from fedray.platform.algorithm_config import AlgorithmConfig
+from fedray.platform.api.algorithm import (
+    ClientContext,
+    ClientModule,
+    Payload,
+    Server,
+    ServerContext,
+    derive_seed,
+)
+from fedray.platform.api.registry import register
 from fedray.platform.config import ExperimentConfig
+from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ConfigError
 from fedray.platform.models import FedModel
 from fedray.platform.models.checks import shared_feature_dim
-from fedray.platform.registry import register
 
 Variant = Literal["f", "l"]
 DEFAULT_SERVER_LR = {"f": 100.0, "l": 0.1}  # paper Sec. 4 / Tab. 4: eta_s per variant

@@ -38,13 +38,13 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from fedray.platform.algorithm import ClientModule, Payload, Server, ServerContext, batch_loader
-from fedray.platform.algorithm_config import AlgorithmConfig
+from fedray.platform.api.algorithm import ClientModule, Payload, Server, ServerContext, batch_loader
+from fedray.platform.api.prototypes import class_prototypes, scatter_rows
+from fedray.platform.api.registry import register
 from fedray.platform.config import ExperimentConfig
+from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.errors import ConfigError
 from fedray.platform.models.checks import shared_feature_dim
-from fedray.platform.prototypes import class_prototypes, scatter_rows
-from fedray.platform.registry import register
 
 # ------------------------------------------------------------------------------------------- math
 

@@ -15,11 +15,11 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer
-from fedray.platform.algorithm_config import AlgorithmConfig
+from fedray.platform.api.registry import register
 from fedray.platform.config import ExperimentConfig
+from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.errors import ConfigError
 from fedray.platform.models.checks import require_homogeneous
-from fedray.platform.registry import register
 
 
 def proximal_term(params: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:

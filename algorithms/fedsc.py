@@ -58,13 +58,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer
-from fedray.platform.algorithm import Payload, cpu_state
-from fedray.platform.algorithm_config import AlgorithmConfig
+from fedray.platform.api.algorithm import Payload, cpu_state
+from fedray.platform.api.prototypes import class_prototypes
+from fedray.platform.api.registry import register
 from fedray.platform.config import ExperimentConfig
+from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.errors import ConfigError
 from fedray.platform.models.checks import require_homogeneous
-from fedray.platform.prototypes import class_prototypes
-from fedray.platform.registry import register
 
 # --------------------------------------------------------------------------------------------- math
 

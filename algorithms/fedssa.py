@@ -46,13 +46,13 @@ import torch
 from torch import Tensor
 
 from fedray.algorithms.lgfedavg import global_header
-from fedray.platform.algorithm import ClientModule, Payload, Server
-from fedray.platform.algorithm_config import AlgorithmConfig
+from fedray.platform.api.algorithm import ClientModule, Payload, Server
+from fedray.platform.api.header import header_rows, load_header_rows
+from fedray.platform.api.prototypes import scatter_rows
+from fedray.platform.api.registry import register
 from fedray.platform.config import ExperimentConfig
+from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.errors import ConfigError
-from fedray.platform.models.header import header_rows, load_header_rows
-from fedray.platform.prototypes import scatter_rows
-from fedray.platform.registry import register
 
 # ------------------------------------------------------------------------------------------- math
 

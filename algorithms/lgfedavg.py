@@ -29,10 +29,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from fedray.platform.algorithm import ClientModule, Payload, Server, ServerContext, derive_seed
-from fedray.platform.algorithm_config import AlgorithmConfig
-from fedray.platform.models.header import header_rows, load_header_rows
-from fedray.platform.registry import register
+from fedray.platform.api.algorithm import ClientModule, Payload, Server, ServerContext, derive_seed
+from fedray.platform.api.header import header_rows, load_header_rows
+from fedray.platform.api.registry import register
+from fedray.platform.config.algorithm_config import AlgorithmConfig
 
 # ------------------------------------------------------------------------------------------- header math
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedray.platform.algorithm import ClientModule, Server
-from fedray.platform.algorithm_config import AlgorithmConfig
-from fedray.platform.registry import register
+from fedray.platform.api.algorithm import ClientModule, Server
+from fedray.platform.api.registry import register
+from fedray.platform.config.algorithm_config import AlgorithmConfig
 
 
 class LocalClient(ClientModule):

@@ -119,7 +119,7 @@ def overrides_for(args: argparse.Namespace, n: int, root: Path, work: Path) -> l
 
 def fedray_command() -> list[str]:
     exe = Path(sys.executable).with_name("fedray")
-    return [str(exe), "run"] if exe.exists() else [sys.executable, "-m", "fedray.platform.cli", "run"]
+    return [str(exe), "run"] if exe.exists() else [sys.executable, "-m", "fedray.platform.apps.cli", "run"]
 
 
 def run_command(args: argparse.Namespace, n: int, root: Path, work: Path) -> Outcome:
@@ -186,7 +186,7 @@ def read_metrics(o: Outcome, cmd_start: float, work: Path) -> None:
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
-    from fedray.platform.tracking import quiet_mlflow
+    from fedray.platform.tracking.mlflow_run import quiet_mlflow
 
     if not (work / "mlflow.db").exists():  # the command stopped before it made its MLflow run
         o.error = "no MLflow run"

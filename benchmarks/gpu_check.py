@@ -834,7 +834,7 @@ def load_checkpoints(directory: str) -> dict[str, Any]:
     """Check 7's child, in a process that sees no GPU: load every ``*.pt`` under ``directory`` with
     ``storage.load_torch`` (every tensor must be on the CPU), and once more with a plain
     ``torch.load`` (which needs a GPU for any tensor saved on one)."""
-    from fedray.platform import storage
+    from fedray.platform.runtime import storage
 
     files = sorted(str(p) for p in Path(directory).rglob("*.pt"))
     report: dict[str, Any] = {"cuda": torch.cuda.is_available(), "files": len(files), "tensors": 0}

@@ -142,7 +142,7 @@ def paper_entries(
 ) -> list:
     """The comparison's validated runs (one per entry and seed), ``only`` the entries with those labels;
     ``overrides`` are the scale's and the user's, in that order."""
-    from fedray.platform.compare import load_comparison
+    from fedray.platform.apps.compare import load_comparison
     from fedray.platform.errors import ConfigError
 
     data = ["data.dataset=imagefolder", f"data.root={data_root}"]
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from fedray.dashboards.report import build_report
     from fedray.platform.errors import ConfigError
-    from fedray.platform.run import run_experiment
+    from fedray.platform.runtime.driver import run_experiment
 
     paper = PAPERS[args.paper]
     experiment = args.experiment or f"repro_{args.paper}_{args.scale}"

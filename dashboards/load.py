@@ -55,7 +55,7 @@ class ExperimentRuns:
 
 def resolve_tracking_uri(uri: str | None) -> str:
     """The project's store unless told otherwise; a missing sqlite file is an error, not a new store."""
-    from fedray.platform.tracking import tracking_uri
+    from fedray.platform.tracking.mlflow_run import tracking_uri
 
     uri = uri or tracking_uri()
     if uri.startswith("sqlite:///"):
@@ -69,7 +69,7 @@ def load_runs(experiment: str, tracking_uri: str | None = None) -> ExperimentRun
     """Every finished fedray run of ``experiment`` (by name) as one frame; fails clearly on none."""
     from mlflow.tracking import MlflowClient
 
-    from fedray.platform.tracking import existing_experiment, quiet_mlflow
+    from fedray.platform.tracking.mlflow_run import existing_experiment, quiet_mlflow
 
     quiet_mlflow()
     uri = resolve_tracking_uri(tracking_uri)

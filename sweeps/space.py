@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from fedray.platform.config import build_config, load_yaml, merge, parse_overrides
+from fedray.platform.catalog import build_config
+from fedray.platform.config import load_yaml, merge, parse_overrides
 from fedray.platform.errors import ConfigError
 
 SPACES_DIR = Path(__file__).resolve().parent / "spaces"

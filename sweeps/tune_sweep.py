@@ -20,11 +20,12 @@ import pandas as pd
 import yaml
 from ray.tune import Callback
 
-from fedray.platform import storage
-from fedray.platform.config import ExperimentConfig, build_config, load_yaml, merge, parse_overrides
-from fedray.platform.descriptions import sweep_description
+from fedray.platform.apps.ui import DEFAULT_SERVER, runs_table_url, save_sweep_view
+from fedray.platform.catalog import build_config
+from fedray.platform.config import ExperimentConfig, load_yaml, merge, parse_overrides
 from fedray.platform.errors import ConfigError
-from fedray.platform.ui import DEFAULT_SERVER, runs_table_url, save_sweep_view
+from fedray.platform.runtime import storage
+from fedray.platform.tracking.descriptions import sweep_description
 from fedray.sweeps.space import SearchSpace, check_space, load_space, space_path, trial_config
 
 SWEEP_STATE = "fedray_sweep.json"  # parent run id and settings, for --resume
@@ -68,7 +69,7 @@ def run_trial(point: dict[str, Any], base: dict[str, Any], parent_run_id: str, s
     import ray
     from ray import tune
 
-    from fedray.platform.run import run_experiment
+    from fedray.platform.runtime.driver import run_experiment
 
     cfg = trial_config(base, point)
     # the sweep's store, made absolute by prepare_base: a relative MLFLOW_TRACKING_URI inherited by
@@ -105,7 +106,7 @@ def trial_label(point: dict[str, Any]) -> str:
 
 def prepare_base(config_path: str | None, algorithm: str, overrides: list[str]) -> dict[str, Any]:
     """The base experiment every trial starts from, with paths made absolute (trials run elsewhere)."""
-    from fedray.platform.tracking import tracking_uri
+    from fedray.platform.tracking.mlflow_run import tracking_uri
 
     raw = load_yaml(config_path) if config_path else {}
     raw = merge(raw, parse_overrides([f"algorithm={algorithm}", *overrides]))
@@ -159,9 +160,9 @@ def run_sweep(
     with a time budget); ``--resume`` continues it."""
     from ray import tune
 
-    from fedray.platform.run import ensure_ray, require_gpus
-    from fedray.platform.run_processes import KeptRuntime
-    from fedray.platform.tracking import RunTracker
+    from fedray.platform.runtime.driver import ensure_ray, require_gpus
+    from fedray.platform.runtime.processes import KeptRuntime
+    from fedray.platform.tracking.mlflow_run import RunTracker
 
     base = prepare_base(config_path, algorithm, overrides or [])
     space = load_space(space_path(algorithm, space_file))

@@ -16,8 +16,8 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        from fedray.platform.run import start_local_ray
-        from fedray.platform.run_processes import sharing_processes
+        from fedray.platform.runtime.driver import start_local_ray
+        from fedray.platform.runtime.processes import sharing_processes
 
         # Ray's processes inherit this: workers can import test-only algorithms (tests/killer_algorithm.py)
         tests_dir = os.path.dirname(__file__)
@@ -32,8 +32,8 @@ def ray_session():
 @pytest.fixture
 def client_actor(ray_session):
     """One real ClientActor for a tiny 1-channel 8x8 federation, killed after the test."""
-    from fedray.platform.config import load_config
-    from fedray.platform.coordinator import start_worker
+    from fedray.platform.catalog import load_config
+    from fedray.platform.runtime.coordinator import start_worker
 
     meta = {
         "num_classes": 4,
@@ -43,7 +43,7 @@ def client_actor(ray_session):
         "std": [1.0],
         "train_sizes": [],
     }
-    from fedray.platform.run_processes import KeptRuntime
+    from fedray.platform.runtime.processes import KeptRuntime
 
     KeptRuntime.release()  # the last test's kept ClientActors hold every CPU
     actor = start_worker(load_config(None, tiny_overrides()), {"num_cpus": 1})

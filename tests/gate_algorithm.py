@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer
-from fedray.platform.algorithm_config import AlgorithmConfig
-from fedray.platform.registry import register
+from fedray.platform.api.registry import register
+from fedray.platform.config.algorithm_config import AlgorithmConfig
 
 GATE_WAIT_S = 600  # a test that never opens the gate fails on its own timeout, well before this
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer
-from fedray.platform.algorithm_config import AlgorithmConfig
-from fedray.platform.registry import register
+from fedray.platform.api.registry import register
+from fedray.platform.config.algorithm_config import AlgorithmConfig
 
 
 class KillerClient(FedAvgClient):

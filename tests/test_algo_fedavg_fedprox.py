@@ -41,8 +41,8 @@ def test_proximal_gradient_is_mu_times_distance():
 def test_fedprox_with_mu_zero_trains_exactly_like_fedavg():
     from fedray.algorithms.fedavg import FedAvgClient
     from fedray.algorithms.fedprox import FedProxClient, FedProxConfig
-    from fedray.platform.algorithm import ClientContext
-    from fedray.platform.config import load_config
+    from fedray.platform.api.algorithm import ClientContext
+    from fedray.platform.catalog import load_config
     from fedray.platform.data import ArrayDataset
     from fedray.platform.models import build_model
 

@@ -19,8 +19,9 @@ from fedray.algorithms.fedcross import (
     select_collaborators,
     unflatten_state,
 )
-from fedray.platform.algorithm import ServerContext
-from fedray.platform.config import clients_per_round, load_config
+from fedray.platform.api.algorithm import ServerContext
+from fedray.platform.catalog import load_config
+from fedray.platform.config import clients_per_round
 from fedray.platform.errors import ConfigError
 from fedray.platform.models import FedModel
 

@@ -6,8 +6,8 @@ from test_algo_fedproto import UPLINK_A, UPLINK_B, X, Y, flatten_model, float_da
 from torch.testing import assert_close
 
 from fedray.algorithms.feddistill import FedDistillClient, FedDistillConfig, FedDistillServer
-from fedray.platform.algorithm import ClientContext, ServerContext
-from fedray.platform.config import load_config
+from fedray.platform.api.algorithm import ClientContext, ServerContext
+from fedray.platform.catalog import load_config
 
 
 def make_client(*overrides: str) -> FedDistillClient:

@@ -15,8 +15,8 @@ from fedray.algorithms.fedl2g import (
     meta_gradient,
     nonzero_rows,
 )
-from fedray.platform.algorithm import ClientContext, ServerContext
-from fedray.platform.config import load_config
+from fedray.platform.api.algorithm import ClientContext, ServerContext
+from fedray.platform.catalog import load_config
 from fedray.platform.data import ArrayDataset
 from fedray.platform.models import FedModel, arch_for_client, build_model
 

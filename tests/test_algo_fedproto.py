@@ -14,13 +14,13 @@ from fedray.algorithms.fedproto import (
     nearest_prototype_scores,
     prototype_loss,
 )
-from fedray.platform.algorithm import ClientContext, ServerContext
-from fedray.platform.config import load_config
+from fedray.platform.api.algorithm import ClientContext, ServerContext
+from fedray.platform.api.prototypes import scatter_rows
+from fedray.platform.catalog import load_config
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ConfigError
 from fedray.platform.models import FedModel, arch_for_client, build_model
 from fedray.platform.models.checks import shared_feature_dim
-from fedray.platform.prototypes import scatter_rows
 
 # two clients, four classes, d = 1:  A holds class 0 (1 sample, proto 1) and class 2 (3 samples, proto 4);
 # B holds class 0 (3 samples, proto 3) and class 1 (2 samples, proto 7); nobody holds class 3.

@@ -265,8 +265,8 @@ def plain_client_loss(logits, z, y, all_z, rel, rmask, consistent, omask, tau):
 
 def make_client(overrides=()):
     from fedray.algorithms.fedsc import FedSCClient
-    from fedray.platform.algorithm import ClientContext
-    from fedray.platform.config import load_config
+    from fedray.platform.api.algorithm import ClientContext
+    from fedray.platform.catalog import load_config
     from fedray.platform.data import ArrayDataset
     from fedray.platform.models import build_model
 
@@ -326,8 +326,8 @@ def test_client_upload_has_eval_mode_prototypes_and_counts():
 
 def test_server_builds_r_and_o_from_participants_and_sends_them():
     from fedray.algorithms.fedsc import FedSCServer
-    from fedray.platform.algorithm import ServerContext, payload_nbytes
-    from fedray.platform.config import load_config
+    from fedray.platform.api.algorithm import ServerContext, payload_nbytes
+    from fedray.platform.catalog import load_config
     from fedray.platform.models import build_model
 
     cfg = load_config(None, ["algorithm=fedsc", "fedsc.neighbors=1"])
@@ -364,7 +364,7 @@ def test_server_builds_r_and_o_from_participants_and_sends_them():
 
 
 def test_config_validation():
-    from fedray.platform.config import load_config
+    from fedray.platform.catalog import load_config
     from fedray.platform.errors import ConfigError
 
     assert load_config(None, ["algorithm=fedsc"]).algo.tau == 0.05

@@ -17,8 +17,8 @@ from fedray.algorithms.fedssa import (
     fuse_header,
     mu_schedule,
 )
-from fedray.platform.algorithm import ClientContext, ServerContext, payload_nbytes
-from fedray.platform.config import load_config
+from fedray.platform.api.algorithm import ClientContext, ServerContext, payload_nbytes
+from fedray.platform.catalog import load_config
 from fedray.platform.errors import ConfigError
 from fedray.platform.models import FedModel, build_model
 

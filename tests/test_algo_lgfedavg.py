@@ -12,8 +12,8 @@ from fedray.algorithms.lgfedavg import (
     init_header,
     load_header_rows,
 )
-from fedray.platform.algorithm import ClientContext, ServerContext, payload_nbytes
-from fedray.platform.config import load_config
+from fedray.platform.api.algorithm import ClientContext, ServerContext, payload_nbytes
+from fedray.platform.catalog import load_config
 from fedray.platform.models import FedModel, build_model
 
 

@@ -17,13 +17,14 @@ import torch
 from conftest import tiny_overrides
 
 from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer
-from fedray.platform.algorithm import ClientContext, ServerContext
-from fedray.platform.algorithm_config import AlgorithmConfig
-from fedray.platform.client import make_client_model
-from fedray.platform.config import clients_per_round, load_config
+from fedray.platform.api.algorithm import ClientContext, ServerContext
+from fedray.platform.api.registry import available, get, register
+from fedray.platform.catalog import load_config
+from fedray.platform.config import clients_per_round
+from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.data import ArrayDataset, normalize
-from fedray.platform.registry import available, get, register
-from fedray.platform.run import federation_meta, prepare_federation
+from fedray.platform.runtime.driver import federation_meta, prepare_federation
+from fedray.platform.runtime.worker import make_client_model
 
 SHIPPED = [a for a in available() if get(a).module.startswith("fedray.algorithms.")]
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from conftest import tiny_overrides
 
-from fedray.platform import local_training
-from fedray.platform.augment import crop_flip
-from fedray.platform.client import ClientHost
-from fedray.platform.config import load_config
-from fedray.platform.run import federation_meta, prepare_federation
-from fedray.platform.store import ClientTask
+from fedray.platform.catalog import load_config
+from fedray.platform.data.augment import crop_flip
+from fedray.platform.runtime import local_training
+from fedray.platform.runtime.driver import federation_meta, prepare_federation
+from fedray.platform.runtime.state_store import ClientTask
+from fedray.platform.runtime.worker import ClientHost
 
 
 def test_each_image_is_a_window_of_its_padded_self_possibly_mirrored():

@@ -16,11 +16,11 @@ import torch
 from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 
-from fedray.platform import storage
-from fedray.platform.algorithm import Server, ServerContext
-from fedray.platform.config import load_config
+from fedray.platform.api.algorithm import Server, ServerContext
+from fedray.platform.catalog import load_config
 from fedray.platform.errors import CheckpointError, ContractError
-from fedray.platform.run import run_experiment
+from fedray.platform.runtime import storage
+from fedray.platform.runtime.driver import run_experiment
 
 FEDRAY = str(Path(sys.executable).with_name("fedray"))
 

@@ -9,14 +9,15 @@ import pytest
 import torch
 from conftest import tiny_overrides
 
-from fedray.platform.algorithm import ClientModule, Server, ServerContext
-from fedray.platform.algorithm_config import AlgorithmConfig
-from fedray.platform.client import ClientHost, make_client_model
-from fedray.platform.config import clients_per_round, load_config
+from fedray.platform.api.algorithm import ClientModule, Server, ServerContext
+from fedray.platform.api.registry import available, register
+from fedray.platform.catalog import load_config
+from fedray.platform.config import clients_per_round
+from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.errors import ContractError
-from fedray.platform.registry import available, register
-from fedray.platform.run import federation_meta, prepare_federation
-from fedray.platform.store import ClientTask
+from fedray.platform.runtime.driver import federation_meta, prepare_federation
+from fedray.platform.runtime.state_store import ClientTask
+from fedray.platform.runtime.worker import ClientHost, make_client_model
 
 
 class DrawingClient(ClientModule):
@@ -151,7 +152,7 @@ def test_the_trainer_is_not_there_and_says_so():
 
 
 def test_a_hook_the_loop_does_not_call_is_refused_before_the_run(capsys):
-    from fedray.platform.cli import main
+    from fedray.platform.apps.cli import main
 
     assert main(["run", *tiny_overrides(algorithm="step_probe")]) == 2
     err = capsys.readouterr().err.strip()
@@ -177,7 +178,7 @@ def test_clients_that_keep_nothing_share_one_model_and_commit_nothing():
 
 
 def test_caches_forget_the_least_recently_used_by_count_or_by_weight():
-    from fedray.platform.client import LRU
+    from fedray.platform.runtime.worker import LRU
 
     by_count = LRU(2)
     assert [by_count.keep(k, k) for k in "abc"] == [[], [], ["a"]]

@@ -55,8 +55,8 @@ import ray
 from mlflow.tracking import MlflowClient
 from ray.util.state import list_actors
 
-from fedray.platform.config import load_config
-from fedray.platform.run import ensure_ray, resume_experiment, run_experiment
+from fedray.platform.catalog import load_config
+from fedray.platform.runtime.driver import ensure_ray, resume_experiment, run_experiment
 
 overrides, out_path, head_up = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
 note("imported")

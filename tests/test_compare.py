@@ -5,7 +5,7 @@ import yaml
 from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 
-from fedray.platform.compare import load_comparison, run_comparison
+from fedray.platform.apps.compare import load_comparison, run_comparison
 from fedray.platform.errors import ConfigError
 
 

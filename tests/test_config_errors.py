@@ -5,8 +5,8 @@ import json
 import pytest
 from conftest import run_fresh_python
 
-from fedray.platform.cli import main
-from fedray.platform.config import load_config
+from fedray.platform.apps.cli import main
+from fedray.platform.catalog import load_config
 from fedray.platform.errors import ConfigError
 
 
@@ -63,7 +63,7 @@ def test_bad_input_starts_no_ray(tmp_path):
     script = """
         import json, sys
         import psutil, ray
-        from fedray.platform.cli import main
+        from fedray.platform.apps.cli import main
         for overrides, _ in json.loads(sys.argv[1]):
             assert main(["run", *overrides]) == 2, overrides
             assert not ray.is_initialized(), overrides
@@ -101,8 +101,8 @@ def test_algorithm_section_and_override_reach_the_algorithm_config():
 def test_an_algorithm_config_must_derive_from_the_typed_base():
     from dataclasses import dataclass
 
-    from fedray.platform.algorithm import ClientModule, Server
-    from fedray.platform.registry import register
+    from fedray.platform.api.algorithm import ClientModule, Server
+    from fedray.platform.api.registry import register
 
     with pytest.raises(TypeError, match="must derive from AlgorithmConfig"):
 

@@ -24,7 +24,7 @@ from ui_helpers import browser_or_skip
 from fedray.dashboards import summary as sm
 from fedray.dashboards.build import make_report
 from fedray.dashboards.report import add_report_parser, build_report
-from fedray.platform.config import load_config
+from fedray.platform.catalog import load_config
 from fedray.platform.errors import ConfigError
 
 EXP = "dash_compare"
@@ -85,7 +85,7 @@ def parse(path: Path) -> PageParser:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, ray_session):
     """A temporary sqlite MLflow store with two tiny real runs: fedavg and local."""
-    from fedray.platform.run import run_experiment
+    from fedray.platform.runtime.driver import run_experiment
 
     root = tmp_path_factory.mktemp("dash")
     uri = f"sqlite:///{root / 'mlflow.db'}"

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedray.platform.config import DataConfig, PartitionConfig, SplitConfig, load_config
+from fedray.platform.catalog import load_config
+from fedray.platform.config import DataConfig, PartitionConfig, SplitConfig
 from fedray.platform.data import (
     ClientShard,
     Federation,

@@ -10,8 +10,8 @@ import torch
 from conftest import tiny_overrides, without_timing
 from mlflow.tracking import MlflowClient
 
-from fedray.platform.config import load_config
-from fedray.platform.run import run_experiment
+from fedray.platform.catalog import load_config
+from fedray.platform.runtime.driver import run_experiment
 
 
 @pytest.mark.usefixtures("ray_session")
@@ -92,7 +92,7 @@ def test_split_written_by_one_run_reproduces_it_in_another(mlflow_store, tmp_pat
 
 
 def test_eval_policies_pick_clients_and_say_so_in_the_metric_name():
-    from fedray.platform.coordinator import eval_clients, policy_suffix
+    from fedray.platform.runtime.coordinator import eval_clients, policy_suffix
 
     cfg = load_config(
         None, tiny_overrides(**{"data.num_clients": 10, "eval.clients": "sample", "eval.sample_size": 3})
@@ -108,8 +108,8 @@ def test_eval_policies_pick_clients_and_say_so_in_the_metric_name():
 
 @pytest.mark.usefixtures("ray_session")
 def test_selected_only_evaluation_and_a_checkpoint_of_current_states_only(mlflow_store):
-    from fedray.platform.coordinator import sample_clients
-    from fedray.platform.tracking import TAG_CHECKPOINT
+    from fedray.platform.runtime.coordinator import sample_clients
+    from fedray.platform.tracking.mlflow_run import TAG_CHECKPOINT
 
     cfg = load_config(
         None,

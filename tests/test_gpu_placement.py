@@ -19,11 +19,11 @@ import torch
 from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 
-from fedray.platform import run as run_module
-from fedray.platform.config import load_config
-from fedray.platform.devices import worker_device
+from fedray.platform.catalog import load_config
 from fedray.platform.errors import ConfigError
-from fedray.platform.run import run_experiment
+from fedray.platform.runtime import driver as run_module
+from fedray.platform.runtime.devices import worker_device
+from fedray.platform.runtime.driver import run_experiment
 from fedray.sweeps.tune_sweep import trial_actors, trial_resources
 
 
@@ -77,9 +77,9 @@ PLACEMENT = textwrap.dedent(
     import json, sys
     import ray
     from mlflow.tracking import MlflowClient
-    from fedray.platform.config import load_config
-    from fedray.platform.coordinator import pool_size
-    from fedray.platform.run import run_experiment
+    from fedray.platform.catalog import load_config
+    from fedray.platform.runtime.coordinator import pool_size
+    from fedray.platform.runtime.driver import run_experiment
 
     ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     cfg = load_config(None, json.loads(sys.argv[1]))

@@ -23,5 +23,5 @@ def test_package_maps_the_folders():
     import fedray.algorithms
     import fedray.platform.config
 
-    assert Path(fedray.platform.config.__file__).parent == ROOT / "platform"
+    assert Path(fedray.platform.config.__file__).parent.parent == ROOT / "platform"
     assert ROOT / "algorithms" in {Path(p) for p in fedray.algorithms.__path__}

@@ -10,9 +10,9 @@ import pytest
 import ray
 from conftest import tiny_overrides, without_timing
 
-from fedray.platform.config import load_config
-from fedray.platform.run import run_experiment
-from fedray.platform.run_processes import KeptRuntime
+from fedray.platform.catalog import load_config
+from fedray.platform.runtime.driver import run_experiment
+from fedray.platform.runtime.processes import KeptRuntime
 
 
 def kept_actors() -> dict[str, object]:

@@ -16,10 +16,10 @@ from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 from ui_helpers import browser_or_skip, page_dom, ui_server
 
-from fedray.platform.config import load_config
+from fedray.platform.catalog import load_config
 from fedray.platform.data import normalize
-from fedray.platform.run import prepare_federation, run_experiment
-from fedray.platform.run_dataset import dataset_source, split_digest
+from fedray.platform.runtime.driver import prepare_federation, run_experiment
+from fedray.platform.tracking.dataset import dataset_source, split_digest
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,7 @@ def in_fresh_process(env: dict | None = None, calls: int = 1) -> tuple[str, ...]
     is mmapped, in a new process."""
     script = textwrap.dedent(
         f"""
-        from fedray.platform.memory import retain_freed_memory
+        from fedray.platform.runtime.memory import retain_freed_memory
         from test_memory import block_is_mmapped
         for _ in range({calls}):
             print(retain_freed_memory())

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedray.platform.algorithm import ServerContext
-from fedray.platform.client import ClientHost, make_client_model
-from fedray.platform.config import clients_per_round, load_config, scale
-from fedray.platform.coordinator import sample_clients
-from fedray.platform.run import federation_meta, prepare_federation
-from fedray.platform.store import ClientTask
+from fedray.platform.api.algorithm import ServerContext
+from fedray.platform.catalog import load_config
+from fedray.platform.config import clients_per_round, scale
+from fedray.platform.runtime.coordinator import sample_clients
+from fedray.platform.runtime.driver import federation_meta, prepare_federation
+from fedray.platform.runtime.state_store import ClientTask
+from fedray.platform.runtime.worker import ClientHost, make_client_model
 
 CONFIGS = sorted(Path(__file__).parents[1].glob("configs/paper_*.yaml"))
 SMALL_GROUP = {"fedssa_cnns": "fedssa_cnns", "htfe8": "small_hetero"}  # anything else: cnn_small

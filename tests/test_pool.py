@@ -1,6 +1,6 @@
 """Dispatch policy of the worker pool, without Ray: which job an idle worker takes next."""
 
-from fedray.platform.pool import Job, WorkerPool
+from fedray.platform.runtime.pool import Job, WorkerPool
 
 
 def jobs(*prefers):

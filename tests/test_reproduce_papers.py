@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 from repro_script import repro
 
+from fedray.platform.api.registry import available
 from fedray.platform.errors import ConfigError
-from fedray.platform.registry import available
 
 CPU_FEDCROSS = repro.scale_overrides(repro.PAPERS["fedcross"], "cpu")
 

@@ -25,15 +25,15 @@ import torch
 from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 
-from fedray.platform.config import load_config
-from fedray.platform.run import resume_experiment, run_experiment
+from fedray.platform.catalog import load_config
+from fedray.platform.runtime.driver import resume_experiment, run_experiment
 
 TESTS = Path(__file__).parent
 # `fedray run` with the test algorithm registered first (an installed plugin would use an entry point)
 FEDRAY_RUN = [
     sys.executable,
     "-c",
-    "import sys, gate_algorithm; from fedray.platform.cli import main; sys.exit(main())",
+    "import sys, gate_algorithm; from fedray.platform.apps.cli import main; sys.exit(main())",
 ]
 ROUNDS, CHECKPOINT_EVERY, GATED_ROUND = 6, 3, 4  # 0-based round 4 is the fifth: round 4 done, 3 checkpointed
 

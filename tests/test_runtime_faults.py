@@ -8,8 +8,8 @@ import pytest
 from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 
-from fedray.platform.config import load_config
-from fedray.platform.run import run_experiment
+from fedray.platform.catalog import load_config
+from fedray.platform.runtime.driver import run_experiment
 
 
 def comparable(history):

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from repro_script import repro
 
-from fedray.platform.config import load_config
-from fedray.platform.progress import print_table, summary_table
+from fedray.platform.apps.progress import print_table, summary_table
+from fedray.platform.catalog import load_config
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def window_mean(result, metric: str, last_rounds: int) -> float:
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.parametrize("paper", list(README_CLAIMS))
 def test_the_readme_claim_holds_at_its_scale_and_seeds(paper, cifar_root, mlflow_store):
-    from fedray.platform.run import run_experiment
+    from fedray.platform.runtime.driver import run_experiment
 
     labels, first, others, last_rounds = README_CLAIMS[paper]
     spec = repro.PAPERS[paper]
@@ -110,7 +110,7 @@ def cifar_root():
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.parametrize("name", list(COMPARISONS))
 def test_paper_comparison_at_reduced_scale(name, cifar_root, mlflow_store):
-    from fedray.platform.run import run_experiment
+    from fedray.platform.runtime.driver import run_experiment
 
     shared, entries, metric = COMPARISONS[name]
     base = {

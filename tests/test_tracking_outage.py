@@ -22,8 +22,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, RESOURCE_DOES_NOT_EXIST
 from mlflow.tracking import MlflowClient
 
-from fedray.platform import tracking_outage
-from fedray.platform.tracking_outage import PatientCalls, TrackingUnavailable, unreachable
+from fedray.platform.tracking import outage as tracking_outage
+from fedray.platform.tracking.outage import PatientCalls, TrackingUnavailable, unreachable
 
 FEDRAY = str(Path(sys.executable).with_name("fedray"))
 MLFLOW = str(Path(sys.executable).with_name("mlflow"))

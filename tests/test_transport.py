@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from fedray.platform.transport import tensor_from_wire, tensor_to_wire, use_fast_tensor_transport
+from fedray.platform.runtime.transport import tensor_from_wire, tensor_to_wire, use_fast_tensor_transport
 
 CASES = {
     "float32 matrix": torch.randn(4, 5),
@@ -68,7 +68,7 @@ def test_ray_puts_tensor_data_out_of_band_and_actors_do_too(client_actor):
     """The driver, a ClientActor and the Coordinator all send tensor data as out-of-band buffers."""
     import ray
 
-    from fedray.platform.coordinator import Coordinator
+    from fedray.platform.runtime.coordinator import Coordinator
 
     state = {"w": torch.randn(64, 64), "b": torch.zeros(64), "steps": 3}
     use_fast_tensor_transport()

@@ -11,7 +11,7 @@ from fedray.platform.errors import ConfigError
 from fedray.platform.models.registry import model_group
 
 if TYPE_CHECKING:
-    from fedray.platform.algorithm import ServerContext
+    from fedray.platform.api.algorithm import ServerContext
     from fedray.platform.config import ExperimentConfig
 
 

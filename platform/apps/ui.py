@@ -68,7 +68,7 @@ def save_sweep_view(client, experiment_id: str, sweep_id: str, parent_run_id: st
 def find_experiment(uri: str, name: str | None) -> tuple[str, str] | None:
     from mlflow.tracking import MlflowClient
 
-    from fedray.platform.tracking import existing_experiment, quiet_mlflow
+    from fedray.platform.tracking.mlflow_run import existing_experiment, quiet_mlflow
 
     quiet_mlflow()
     client = MlflowClient(tracking_uri=uri)
@@ -79,7 +79,7 @@ def find_experiment(uri: str, name: str | None) -> tuple[str, str] | None:
 
 
 def ui_command(args: argparse.Namespace) -> int:
-    from fedray.platform.tracking import tracking_uri
+    from fedray.platform.tracking.mlflow_run import tracking_uri
 
     uri = tracking_uri()
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():

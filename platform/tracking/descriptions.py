@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from fedray.platform.algorithm_config import AlgorithmConfig
 from fedray.platform.config import ExperimentConfig, clients_per_round
+from fedray.platform.config.algorithm_config import AlgorithmConfig
 
 
 def _values(algo: AlgorithmConfig | None) -> str:

@@ -119,7 +119,7 @@ def start_runtime(cfg: ExperimentConfig, placement_group=None, num_actors: int |
     where they fit (KeptRuntime)."""
     import ray
 
-    from fedray.platform.coordinator import (
+    from fedray.platform.runtime.coordinator import (
         Coordinator,
         coordinator_scheduling,
         pool_size,

@@ -21,7 +21,7 @@ from mlflow.data.dataset_source import DatasetSource
 from mlflow.types import Schema, TensorSpec
 
 from fedray.platform.data.split_file import federation_to_split
-from fedray.platform.tracking import partition_label
+from fedray.platform.tracking.mlflow_run import partition_label
 
 if TYPE_CHECKING:
     from fedray.platform.config import ExperimentConfig

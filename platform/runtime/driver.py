@@ -26,8 +26,9 @@ import pandas as pd
 import torch
 import yaml
 
-from fedray.platform import storage
-from fedray.platform.config import ExperimentConfig, build_config, config_yaml
+from fedray.platform.apps.progress import Progress, mb
+from fedray.platform.catalog import build_config
+from fedray.platform.config import ExperimentConfig, config_yaml
 from fedray.platform.data import (
     Federation,
     build_federation,
@@ -38,14 +39,14 @@ from fedray.platform.data import (
     normalize,
 )
 from fedray.platform.data.split_file import dumps_split, federation_to_split
-from fedray.platform.descriptions import run_description
 from fedray.platform.errors import ConfigError, first_line
 from fedray.platform.models import arch_for_client, build_model
-from fedray.platform.progress import Progress, mb
-from fedray.platform.run_processes import KeptRuntime, Runtime, start_runtime
-from fedray.platform.tracking import TAG_CHECKPOINT, RunTracker, checkpoint_dir_of, run_name
-from fedray.platform.tracking_outage import TrackingUnavailable
-from fedray.platform.transport import use_fast_tensor_transport
+from fedray.platform.runtime import storage
+from fedray.platform.runtime.processes import KeptRuntime, Runtime, start_runtime
+from fedray.platform.runtime.transport import use_fast_tensor_transport
+from fedray.platform.tracking.descriptions import run_description
+from fedray.platform.tracking.mlflow_run import TAG_CHECKPOINT, RunTracker, checkpoint_dir_of, run_name
+from fedray.platform.tracking.outage import TrackingUnavailable
 
 FINAL_KEYS = ("acc/personal_mean", "acc/personal_std", "acc/personal_weighted", "acc/global")
 BEST_KEYS = ("acc/personal_mean", "acc/personal_weighted", "acc/global")
@@ -132,7 +133,7 @@ def federation_meta(fed: Federation) -> dict[str, Any]:
 # - Ray starts its workers at nice 15: beside any other busy process they get 1/28 of its CPU share
 #   (a 6 s run took 165 s beside two busy loops on 2 cores). The workers are the experiment, so they
 #   run at the user's own priority (as Ray Jobs run theirs).
-LOCAL_RAY_CONFIG = {"preload_python_modules": ["fedray.platform.client"], "worker_niceness": 0}
+LOCAL_RAY_CONFIG = {"preload_python_modules": ["fedray.platform.runtime.worker"], "worker_niceness": 0}
 
 
 def start_local_ray(num_cpus: int, **kwargs: Any) -> None:
@@ -249,7 +250,7 @@ def restart_from_checkpoint(runtime: Runtime, ckpt_dir: str) -> int:
     returns the round it goes on from. The rounds after it are recomputed to the same numbers."""
     import ray
 
-    from fedray.platform.coordinator import CHECKPOINT_FILE
+    from fedray.platform.runtime.coordinator import CHECKPOINT_FILE
 
     if not storage.exists(storage.join(ckpt_dir, CHECKPOINT_FILE)):
         return 0
@@ -268,7 +269,7 @@ def log_unlogged_rounds(tracker: RunTracker, history: list[dict[str, float]]) ->
 def record_new_run(tracker: RunTracker, cfg, fed, baseline, ckpt_dir: str) -> None:
     """A new MLflow run's description, config, dataset input, partition and the checkpoint
     directory it resumes from."""
-    from fedray.platform.run_dataset import federation_dataset
+    from fedray.platform.tracking.dataset import federation_dataset
 
     tracker.describe(run_description(cfg))
     tracker.set_tags({TAG_CHECKPOINT: ckpt_dir})
@@ -506,7 +507,7 @@ def log_final(
 
 def resume_experiment(run_id: str, **kwargs: Any) -> Result:
     """Continue an interrupted run from its last checkpoint, to the same final numbers."""
-    from fedray.platform.coordinator import CHECKPOINT_FILE
+    from fedray.platform.runtime.coordinator import CHECKPOINT_FILE
 
     directory = checkpoint_dir_of(run_id)
     storage.load_torch(

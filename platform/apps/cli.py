@@ -10,15 +10,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from fedray.platform.config import load_config, scale
+from fedray.platform.catalog import load_config
+from fedray.platform.config import scale
 from fedray.platform.errors import ConfigError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fedray.platform.progress import print_table, summary_table
-    from fedray.platform.run import resume_experiment, run_experiment
+    from fedray.platform.apps.progress import print_table, summary_table
+    from fedray.platform.runtime.driver import resume_experiment, run_experiment
 
     if args.stop_after is not None and args.stop_after < 1:
         raise ConfigError(f"--stop-after {args.stop_after}: must be >= 1 round")
@@ -51,8 +52,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from fedray.platform.compare import load_comparison, run_comparison
-    from fedray.platform.progress import print_table, summary_table
+    from fedray.platform.apps.compare import load_comparison, run_comparison
+    from fedray.platform.apps.progress import print_table, summary_table
 
     load_comparison(args.config, args.overrides)  # every entry validated before the first run starts
     rows = run_comparison(args.config, args.overrides)
@@ -61,7 +62,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from fedray.platform.progress import print_table, summary_table
+    from fedray.platform.apps.progress import print_table, summary_table
     from fedray.sweeps.tune_sweep import run_sweep
 
     config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
@@ -114,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_report_parser(sub)
 
-    from fedray.platform.ui import add_ui_parser
+    from fedray.platform.apps.ui import add_ui_parser
 
     add_ui_parser(sub)
 
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedray: error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:
-        from fedray.platform.run import RunAborted
+        from fedray.platform.runtime.driver import RunAborted
 
         if not isinstance(err, RunAborted):
             raise

@@ -20,7 +20,7 @@ import pkgutil
 from dataclasses import dataclass
 from importlib import metadata
 
-from fedray.platform.algorithm_config import AlgorithmConfig
+from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.errors import ConfigError, ContractError
 
 
@@ -86,7 +86,7 @@ def get(name: str) -> AlgorithmSpec:
         if check is None:
             raise ContractError(
                 f"algorithm {key!r}: its client {spec.client_cls.__name__} must derive from "
-                "fedray.platform.algorithm.ClientModule"
+                "fedray.platform.api.algorithm.ClientModule"
             )
         check(key)
         _CHECKED.add(key)

@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from fedray.platform import storage
+from fedray.platform.runtime import storage
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Coordinator: the Ray actor that owns the server half and the one round loop.
 
 Per round: sample clients, ask the server for downlinks, dispatch the clients over the worker pool
-(:mod:`fedray.platform.pool`), commit the states of the accepted uplinks (:mod:`fedray.platform.store`),
+(:mod:`fedray.platform.runtime.pool`), commit the states of the accepted uplinks (:mod:`fedray.platform.runtime.state_store`),
 aggregate, evaluate (dispatched the same way), count the bytes each way, checkpoint, and emit
 metrics as events that the driver streams (progress display, MLflow).
 """
@@ -18,8 +18,7 @@ import numpy as np
 import ray
 import torch
 
-from fedray.platform import storage
-from fedray.platform.algorithm import (
+from fedray.platform.api.algorithm import (
     Payload,
     ServerContext,
     commits_state,
@@ -28,16 +27,17 @@ from fedray.platform.algorithm import (
     payload_nbytes,
     tests_with_global_model,
 )
-from fedray.platform.client import EVAL_CHUNK, ClientResult, client_model_state, make_client_model
+from fedray.platform.api.registry import get as get_algorithm
 from fedray.platform.config import ExperimentConfig, clients_per_round
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ContractError
-from fedray.platform.memory import retain_freed_memory
 from fedray.platform.models import arch_for_client
-from fedray.platform.pool import Job, WorkerPool
-from fedray.platform.registry import get as get_algorithm
-from fedray.platform.store import StateStore
-from fedray.platform.transport import use_fast_tensor_transport
+from fedray.platform.runtime import storage
+from fedray.platform.runtime.memory import retain_freed_memory
+from fedray.platform.runtime.pool import Job, WorkerPool
+from fedray.platform.runtime.state_store import StateStore
+from fedray.platform.runtime.transport import use_fast_tensor_transport
+from fedray.platform.runtime.worker import EVAL_CHUNK, ClientResult, client_model_state, make_client_model
 
 CHECKPOINT_FILE = "checkpoint.pt"
 EVAL_CLIENTS_PER_JOB = 32  # clients one evaluation call tests: amortises a call, still spreads the work
@@ -161,7 +161,7 @@ def worker_options(cfg: ExperimentConfig, placement_group=None) -> dict[str, Any
 def start_worker(cfg: ExperimentConfig, options: dict[str, Any]):
     """One ClientActor (the driver starts the first ones while it loads data; the Coordinator starts
     replacements). Its threads follow the CPUs Ray gives it."""
-    from fedray.platform.client import ClientActor
+    from fedray.platform.runtime.worker import ClientActor
 
     actor = ClientActor.options(**options)  # type: ignore[attr-defined]  # @ray.remote's ActorClass
     return actor.remote(cfg, max(1, int(cfg.ray.num_cpus_per_client)))

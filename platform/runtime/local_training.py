@@ -26,8 +26,8 @@ from typing import Any
 import lightning as L
 import torch
 
-from fedray.platform.augment import crop_flip
 from fedray.platform.config import TrainConfig
+from fedray.platform.data.augment import crop_flip
 from fedray.platform.errors import ContractError
 
 # Lightning hooks whose overrides the loop would not honour: an algorithm that overrides one is

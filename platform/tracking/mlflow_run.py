@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fedray.platform.config import ExperimentConfig, config_yaml, flatten
 from fedray.platform.errors import first_line
-from fedray.platform.tracking_outage import PatientCalls, shorten_http_retries, unreachable
+from fedray.platform.tracking.outage import PatientCalls, shorten_http_retries, unreachable
 
 TAG_CHECKPOINT = "fedray.checkpoint_dir"
 
@@ -291,8 +291,8 @@ def checkpoint_dir_of(run_id: str, uri: str | None = None) -> str:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from fedray.platform import storage
     from fedray.platform.errors import ConfigError
+    from fedray.platform.runtime import storage
 
     uri = uri or tracking_uri()
     try:

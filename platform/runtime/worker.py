@@ -1,7 +1,7 @@
 """ClientActor: a long-lived worker process that trains and evaluates whichever clients it is handed.
 
-A client is its shard and its committed state (:mod:`fedray.platform.store`). A worker keeps what a
-client does not need rebuilt: its device and its training loop (:mod:`fedray.platform.local_training`,
+A client is its shard and its committed state (:mod:`fedray.platform.runtime.state_store`). A worker keeps what a
+client does not need rebuilt: its device and its training loop (:mod:`fedray.platform.runtime.local_training`,
 built once), the modules of recently used clients (a returning client loads nothing), the models of
 evicted clients (a new client is loaded into one in place), one model per architecture for
 algorithms whose clients keep nothing between rounds (every such client trains on it, and nothing
@@ -21,7 +21,7 @@ from typing import Any
 import ray
 import torch
 
-from fedray.platform.algorithm import (
+from fedray.platform.api.algorithm import (
     ClientContext,
     ClientModule,
     Payload,
@@ -30,22 +30,22 @@ from fedray.platform.algorithm import (
     seed_torch,
     tests_with_global_model,
 )
+from fedray.platform.api.registry import get as get_algorithm
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.data import ArrayDataset, ClientShard, normalize
-from fedray.platform.devices import (
+from fedray.platform.errors import ContractError, first_line
+from fedray.platform.models import FedModel, arch_for_client, build_model, first_client_of_arch
+from fedray.platform.runtime.devices import (
     DeviceError,
     configure_device,
     is_device_error,
     is_out_of_memory,
     worker_device,
 )
-from fedray.platform.errors import ContractError, first_line
-from fedray.platform.local_training import LocalTraining
-from fedray.platform.memory import retain_freed_memory
-from fedray.platform.models import FedModel, arch_for_client, build_model, first_client_of_arch
-from fedray.platform.registry import get as get_algorithm
-from fedray.platform.store import ClientTask
-from fedray.platform.transport import use_fast_tensor_transport
+from fedray.platform.runtime.local_training import LocalTraining
+from fedray.platform.runtime.memory import retain_freed_memory
+from fedray.platform.runtime.state_store import ClientTask
+from fedray.platform.runtime.transport import use_fast_tensor_transport
 
 # the global test set is split across actors in chunks this size: its sums never depend on the pool size
 EVAL_CHUNK = 1024

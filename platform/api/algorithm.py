@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedray.platform.algorithm_config import AlgorithmConfig
 from fedray.platform.config import ExperimentConfig
+from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ContractError
-from fedray.platform.local_training import check_client_class
 from fedray.platform.models import FedModel
+from fedray.platform.runtime.local_training import check_client_class
 
 Payload = dict[str, Any]
 
@@ -177,7 +177,7 @@ class ClientModule(L.LightningModule):
     a checkpoint belongs in ``state_dict()`` (parameters and registered buffers).
 
     The worker drives the module with its own loop over Lightning's hooks
-    (:mod:`fedray.platform.local_training`), not a ``Trainer``: ``self.trainer`` does not exist,
+    (:mod:`fedray.platform.runtime.local_training`), not a ``Trainer``: ``self.trainer`` does not exist,
     ``self.log`` records a statistic as :meth:`record` does, and hooks the loop does not call are
     refused when the run is configured.
     """

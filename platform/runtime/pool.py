@@ -20,8 +20,8 @@ from typing import Any
 
 import ray
 
-from fedray.platform.devices import DeviceError
 from fedray.platform.errors import ContractError, first_line
+from fedray.platform.runtime.devices import DeviceError
 
 MAX_RETRIES = 3  # a client that keeps killing its worker (its own OOM) is reported as failed
 IN_FLIGHT = 2  # calls queued in one worker at a time

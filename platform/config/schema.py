@@ -1,8 +1,9 @@
 """Typed experiment config: YAML file + dotted ``key=value`` overrides, validated before anything starts.
 
 The config is a tree of dataclasses. Algorithm hyperparameters live in a section named after the
-algorithm (``fedprox.mu=0.1``); the section's dataclass is declared next to the algorithm and found
-through the registry, so this module knows no concrete algorithm.
+algorithm (``fedprox.mu=0.1``); the section's dataclass is declared next to the algorithm. This
+module imports no dataset, model or algorithm (nor torch): what validation needs of them is handed
+in (:mod:`fedray.platform.config.loading`).
 
 Every problem is raised as :class:`ConfigError` with a one-line message naming the key, the value
 and what is allowed.
@@ -13,19 +14,14 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from fedray.platform import registry
-from fedray.platform.algorithm_config import AlgorithmConfig
-from fedray.platform.data import split_file_num_clients
-from fedray.platform.data.datasets import known_datasets
-from fedray.platform.data.federation import parse_normalize
+from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.errors import ConfigError
-from fedray.platform.models import is_known_model
 
 # --------------------------------------------------------------------------------------------- sections
 
@@ -256,85 +252,6 @@ def build_dataclass(cls: type, values: Any, prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``["a.b=1", "c=x"]`` -> nested dict with YAML-parsed values."""
-    tree: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected key=value, e.g. rounds=30")
-        key, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError as err:
-            raise ConfigError(f"override {item!r}: {yaml_problem(err)}") from None
-        node = tree
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {part!r} is not a section")
-        node[parts[-1]] = value
-    return tree
-
-
-def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def yaml_problem(err: yaml.YAMLError) -> str:
-    """A YAML parse error as one line: what is wrong and where (1-based line and column)."""
-    mark = getattr(err, "problem_mark", None)
-    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    return f"{where}not valid YAML ({problem})"
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    with path.open() as fh:
-        try:
-            raw = yaml.safe_load(fh) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {str(path)!r}: {yaml_problem(err)}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config file {str(path)!r}: top level must be a mapping")
-    return raw
-
-
-def build_config(raw: dict[str, Any]) -> ExperimentConfig:
-    """Turn a nested dict into a validated :class:`ExperimentConfig`."""
-    raw = dict(raw)
-    algorithm = str(raw.get("algorithm", ExperimentConfig.algorithm)).lower()
-    raw["algorithm"] = algorithm
-    spec = registry.get(algorithm)  # raises ConfigError for an unknown name
-    # sections named after other algorithms are allowed in a YAML (compare configs) and ignored
-    known = registry.available()
-    algo_values = raw.pop(algorithm, None)
-    for name in known:
-        raw.pop(name, None)
-    cfg = build_dataclass(ExperimentConfig, raw)
-    cfg.algo = build_dataclass(spec.config_cls, algo_values, prefix=algorithm)
-    if cfg.data.partition.kind == "file" and cfg.data.partition.path:
-        # a split made elsewhere defines the clients; data.num_clients follows it
-        cfg.data.num_clients = split_file_num_clients(cfg.data.partition.path)
-    validate(cfg)
-    return cfg
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
-    raw = load_yaml(path) if path else {}
-    raw = merge(raw, parse_overrides(overrides or []))
-    return build_config(raw)
-
-
 # --------------------------------------------------------------------------------------------- checks
 
 
@@ -343,8 +260,10 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate(cfg: ExperimentConfig) -> None:
-    """Cheap checks that need no data and no Ray. Data-dependent checks live in the data module."""
+def validate(cfg: ExperimentConfig, checks: Sequence[Callable[[ExperimentConfig], None]] = ()) -> None:
+    """Cheap checks that need no data and no Ray, then ``checks`` (those that need the dataset, model
+    and algorithm registries, handed in by the caller: :class:`~fedray.platform.config.loading.Catalog`),
+    then the algorithm's own. Data-dependent checks live in the data module."""
     d, p, s, t = cfg.data, cfg.data.partition, cfg.data.split, cfg.train
     _check(cfg.rounds >= 1, f"rounds={cfg.rounds}: must be >= 1")
     _check(cfg.eval_every >= 1, f"eval_every={cfg.eval_every}: must be >= 1")
@@ -354,11 +273,6 @@ def validate(cfg: ExperimentConfig) -> None:
         d.train_subset is None or d.train_subset >= d.num_clients,
         f"data.train_subset={d.train_subset}: must be >= data.num_clients or null",
     )
-    _check(
-        d.dataset in known_datasets(),
-        f"data.dataset={d.dataset!r}: unknown dataset; known: {', '.join(known_datasets())}",
-    )
-    parse_normalize(d.normalize)
     _check(p.alpha > 0, f"data.partition.alpha={p.alpha}: the Dirichlet concentration must be > 0")
     _check(
         p.classes_per_client >= 1, f"data.partition.classes_per_client={p.classes_per_client}: must be >= 1"
@@ -401,10 +315,6 @@ def validate(cfg: ExperimentConfig) -> None:
         "train.precision=16-mixed: float16 autocast needs a GPU (ray.num_gpus_per_client > 0); "
         "on CPU use 32 or bf16-mixed",
     )
-    _check(
-        is_known_model(cfg.model.group),
-        f"model.group={cfg.model.group!r}: unknown model or group; see README 'Configuration' for the zoo",
-    )
     r = cfg.ray
     _check(r.num_cpus_per_client > 0, f"ray.num_cpus_per_client={r.num_cpus_per_client}: must be > 0")
     _check(r.num_gpus_per_client >= 0, f"ray.num_gpus_per_client={r.num_gpus_per_client}: must be >= 0")
@@ -423,6 +333,8 @@ def validate(cfg: ExperimentConfig) -> None:
         cfg.tracking.log_client_models >= 0,
         f"tracking.log_client_models={cfg.tracking.log_client_models}: must be >= 0 (0 = never)",
     )
+    for check in checks:
+        check(cfg)
     if cfg.algo is not None:
         cfg.algo.validate(cfg)
 

@@ -1,0 +1,49 @@
+"""fedray's catalog: the algorithms, datasets and models that exist, handed to config validation.
+
+The config layer imports none of them (:class:`~fedray.platform.config.Catalog`); this module,
+above the registries, assembles them, and :func:`build_config` / :func:`load_config` are what a
+caller uses to turn a YAML and overrides into a validated :class:`ExperimentConfig`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fedray.platform.api import registry
+from fedray.platform.config import Catalog, ExperimentConfig, loading
+from fedray.platform.data import known_datasets, split_file_num_clients
+from fedray.platform.data.federation import parse_normalize
+from fedray.platform.errors import ConfigError
+from fedray.platform.models import is_known_model
+
+
+def check_dataset(cfg: ExperimentConfig) -> None:
+    d = cfg.data
+    if d.dataset not in known_datasets():
+        raise ConfigError(f"data.dataset={d.dataset!r}: unknown dataset; known: {', '.join(known_datasets())}")
+    parse_normalize(d.normalize)
+
+
+def check_model(cfg: ExperimentConfig) -> None:
+    if not is_known_model(cfg.model.group):
+        raise ConfigError(
+            f"model.group={cfg.model.group!r}: unknown model or group; see README 'Configuration' for the zoo"
+        )
+
+
+CATALOG = Catalog(
+    algorithm_config=lambda name: registry.get(name).config_cls,
+    algorithm_names=registry.available,
+    split_file_clients=split_file_num_clients,
+    checks=(check_dataset, check_model),
+)
+
+
+def build_config(raw: dict) -> ExperimentConfig:
+    """A nested dict -> a validated :class:`ExperimentConfig`, against fedray's registries."""
+    return loading.build_config(raw, CATALOG)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """A YAML file (or none: the defaults) plus ``key=value`` overrides -> a validated config."""
+    return loading.load_config(path, overrides, CATALOG)

@@ -1,0 +1,108 @@
+"""Loading an experiment config: YAML, dotted ``key=value`` overrides, and the registries' checks.
+
+The registries (algorithms, datasets, models) live above this layer, so what validation needs of
+them is handed in as a :class:`Catalog`; :mod:`fedray.platform.catalog` builds fedray's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedray.platform.config.algorithm_config import AlgorithmConfig
+from fedray.platform.config.schema import ExperimentConfig, build_dataclass, validate
+from fedray.platform.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """What config validation needs from the registries above the config layer."""
+
+    algorithm_config: Callable[[str], type[AlgorithmConfig]]  # name -> its config class; ConfigError if unknown
+    algorithm_names: Callable[[], list[str]]  # every registered algorithm (their sections are skipped)
+    split_file_clients: Callable[[str], int]  # a split file's number of clients
+    checks: tuple[Callable[[ExperimentConfig], None], ...]  # dataset, model, what the algorithm requires
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["a.b=1", "c=x"]`` -> nested dict with YAML-parsed values."""
+    tree: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. rounds=30")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r}: {yaml_problem(err)}") from None
+        node = tree
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        node[parts[-1]] = value
+    return tree
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML parse error as one line: what is wrong and where (1-based line and column)."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}not valid YAML ({problem})"
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    with path.open() as fh:
+        try:
+            raw = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {str(path)!r}: {yaml_problem(err)}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {str(path)!r}: top level must be a mapping")
+    return raw
+
+
+def build_config(raw: dict[str, Any], catalog: Catalog) -> ExperimentConfig:
+    """Turn a nested dict into a validated :class:`ExperimentConfig`."""
+    raw = dict(raw)
+    algorithm = str(raw.get("algorithm", ExperimentConfig.algorithm)).lower()
+    raw["algorithm"] = algorithm
+    config_cls = catalog.algorithm_config(algorithm)  # raises ConfigError for an unknown name
+    # sections named after other algorithms are allowed in a YAML (compare configs) and ignored
+    algo_values = raw.pop(algorithm, None)
+    for name in catalog.algorithm_names():
+        raw.pop(name, None)
+    cfg = build_dataclass(ExperimentConfig, raw)
+    cfg.algo = build_dataclass(config_cls, algo_values, prefix=algorithm)
+    if cfg.data.partition.kind == "file" and cfg.data.partition.path:
+        # a split made elsewhere defines the clients; data.num_clients follows it
+        cfg.data.num_clients = catalog.split_file_clients(cfg.data.partition.path)
+    validate(cfg, catalog.checks)
+    return cfg
+
+
+def load_config(
+    path: str | Path | None, overrides: list[str] | None, catalog: Catalog
+) -> ExperimentConfig:
+    raw = load_yaml(path) if path else {}
+    raw = merge(raw, parse_overrides(overrides or []))
+    return build_config(raw, catalog)
