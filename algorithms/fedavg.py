@@ -10,15 +10,19 @@ server replaces the global model with the sample-weighted mean
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from fedray.platform.api.algorithm import ClientModule, Payload, Server, cpu_state
-from fedray.platform.api.registry import register
-from fedray.platform.config import ExperimentConfig
-from fedray.platform.config.algorithm_config import AlgorithmConfig
-from fedray.platform.models.checks import require_homogeneous
+from fedray.platform.api import (
+    AlgorithmConfig,
+    ClientModule,
+    Payload,
+    Server,
+    cpu_state,
+    register,
+)
 
 
 def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
@@ -70,5 +74,4 @@ class FedAvgClient(ClientModule):
 @register("fedavg", server=FedAvgServer, client=FedAvgClient)
 @dataclass
 class FedAvgConfig(AlgorithmConfig):
-    def validate(self, cfg: ExperimentConfig) -> None:
-        require_homogeneous(cfg)
+    WHOLE_MODEL: ClassVar[bool] = True  # averages every parameter: one architecture for all clients

@@ -56,12 +56,19 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
-from fedray.platform.api.algorithm import ClientModule, Payload, Server, ServerContext, cpu_state, derive_seed
-from fedray.platform.api.registry import register
-from fedray.platform.config import ExperimentConfig, clients_per_round
-from fedray.platform.config.algorithm_config import AlgorithmConfig
-from fedray.platform.errors import ConfigError
-from fedray.platform.models.checks import require_homogeneous
+from fedray.platform.api import (
+    AlgorithmConfig,
+    ClientModule,
+    ConfigError,
+    ExperimentConfig,
+    Payload,
+    Server,
+    ServerContext,
+    clients_per_round,
+    cpu_state,
+    derive_seed,
+    register,
+)
 
 Selection = Literal["in_order", "highest_similarity", "lowest_similarity"]
 
@@ -269,6 +276,7 @@ class FedCrossClient(ClientModule):
 @register("fedcross", server=FedCrossServer, client=FedCrossClient)
 @dataclass
 class FedCrossConfig(AlgorithmConfig):
+    WHOLE_MODEL: ClassVar[bool] = True  # cross-aggregates whole middleware models
     ROUND_FIELDS: ClassVar[tuple[str, ...]] = (
         "propeller_rounds",
         "dynamic_alpha_rounds",
@@ -292,7 +300,6 @@ class FedCrossConfig(AlgorithmConfig):
         return self.num_middleware
 
     def validate(self, cfg: ExperimentConfig) -> None:
-        require_homogeneous(cfg)
         if self.num_middleware is not None and not 2 <= self.num_middleware <= cfg.data.num_clients:
             raise ConfigError(
                 f"fedcross.num_middleware={self.num_middleware}: must be in 2..data.num_clients="

@@ -27,14 +27,16 @@ Spec choices (no FD spec; HtFLlib's ``clientdistill``/``serverdistill``, FedL2G'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
 
 from fedray.algorithms.fedproto import FedProtoClient, FedProtoConfig, FedProtoServer
-from fedray.platform.api.algorithm import ServerContext
-from fedray.platform.api.registry import register
+from fedray.platform.api import (
+    ServerContext,
+    register,
+)
 
 
 def soft_target_ce(logits: Tensor, targets: Tensor, mask: Tensor, y: Tensor) -> Tensor:
@@ -67,6 +69,7 @@ class FedDistillClient(FedProtoClient):
 @register("feddistill", server=FedDistillServer, client=FedDistillClient)
 @dataclass
 class FedDistillConfig(FedProtoConfig):
+    SHARED_FEATURES: ClassVar[bool] = False  # its "prototypes" are logits: any feature sizes
     lam: float = 1.0  # weight of the distillation term
     weighted: bool = False  # plain mean over the holders of a class (HtFLlib)
     loss: Literal["soft_ce", "mse"] = "soft_ce"  # the FD paper's soft targets, or MSE on logits

@@ -46,21 +46,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from fedray.platform.api.algorithm import (
+from fedray.platform.api import (
+    AlgorithmConfig,
+    ArrayDataset,
     ClientContext,
     ClientModule,
+    ConfigError,
+    ExperimentConfig,
+    FedModel,
     Payload,
     Server,
     ServerContext,
     derive_seed,
+    register,
 )
-from fedray.platform.api.registry import register
-from fedray.platform.config import ExperimentConfig
-from fedray.platform.config.algorithm_config import AlgorithmConfig
-from fedray.platform.data import ArrayDataset
-from fedray.platform.errors import ConfigError
-from fedray.platform.models import FedModel
-from fedray.platform.models.checks import shared_feature_dim
 
 Variant = Literal["f", "l"]
 DEFAULT_SERVER_LR = {"f": 100.0, "l": 0.1}  # paper Sec. 4 / Tab. 4: eta_s per variant
@@ -79,8 +78,9 @@ def guide_loss(z: Tensor, G: Tensor, y: Tensor) -> Tensor:
 def functional_forward(model: FedModel, state: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor]:
     """``(logits [B, C], z [B, d])`` of ``model`` run with the tensors in ``state`` (full state-dict
     names; missing ones are the model's own)."""
+
     def part(prefix: str) -> dict[str, Tensor]:
-        return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
     z = functional_call(model.features, part("features."), (x,))
     return functional_call(model.head, part("head."), (z,)), z
@@ -150,7 +150,7 @@ class FedL2GServer(Server):
 
     def __init__(self, ctx: ServerContext) -> None:
         super().__init__(ctx)
-        dim = shared_feature_dim(ctx) if self.hp.variant == "f" else ctx.num_classes
+        dim = ctx.feature_dim if self.hp.variant == "f" else ctx.num_classes
         self.guide = nn.Embedding(ctx.num_classes, dim)
         with torch.no_grad():  # N(0, 1) as nn.Embedding, from its own seed (independent of model inits)
             gen = torch.Generator().manual_seed(derive_seed(ctx.cfg.seed, 11))
@@ -227,8 +227,13 @@ class FedL2GClient(ClientModule):
         # (docs/algorithms/fedl2g.md, Batch normalisation in the meta step)
         self.model.train()
         pi = meta_gradient(
-            self.model, dict(self.model.named_parameters()), self.guide, study, quiz,
-            self.ctx.cfg.train.lr, self.hp.variant,
+            self.model,
+            dict(self.model.named_parameters()),
+            self.guide,
+            study,
+            quiz,
+            self.ctx.cfg.train.lr,
+            self.hp.variant,
         )
         self.model.train(was_training)
         classes, rows = nonzero_rows(pi.cpu())
@@ -246,6 +251,9 @@ class FedL2GConfig(AlgorithmConfig):
     warmup_rounds: int = 50  # T': rounds without local training
     quiz_size: int = 10  # |D^q|: one batch
     study_batch: int = 10  # |B^s| of the pseudo step
+
+    def needs_shared_features(self) -> bool:
+        return self.variant == "f"  # guides in the feature space; "l" guides logits
 
     @property
     def eta_s(self) -> float:

@@ -33,18 +33,24 @@ which FedL2G's baselines use, is followed):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
 
-from fedray.platform.api.algorithm import ClientModule, Payload, Server, ServerContext, batch_loader
-from fedray.platform.api.prototypes import class_prototypes, scatter_rows
-from fedray.platform.api.registry import register
-from fedray.platform.config import ExperimentConfig
-from fedray.platform.config.algorithm_config import AlgorithmConfig
-from fedray.platform.errors import ConfigError
-from fedray.platform.models.checks import shared_feature_dim
+from fedray.platform.api import (
+    AlgorithmConfig,
+    ClientModule,
+    ConfigError,
+    ExperimentConfig,
+    Payload,
+    Server,
+    ServerContext,
+    batch_loader,
+    class_prototypes,
+    register,
+    scatter_rows,
+)
 
 # ------------------------------------------------------------------------------------------- math
 
@@ -96,7 +102,7 @@ class FedProtoServer(Server):
         self.mask: Tensor | None = None
 
     def representation_dim(self, ctx: ServerContext) -> int:
-        return shared_feature_dim(ctx)
+        return ctx.feature_dim
 
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
         if self.protos is None or self.mask is None:  # before the first aggregation
@@ -188,6 +194,7 @@ class FedProtoClient(ClientModule):
 @register("fedproto", server=FedProtoServer, client=FedProtoClient)
 @dataclass
 class FedProtoConfig(AlgorithmConfig):
+    SHARED_FEATURES: ClassVar[bool] = True  # prototypes of every client live in one space
     lam: float = 1.0  # lambda of Eq. 5
     weighted: bool = True  # Eq. 6 sample-count weights; false = plain mean over holders (official code)
     eval: Literal["prototype", "head"] = "prototype"  # nearest global prototype (paper) or the own head

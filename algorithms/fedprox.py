@@ -10,16 +10,18 @@ The server half is FedAvg's, unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch.nn.utils import parameters_to_vector
 
 from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer
-from fedray.platform.api.registry import register
-from fedray.platform.config import ExperimentConfig
-from fedray.platform.config.algorithm_config import AlgorithmConfig
-from fedray.platform.errors import ConfigError
-from fedray.platform.models.checks import require_homogeneous
+from fedray.platform.api import (
+    AlgorithmConfig,
+    ConfigError,
+    ExperimentConfig,
+    register,
+)
 
 
 def proximal_term(params: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
@@ -45,9 +47,9 @@ class FedProxClient(FedAvgClient):
 @register("fedprox", server=FedAvgServer, client=FedProxClient)
 @dataclass
 class FedProxConfig(AlgorithmConfig):
+    WHOLE_MODEL: ClassVar[bool] = True
     mu: float = 0.01  # FedCross paper: 0.01 on CIFAR-10, 0.001 on CIFAR-100
 
     def validate(self, cfg: ExperimentConfig) -> None:
         if self.mu < 0:
             raise ConfigError(f"fedprox.mu={self.mu}: must be >= 0")
-        require_homogeneous(cfg)

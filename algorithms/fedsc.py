@@ -51,20 +51,22 @@ docs/algorithms/fedsc.md):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer
-from fedray.platform.api.algorithm import Payload, cpu_state
-from fedray.platform.api.prototypes import class_prototypes
-from fedray.platform.api.registry import register
-from fedray.platform.config import ExperimentConfig
-from fedray.platform.config.algorithm_config import AlgorithmConfig
-from fedray.platform.errors import ConfigError
-from fedray.platform.models.checks import require_homogeneous
+from fedray.platform.api import (
+    AlgorithmConfig,
+    ConfigError,
+    ExperimentConfig,
+    Payload,
+    class_prototypes,
+    cpu_state,
+    register,
+)
 
 # --------------------------------------------------------------------------------------------- math
 
@@ -278,6 +280,7 @@ class FedSCClient(FedAvgClient):
 @register("fedsc", server=FedSCServer, client=FedSCClient)
 @dataclass
 class FedSCConfig(AlgorithmConfig):
+    WHOLE_MODEL: ClassVar[bool] = True
     tau: float = 0.05  # RPCL temperature (paper Fig. 5: best 0.05)
     neighbors: int = 2  # M angular neighbours per relational prototype (paper Fig. 5: best 2)
     # cpdr: MSE by default (as the released code), l1 = Eq. 15 literally (docs/algorithms/fedsc.md, CPDR distance)
@@ -289,4 +292,3 @@ class FedSCConfig(AlgorithmConfig):
             raise ConfigError(f"fedsc.tau={self.tau}: the RPCL temperature must be > 0")
         if self.neighbors < 0:
             raise ConfigError(f"fedsc.neighbors={self.neighbors}: the number of neighbours M must be >= 0")
-        require_homogeneous(cfg)

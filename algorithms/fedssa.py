@@ -46,13 +46,18 @@ import torch
 from torch import Tensor
 
 from fedray.algorithms.lgfedavg import global_header
-from fedray.platform.api.algorithm import ClientModule, Payload, Server
-from fedray.platform.api.header import header_rows, load_header_rows
-from fedray.platform.api.prototypes import scatter_rows
-from fedray.platform.api.registry import register
-from fedray.platform.config import ExperimentConfig
-from fedray.platform.config.algorithm_config import AlgorithmConfig
-from fedray.platform.errors import ConfigError
+from fedray.platform.api import (
+    AlgorithmConfig,
+    ClientModule,
+    ConfigError,
+    ExperimentConfig,
+    Payload,
+    Server,
+    header_rows,
+    load_header_rows,
+    register,
+    scatter_rows,
+)
 
 # ------------------------------------------------------------------------------------------- math
 
@@ -166,6 +171,7 @@ class FedSSAClient(ClientModule):
 @dataclass
 class FedSSAConfig(AlgorithmConfig):
     ROUND_FIELDS: ClassVar[tuple[str, ...]] = ("t_stable",)  # scaled by --scale
+    SHARED_FEATURES: ClassVar[bool] = True  # class-wise header rows [d+1] shared across the group
     mu0: float = 0.5  # [code] default; the paper tunes it in (0, 1]
     # [code] homogeneous runs (2 for heterogeneous): docs/algorithms/fedssa.md, Default hyperparameters
     t_stable: int = 45

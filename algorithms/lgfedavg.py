@@ -24,15 +24,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
 
-from fedray.platform.api.algorithm import ClientModule, Payload, Server, ServerContext, derive_seed
-from fedray.platform.api.header import header_rows, load_header_rows
-from fedray.platform.api.registry import register
-from fedray.platform.config.algorithm_config import AlgorithmConfig
+from fedray.platform.api import (
+    AlgorithmConfig,
+    ClientModule,
+    Payload,
+    Server,
+    ServerContext,
+    derive_seed,
+    header_rows,
+    load_header_rows,
+    register,
+)
 
 # ------------------------------------------------------------------------------------------- header math
 
@@ -108,5 +115,7 @@ class LGFedAvgClient(ClientModule):
 @dataclass
 class LGFedAvgConfig(AlgorithmConfig):
     """The header is the model's ``head``; training uses ``train.*``."""
+
+    SHARED_FEATURES: ClassVar[bool] = True  # one global header [C, d+1]: one d across the group
 
     eval_head: Literal["global", "local"] = "global"  # the header clients are tested with

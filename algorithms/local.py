@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedray.platform.api.algorithm import ClientModule, Server
-from fedray.platform.api.registry import register
-from fedray.platform.config.algorithm_config import AlgorithmConfig
+from fedray.platform.api import (
+    AlgorithmConfig,
+    ClientModule,
+    Server,
+    register,
+)
 
 
 class LocalClient(ClientModule):

@@ -24,8 +24,8 @@ from fedray.dashboards import load
 from fedray.dashboards import summary as sm
 from fedray.dashboards.html import Cell, Section, figure, heading, page, paragraph, table
 from fedray.dashboards.load import KIND_TAG, ExperimentRuns
-from fedray.platform.apps.progress import mb
 from fedray.platform.errors import ConfigError
+from fedray.platform.runtime.progress import mb
 
 HTML_NAME = "report.html"
 ARTIFACT_DIR = "report"

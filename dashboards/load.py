@@ -16,6 +16,7 @@ from typing import Any
 import pandas as pd
 
 from fedray.platform.errors import ConfigError
+from fedray.platform.tracking.mlflow_run import existing_experiment, quiet_mlflow, tracking_uri
 
 # Per-round metrics the report draws; other keys stay in the store.
 HISTORY_KEYS = (
@@ -55,7 +56,6 @@ class ExperimentRuns:
 
 def resolve_tracking_uri(uri: str | None) -> str:
     """The project's store unless told otherwise; a missing sqlite file is an error, not a new store."""
-    from fedray.platform.tracking.mlflow_run import tracking_uri
 
     uri = uri or tracking_uri()
     if uri.startswith("sqlite:///"):
@@ -68,8 +68,6 @@ def resolve_tracking_uri(uri: str | None) -> str:
 def load_runs(experiment: str, tracking_uri: str | None = None) -> ExperimentRuns:
     """Every finished fedray run of ``experiment`` (by name) as one frame; fails clearly on none."""
     from mlflow.tracking import MlflowClient
-
-    from fedray.platform.tracking.mlflow_run import existing_experiment, quiet_mlflow
 
     quiet_mlflow()
     uri = resolve_tracking_uri(tracking_uri)

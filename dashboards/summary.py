@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fedray.platform.apps.progress import mb
+from fedray.platform.runtime.progress import mb
 
 # Params that differ between runs without being a hyperparameter of the algorithm: the repeat
 # axis (seed), the grouping (algorithm), naming, bookkeeping and placement.

@@ -12,15 +12,19 @@ from pathlib import Path
 from fedray.platform.api import registry
 from fedray.platform.config import Catalog, ExperimentConfig, loading
 from fedray.platform.data import known_datasets, split_file_num_clients
+from fedray.platform.data.datasets import dataset_info
 from fedray.platform.data.federation import parse_normalize
 from fedray.platform.errors import ConfigError
-from fedray.platform.models import is_known_model
+from fedray.platform.models import is_known_model, model_group
+from fedray.platform.models.checks import require_homogeneous, shared_feature_dim
 
 
 def check_dataset(cfg: ExperimentConfig) -> None:
     d = cfg.data
     if d.dataset not in known_datasets():
-        raise ConfigError(f"data.dataset={d.dataset!r}: unknown dataset; known: {', '.join(known_datasets())}")
+        raise ConfigError(
+            f"data.dataset={d.dataset!r}: unknown dataset; known: {', '.join(known_datasets())}"
+        )
     parse_normalize(d.normalize)
 
 
@@ -31,11 +35,26 @@ def check_model(cfg: ExperimentConfig) -> None:
         )
 
 
+def check_model_needs(cfg: ExperimentConfig) -> None:
+    """What the algorithm declares it needs of the model group (``WHOLE_MODEL``, shared features)."""
+    algo = cfg.algo
+    if algo is None:
+        return
+    if algo.WHOLE_MODEL:
+        require_homogeneous(cfg.algorithm, cfg.model.group)
+    if algo.needs_shared_features() and len(set(model_group(cfg.model.group))) > 1:
+        try:
+            num_classes, in_channels, image_size = dataset_info(cfg.data)
+        except ConfigError:  # data not there yet: the data section's own check names what is missing
+            return
+        shared_feature_dim(cfg.algorithm, cfg.model.group, in_channels, image_size, num_classes)
+
+
 CATALOG = Catalog(
     algorithm_config=lambda name: registry.get(name).config_cls,
     algorithm_names=registry.available,
     split_file_clients=split_file_num_clients,
-    checks=(check_dataset, check_model),
+    checks=(check_dataset, check_model, check_model_needs),
 )
 
 

@@ -20,12 +20,16 @@ import pandas as pd
 import yaml
 from ray.tune import Callback
 
-from fedray.platform.apps.ui import DEFAULT_SERVER, runs_table_url, save_sweep_view
+from fedray.dashboards.figures import save_png, trial_curves
 from fedray.platform.catalog import build_config
 from fedray.platform.config import ExperimentConfig, load_yaml, merge, parse_overrides
 from fedray.platform.errors import ConfigError
 from fedray.platform.runtime import storage
+from fedray.platform.runtime.driver import ensure_ray, require_gpus, run_experiment
+from fedray.platform.runtime.processes import KeptRuntime
 from fedray.platform.tracking.descriptions import sweep_description
+from fedray.platform.tracking.mlflow_run import RunTracker, tracking_uri
+from fedray.platform.tracking.views import DEFAULT_SERVER, runs_table_url, save_sweep_view
 from fedray.sweeps.space import SearchSpace, check_space, load_space, space_path, trial_config
 
 SWEEP_STATE = "fedray_sweep.json"  # parent run id and settings, for --resume
@@ -69,8 +73,6 @@ def run_trial(point: dict[str, Any], base: dict[str, Any], parent_run_id: str, s
     import ray
     from ray import tune
 
-    from fedray.platform.runtime.driver import run_experiment
-
     cfg = trial_config(base, point)
     # the sweep's store, made absolute by prepare_base: a relative MLFLOW_TRACKING_URI inherited by
     # this worker would name a store in the trial's own directory
@@ -106,7 +108,6 @@ def trial_label(point: dict[str, Any]) -> str:
 
 def prepare_base(config_path: str | None, algorithm: str, overrides: list[str]) -> dict[str, Any]:
     """The base experiment every trial starts from, with paths made absolute (trials run elsewhere)."""
-    from fedray.platform.tracking.mlflow_run import tracking_uri
 
     raw = load_yaml(config_path) if config_path else {}
     raw = merge(raw, parse_overrides([f"algorithm={algorithm}", *overrides]))
@@ -159,10 +160,6 @@ def run_sweep(
     ``stop_after_trials`` stops the sweep as Ctrl-C would once that many trials have finished (a job
     with a time budget); ``--resume`` continues it."""
     from ray import tune
-
-    from fedray.platform.runtime.driver import ensure_ray, require_gpus
-    from fedray.platform.runtime.processes import KeptRuntime
-    from fedray.platform.tracking.mlflow_run import RunTracker
 
     base = prepare_base(config_path, algorithm, overrides or [])
     space = load_space(space_path(algorithm, space_file))
@@ -340,8 +337,6 @@ def log_trial_curves(parent, children: list, space: SearchSpace, algorithm: str)
     """``trial_curves.png`` on the parent run: every trial's metric against the round, labelled by its
     swept values, the view MLflow's chart tab gives only after grouping by hand."""
     import tempfile
-
-    from fedray.dashboards.figures import save_png, trial_curves
 
     newest = {}  # one run per trial: a resumed sweep re-runs an interrupted trial under its id
     for run in sorted(children, key=lambda r: r.info.start_time):

@@ -18,9 +18,9 @@ from fedray.platform.api.algorithm import ClientContext, ServerContext
 from fedray.platform.api.prototypes import scatter_rows
 from fedray.platform.catalog import load_config
 from fedray.platform.data import ArrayDataset
-from fedray.platform.errors import ConfigError
+from fedray.platform.errors import ConfigError, ContractError
 from fedray.platform.models import FedModel, arch_for_client, build_model
-from fedray.platform.models.checks import shared_feature_dim
+from fedray.platform.models import registry as model_registry
 
 # two clients, four classes, d = 1:  A holds class 0 (1 sample, proto 1) and class 2 (3 samples, proto 4);
 # B holds class 0 (3 samples, proto 3) and class 1 (2 samples, proto 7); nobody holds class 3.
@@ -119,12 +119,20 @@ def test_server_aggregates_uploads_and_sends_prototypes():
     assert down["mask"].tolist() == [True, True, True, False]
 
 
-def test_shared_feature_dim_rejects_mixed_sizes():
-    cfg = load_config(None, ["algorithm=fedproto"])  # archs below are what counts
-    archs = ["cnn_small", "cnn_small_wide"]
-    ctx = ServerContext(cfg, 2, 10, archs, lambda cid: build_model(archs[cid], 1, 8, 10))
-    with pytest.raises(ConfigError, match="one feature size"):
-        shared_feature_dim(ctx)
+def test_mixed_feature_sizes_are_refused_in_config_validation(monkeypatch):
+    """FedProto declares it needs one feature size (SHARED_FEATURES); FD, whose prototypes are
+    logits, does not. The check runs when the config is built, before any data or Ray."""
+    monkeypatch.setitem(model_registry._GROUPS, "mixed_dims", ["cnn_small", "cnn_small_wide"])
+    with pytest.raises(ConfigError, match="algorithm=fedproto needs one feature size across the group"):
+        load_config(None, ["algorithm=fedproto", "model.group=mixed_dims"])
+    assert load_config(None, ["algorithm=feddistill", "model.group=mixed_dims"]).model.group == "mixed_dims"
+
+
+def test_feature_dim_is_refused_to_an_algorithm_that_did_not_declare_it():
+    cfg = load_config(None, ["algorithm=feddistill"])
+    ctx = ServerContext(cfg, 2, 10, ["cnn_small"] * 2, lambda cid: build_model("cnn_small", 1, 8, 10))
+    with pytest.raises(ContractError, match="without declaring it"):
+        ctx.feature_dim  # noqa: B018
 
 
 def test_client_uploads_class_means_of_its_representations():

@@ -16,11 +16,10 @@ import torchvision
 from PIL import Image
 
 from fedray.platform.config import DataConfig, PartitionConfig
-from fedray.platform.data import datasets
+from fedray.platform.data import check_data, datasets
 from fedray.platform.data.datasets import (
     ArrayDataset,
     channel_stats,
-    check_data,
     dataset_info,
     known_datasets,
     load_dataset,

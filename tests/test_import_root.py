@@ -25,3 +25,10 @@ def test_package_maps_the_folders():
 
     assert Path(fedray.platform.config.__file__).parent.parent == ROOT / "platform"
     assert ROOT / "algorithms" in {Path(p) for p in fedray.algorithms.__path__}
+
+
+def test_the_cli_finds_the_checkouts_quickstart_config():
+    from fedray.platform.apps import cli
+
+    assert cli.DEFAULT_CONFIG == ROOT / "configs" / "quickstart.yaml"
+    assert cli.DEFAULT_CONFIG.is_file()

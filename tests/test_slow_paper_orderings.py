@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from repro_script import repro
 
-from fedray.platform.apps.progress import print_table, summary_table
+from fedray.platform.apps.tables import print_table, summary_table
 from fedray.platform.catalog import load_config
 
 pytestmark = pytest.mark.slow

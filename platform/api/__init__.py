@@ -1,1 +1,50 @@
-"""The author API: what an algorithm module imports (see :mod:`fedray.platform.api` exports)."""
+"""The author API: everything an algorithm module imports from fedray, in one place.
+
+    from fedray.platform.api import AlgorithmConfig, ClientModule, Payload, Server, register
+
+An algorithm is a :class:`Server` (in the Coordinator) and a :class:`ClientModule` (a LightningModule
+trained in a worker) that exchange payloads, plus an :class:`AlgorithmConfig` registered under its
+name. The helpers are the tensor functions several algorithms share, written once. The rules of the
+contract are checked by the platform (:mod:`.contract`), each failure a one-line :class:`ContractError`.
+"""
+
+from fedray.platform.api.algorithm import (
+    ClientContext,
+    ClientModule,
+    Payload,
+    Server,
+    ServerContext,
+    batch_loader,
+    cpu_state,
+    derive_seed,
+)
+from fedray.platform.api.header import header_rows, load_header_rows
+from fedray.platform.api.prototypes import class_prototypes, scatter_rows
+from fedray.platform.api.registry import register
+from fedray.platform.config import AlgorithmConfig, ExperimentConfig, clients_per_round
+from fedray.platform.data import ArrayDataset
+from fedray.platform.errors import ConfigError, ContractError
+from fedray.platform.models import FedModel
+
+__all__ = [
+    "AlgorithmConfig",
+    "ArrayDataset",
+    "ClientContext",
+    "ClientModule",
+    "ConfigError",
+    "ContractError",
+    "ExperimentConfig",
+    "FedModel",
+    "Payload",
+    "Server",
+    "ServerContext",
+    "batch_loader",
+    "class_prototypes",
+    "clients_per_round",
+    "cpu_state",
+    "derive_seed",
+    "header_rows",
+    "load_header_rows",
+    "register",
+    "scatter_rows",
+]

@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedray.platform.api.contract import check_client_class
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ContractError
 from fedray.platform.models import FedModel
-from fedray.platform.runtime.local_training import check_client_class
 
 Payload = dict[str, Any]
 
@@ -97,6 +97,19 @@ class ServerContext:
     @property
     def homogeneous(self) -> bool:
         return len(set(self.client_archs)) == 1
+
+    @property
+    def feature_dim(self) -> int:
+        """The representation size ``d`` every client's model shares. Config validation checked the
+        group has one, for an algorithm that declares it needs it (``needs_shared_features``)."""
+        algo = self.cfg.algo
+        if algo is None or not algo.needs_shared_features():
+            raise ContractError(
+                f"algorithm {self.cfg.algorithm!r} reads ServerContext.feature_dim without declaring it: set "
+                "SHARED_FEATURES = True on its config (or override needs_shared_features)"
+            )
+        with torch.device("meta"):  # no memory, no init cost
+            return self.make_model(0).feature_dim
 
 
 @dataclass

@@ -14,11 +14,11 @@ from fedray.platform.catalog import load_config
 from fedray.platform.config import scale
 from fedray.platform.errors import ConfigError
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"  # in a checkout
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fedray.platform.apps.progress import print_table, summary_table
+    from fedray.platform.apps.tables import print_table, summary_table
     from fedray.platform.runtime.driver import resume_experiment, run_experiment
 
     if args.stop_after is not None and args.stop_after < 1:
@@ -53,7 +53,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from fedray.platform.apps.compare import load_comparison, run_comparison
-    from fedray.platform.apps.progress import print_table, summary_table
+    from fedray.platform.apps.tables import print_table, summary_table
 
     load_comparison(args.config, args.overrides)  # every entry validated before the first run starts
     rows = run_comparison(args.config, args.overrides)
@@ -62,7 +62,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from fedray.platform.apps.progress import print_table, summary_table
+    from fedray.platform.apps.tables import print_table, summary_table
     from fedray.sweeps.tune_sweep import run_sweep
 
     config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)

@@ -24,10 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from fedray.platform.apps.progress import mb
 from fedray.platform.catalog import build_config
 from fedray.platform.config import ExperimentConfig, load_yaml, merge, parse_overrides
 from fedray.platform.errors import ConfigError
+from fedray.platform.runtime.driver import run_experiment
+from fedray.platform.runtime.processes import sharing_processes
+from fedray.platform.runtime.progress import mb
 
 
 @dataclass
@@ -78,8 +80,6 @@ def load_comparison(
 
 def run_comparison(path: str | Path, overrides: list[str] | None = None) -> list[dict[str, Any]]:
     """Run every entry and return one summary row per label (mean ± std over seeds)."""
-    from fedray.platform.runtime.driver import run_experiment
-    from fedray.platform.runtime.processes import sharing_processes
 
     entries = load_comparison(path, overrides)
     results: dict[str, list] = {}

@@ -12,57 +12,12 @@ foreground on the same store fedray logs to (``MLFLOW_TRACKING_URI``, else ``./m
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import sys
-import time
 from pathlib import Path
 
 from fedray.platform.errors import ConfigError
-
-DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 5000  # mlflow ui's own defaults
-DEFAULT_SERVER = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
-
-
-def latest_experiment(client) -> tuple[str, str] | None:
-    """(id, name) of the experiment holding the most recently started run; None when there is none."""
-    experiments = {e.experiment_id: e.name for e in client.search_experiments()}
-    if not experiments:
-        return None
-    runs = client.search_runs(list(experiments), order_by=["attributes.start_time DESC"], max_results=1)
-    if not runs:
-        return None
-    eid = runs[0].info.experiment_id
-    return eid, experiments[eid]
-
-
-def runs_table_url(experiment_id: str, server: str, **query: str) -> str:
-    """The runs table on the UI at ``server`` (``http://host:port``); ``compareRunsMode=CHART``: its
-    chart view; ``viewStateShareKey``: a saved view."""
-    params = "".join(f"&{k}={v}" for k, v in query.items())
-    return f"{server.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning{params}"
-
-
-SHARED_VIEW_TAG = "mlflow.sharedViewState."  # experiment tag prefix the runs page loads a view from
-
-
-def save_sweep_view(client, experiment_id: str, sweep_id: str, parent_run_id: str, params: list[str]) -> str:
-    """Save a view of the runs page on the experiment: the sweep's trials only, grouped by the swept
-    params (the chart view then draws one curve per group). Returns the key that opens it
-    (``viewStateShareKey``); the view is also listed by name under the page's Views."""
-    state = {
-        "searchFilter": f"tags.mlflow.parentRunId = '{parent_run_id}'",  # the trials, not the parent
-        "groupBy": {
-            "aggregateFunction": "average",
-            "groupByKeys": [{"mode": "param", "groupByData": p} for p in params],
-        },
-    }
-    view = {"name": f"{sweep_id} by {', '.join(params)}", "createdAt": int(time.time() * 1000)}
-    view["state"] = json.dumps(state)
-    key = re.sub(r"[^A-Za-z0-9_-]", "_", f"{sweep_id}-{parent_run_id[:8]}")  # a re-run gets its own
-    client.set_experiment_tag(experiment_id, SHARED_VIEW_TAG + key, json.dumps(view))
-    return key
+from fedray.platform.tracking.views import DEFAULT_HOST, DEFAULT_PORT, latest_experiment, runs_table_url
 
 
 def find_experiment(uri: str, name: str | None) -> tuple[str, str] | None:

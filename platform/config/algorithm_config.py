@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from fedray.platform.config import ExperimentConfig
+    from fedray.platform.config.schema import ExperimentConfig
 
 
 @dataclass
@@ -16,12 +16,21 @@ class AlgorithmConfig:
     What the platform asks of every algorithm, declared here instead of looked up by name:
     ``ROUND_FIELDS`` are round counts that ``--scale`` shrinks with the run (a warm-up keeps its
     share), ``CLIENT_FIELDS`` are client counts it shrinks with the number of clients,
-    ``MIN_PARTICIPANTS`` is the fewest clients per round the algorithm can aggregate.
+    ``MIN_PARTICIPANTS`` is the fewest clients per round the algorithm can aggregate,
+    ``WHOLE_MODEL`` says it averages whole models (every client must run one architecture) and
+    :meth:`needs_shared_features` that it exchanges representations (one feature size across the
+    model group). Config validation checks the last two against ``model.group`` before Ray starts.
     """
 
     ROUND_FIELDS: ClassVar[tuple[str, ...]] = ()
     CLIENT_FIELDS: ClassVar[tuple[str, ...]] = ()
     MIN_PARTICIPANTS: ClassVar[int] = 1
+    WHOLE_MODEL: ClassVar[bool] = False
+    SHARED_FEATURES: ClassVar[bool] = False
+
+    def needs_shared_features(self) -> bool:
+        """Whether every client's model must produce one representation size (``ctx.feature_dim``)."""
+        return self.SHARED_FEATURES
 
     def validate(self, cfg: ExperimentConfig) -> None:
         """Raise ConfigError (one line) for a value, or a combination with ``cfg``, the run cannot use."""

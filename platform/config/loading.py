@@ -22,7 +22,9 @@ from fedray.platform.errors import ConfigError
 class Catalog:
     """What config validation needs from the registries above the config layer."""
 
-    algorithm_config: Callable[[str], type[AlgorithmConfig]]  # name -> its config class; ConfigError if unknown
+    algorithm_config: Callable[
+        [str], type[AlgorithmConfig]
+    ]  # name -> its config class; ConfigError if unknown
     algorithm_names: Callable[[], list[str]]  # every registered algorithm (their sections are skipped)
     split_file_clients: Callable[[str], int]  # a split file's number of clients
     checks: tuple[Callable[[ExperimentConfig], None], ...]  # dataset, model, what the algorithm requires
@@ -100,9 +102,7 @@ def build_config(raw: dict[str, Any], catalog: Catalog) -> ExperimentConfig:
     return cfg
 
 
-def load_config(
-    path: str | Path | None, overrides: list[str] | None, catalog: Catalog
-) -> ExperimentConfig:
+def load_config(path: str | Path | None, overrides: list[str] | None, catalog: Catalog) -> ExperimentConfig:
     raw = load_yaml(path) if path else {}
     raw = merge(raw, parse_overrides(overrides or []))
     return build_config(raw, catalog)

@@ -7,7 +7,6 @@ from fedray.platform.data.datasets import (
     ArrayDataset,
     DatasetBundle,
     channel_stats,
-    check_data,
     dataset_info,
     known_datasets,
     load_dataset,
@@ -17,6 +16,7 @@ from fedray.platform.data.federation import (
     ClientShard,
     Federation,
     build_federation,
+    check_data,
     federation_from_file,
     federation_from_split,
 )

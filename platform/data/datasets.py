@@ -42,15 +42,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
+from fedray.platform.config import DataConfig
+from fedray.platform.data.partition import stratified_split
 from fedray.platform.errors import ConfigError, first_line
-
-if TYPE_CHECKING:  # config imports this module; the types are only annotations here
-    from fedray.platform.config import DataConfig
 
 CACHE_VERSION = 1  # bump when the cache layout changes: old files are then ignored
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".tif", ".tiff")
@@ -252,20 +251,13 @@ def _pool_size(cfg: DataConfig) -> int:
     return n_train + n_test if cfg.split.convention == "merged" else n_train
 
 
-def check_data(cfg: DataConfig) -> None:
-    """Cheap pre-flight of the data section (no image is decoded); raises a one-line ConfigError.
-
-    With ``data.partition.kind=file`` the split file is checked here from metadata alone: its JSON
-    shape, the client count, and every entry against the official sizes (or the image folder's
-    listing); :func:`~fedray.platform.data.federation.build_federation` checks again on the loaded data.
-    """
+def check_source_and_partition(cfg: DataConfig) -> None:
+    """Cheap pre-flight of the dataset and fedray's own partitioners (no image is decoded); a split
+    file is checked by :func:`fedray.platform.data.federation.check_data`."""
     _check_source(cfg)
     num_classes = dataset_info(cfg)[0]
     p = cfg.partition
     if p.kind == "file":
-        from fedray.platform.data.split_file import check_split_file
-
-        check_split_file(cfg)
         return
     if p.kind in ("shards", "shamsian") and p.classes_per_client > num_classes:
         raise ConfigError(
@@ -354,7 +346,6 @@ def _bundle(
 
 def _fixed_split(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int) -> tuple[ArrayDataset, ...]:
     """Stratified train/test split with its own fixed seed (not the experiment's)."""
-    from fedray.platform.data.partition import stratified_split
 
     train_idx, test_idx = stratified_split(y, (1 - test_fraction, test_fraction), np.random.default_rng(seed))
     xt, yt = torch.from_numpy(x), torch.from_numpy(y.astype(np.int64))

@@ -52,7 +52,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedray.platform.data.datasets import ArrayDataset, DatasetBundle
+from fedray.platform.config import DataConfig
+from fedray.platform.data.datasets import ArrayDataset, DatasetBundle, check_source_and_partition
 from fedray.platform.data.partition import (
     OFFICIAL_TEST_STREAM,
     SPLIT_STREAM,
@@ -66,16 +67,15 @@ from fedray.platform.data.partition import (
 from fedray.platform.data.split_file import (
     SampleSpace,
     check_num_clients,
+    check_split_file,
     read_split_file,
     resolve_split,
     split_path,
 )
 from fedray.platform.errors import ConfigError
 
-if TYPE_CHECKING:  # config imports this package; DataConfig is only an annotation here
+if TYPE_CHECKING:
     import pandas as pd
-
-    from fedray.platform.config import DataConfig
 
 
 @dataclass
@@ -135,6 +135,18 @@ class Federation:
         )
         counts = pd.DataFrame(self.train_histogram(), columns=list(self.class_names))
         return pd.concat([table, counts], axis=1)
+
+
+def check_data(cfg: DataConfig) -> None:
+    """Cheap pre-flight of the data section (no image is decoded); raises a one-line ConfigError.
+
+    With ``data.partition.kind=file`` the split file is checked here from metadata alone: its JSON
+    shape, the client count, and every entry against the official sizes (or the image folder's
+    listing); :func:`build_federation` checks again on the loaded data.
+    """
+    check_source_and_partition(cfg)
+    if cfg.partition.kind == "file":
+        check_split_file(cfg)
 
 
 def _empty() -> np.ndarray:

@@ -19,14 +19,11 @@ step keeps, and neither collides with other users of the same seed.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from fedray.platform.config import PartitionConfig
 from fedray.platform.errors import ConfigError
-
-if TYPE_CHECKING:  # config imports this package; the type is only an annotation here
-    from fedray.platform.config import PartitionConfig
 
 RngLike = np.random.Generator | int
 

@@ -48,11 +48,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedray.platform.config import DataConfig
+from fedray.platform.data.datasets import DatasetBundle, imagefolder_paths, official_sizes
 from fedray.platform.errors import ConfigError
 
-if TYPE_CHECKING:  # config imports this package; DataConfig is only an annotation here
-    from fedray.platform.config import DataConfig
-    from fedray.platform.data.datasets import DatasetBundle
+if TYPE_CHECKING:  # the federation is built from this module's splits; here it is an annotation
     from fedray.platform.data.federation import Federation
 
 FORMAT = "fedray-split-1"
@@ -249,8 +249,6 @@ class SampleSpace:
     @classmethod
     def of_config(cls, cfg: DataConfig) -> SampleSpace:
         """From metadata only: official sizes, and the folder listing for image folders (no decode)."""
-        from fedray.platform.data.datasets import imagefolder_paths, official_sizes
-
         n_train, n_test = official_sizes(cfg)
         paths = imagefolder_paths(cfg) if cfg.dataset == "imagefolder" else None
         return cls(cfg.dataset, n_train, n_test, paths, cfg.root)

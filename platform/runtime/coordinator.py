@@ -33,13 +33,19 @@ from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ContractError
 from fedray.platform.models import arch_for_client
 from fedray.platform.runtime import storage
+from fedray.platform.runtime.checkpoint import checkpoint_file
 from fedray.platform.runtime.memory import retain_freed_memory
 from fedray.platform.runtime.pool import Job, WorkerPool
 from fedray.platform.runtime.state_store import StateStore
 from fedray.platform.runtime.transport import use_fast_tensor_transport
-from fedray.platform.runtime.worker import EVAL_CHUNK, ClientResult, client_model_state, make_client_model
+from fedray.platform.runtime.worker import (
+    EVAL_CHUNK,
+    ClientActor,
+    ClientResult,
+    client_model_state,
+    make_client_model,
+)
 
-CHECKPOINT_FILE = "checkpoint.pt"
 EVAL_CLIENTS_PER_JOB = 32  # clients one evaluation call tests: amortises a call, still spreads the work
 TRAIN_CLIENTS_PER_JOB = 8  # most clients one training call trains
 SAMPLES_PER_CALL = 256  # small clients share a call until it holds this many training samples
@@ -161,7 +167,6 @@ def worker_options(cfg: ExperimentConfig, placement_group=None) -> dict[str, Any
 def start_worker(cfg: ExperimentConfig, options: dict[str, Any]):
     """One ClientActor (the driver starts the first ones while it loads data; the Coordinator starts
     replacements). Its threads follow the CPUs Ray gives it."""
-    from fedray.platform.runtime.worker import ClientActor
 
     actor = ClientActor.options(**options)  # type: ignore[attr-defined]  # @ray.remote's ActorClass
     return actor.remote(cfg, max(1, int(cfg.ray.num_cpus_per_client)))
@@ -427,14 +432,14 @@ class RoundLoop:
             "last_client_acc": self.last_client_acc,
             "torch_rng": torch.get_rng_state(),
         }
-        path = storage.join(self.checkpoint_dir, CHECKPOINT_FILE)
+        path = checkpoint_file(self.checkpoint_dir)
         storage.save_torch(state, path)
         self.store.prune(self.checkpoint_dir)
         self.emit("checkpoint", round=done, path=path)
 
     def load_checkpoint(self, checkpoint_dir: str) -> list[dict[str, float]]:
         """Restore the run as the checkpoint left it; returns the rounds' metrics so far."""
-        state = storage.load_torch(storage.join(checkpoint_dir, CHECKPOINT_FILE))
+        state = storage.load_torch(checkpoint_file(checkpoint_dir))
         self.server.load_state_dict(state["server"])
         self.store.read(checkpoint_dir, state["states"])
         self.history = state["history"]

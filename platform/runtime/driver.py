@@ -16,7 +16,6 @@ import signal
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,9 +25,8 @@ import pandas as pd
 import torch
 import yaml
 
-from fedray.platform.apps.progress import Progress, mb
 from fedray.platform.catalog import build_config
-from fedray.platform.config import ExperimentConfig, config_yaml
+from fedray.platform.config import ExperimentConfig
 from fedray.platform.data import (
     Federation,
     build_federation,
@@ -42,10 +40,19 @@ from fedray.platform.data.split_file import dumps_split, federation_to_split
 from fedray.platform.errors import ConfigError, first_line
 from fedray.platform.models import arch_for_client, build_model
 from fedray.platform.runtime import storage
+from fedray.platform.runtime.checkpoint import (
+    checkpoint_dir_of,
+    checkpoint_file,
+    has_checkpoint,
+    new_checkpoint_dir,
+    saved_config_text,
+)
 from fedray.platform.runtime.processes import KeptRuntime, Runtime, start_runtime
+from fedray.platform.runtime.progress import Progress, mb
 from fedray.platform.runtime.transport import use_fast_tensor_transport
+from fedray.platform.tracking.dataset import federation_dataset
 from fedray.platform.tracking.descriptions import run_description
-from fedray.platform.tracking.mlflow_run import TAG_CHECKPOINT, RunTracker, checkpoint_dir_of, run_name
+from fedray.platform.tracking.mlflow_run import TAG_CHECKPOINT, RunTracker
 from fedray.platform.tracking.outage import TrackingUnavailable
 
 FINAL_KEYS = ("acc/personal_mean", "acc/personal_std", "acc/personal_weighted", "acc/global")
@@ -250,9 +257,7 @@ def restart_from_checkpoint(runtime: Runtime, ckpt_dir: str) -> int:
     returns the round it goes on from. The rounds after it are recomputed to the same numbers."""
     import ray
 
-    from fedray.platform.runtime.coordinator import CHECKPOINT_FILE
-
-    if not storage.exists(storage.join(ckpt_dir, CHECKPOINT_FILE)):
+    if not has_checkpoint(ckpt_dir):
         return 0
     return len(ray.get(runtime.coordinator.load_checkpoint.remote(ckpt_dir)))
 
@@ -269,7 +274,6 @@ def log_unlogged_rounds(tracker: RunTracker, history: list[dict[str, float]]) ->
 def record_new_run(tracker: RunTracker, cfg, fed, baseline, ckpt_dir: str) -> None:
     """A new MLflow run's description, config, dataset input, partition and the checkpoint
     directory it resumes from."""
-    from fedray.platform.tracking.dataset import federation_dataset
 
     tracker.describe(run_description(cfg))
     tracker.set_tags({TAG_CHECKPOINT: ckpt_dir})
@@ -460,16 +464,6 @@ def sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
-def new_checkpoint_dir(cfg: ExperimentConfig) -> str:
-    """``<storage path>/<run name>-<time>-<random>``, made before the MLflow run exists (its tag
-    points here) and holding the run's config, so ``--resume`` needs nothing else."""
-    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    path = storage.join(storage.resolve(cfg.storage_path), f"{run_name(cfg)}-{stamp}")
-    storage.make_dirs(path)
-    storage.write_bytes(storage.join(path, "config.yaml"), config_yaml(cfg).encode())
-    return path
-
-
 def log_final(
     tracker: RunTracker, result: Result, fed: Federation, global_model, client_models, note: str
 ) -> None:
@@ -507,13 +501,9 @@ def log_final(
 
 def resume_experiment(run_id: str, **kwargs: Any) -> Result:
     """Continue an interrupted run from its last checkpoint, to the same final numbers."""
-    from fedray.platform.runtime.coordinator import CHECKPOINT_FILE
-
     directory = checkpoint_dir_of(run_id)
-    storage.load_torch(
-        storage.join(directory, CHECKPOINT_FILE)
-    )  # an altered checkpoint stops here, before Ray
-    raw = yaml.safe_load(storage.read_bytes(storage.join(directory, "config.yaml")).decode())
+    storage.load_torch(checkpoint_file(directory))  # an altered checkpoint stops here, before Ray
+    raw = yaml.safe_load(saved_config_text(directory))
     # a run saved before model.init existed gave every client its own initial draw
     raw.setdefault("model", {}).setdefault("init", "per_client")
     return run_experiment(build_config(raw), resume_run_id=run_id, **kwargs)

@@ -13,7 +13,7 @@ dispatch on this project's CPU (measured in one process on the cross-device shap
 FedAvg CNN at batch 10: 75 ms a client through the Trainer, 46 ms through this loop, 45 ms for a
 hand-written loop; Lightning Fabric's ``setup`` per client was 50 ms), and a cross-device client
 trains for about 30 ms. A Trainer also moves the module between devices and empties the CUDA cache
-around every fit. Hooks this loop does not call are refused up front (:func:`check_client_class`),
+around every fit. Hooks this loop does not call are refused up front (:mod:`fedray.platform.api.contract`),
 so an algorithm never silently loses one.
 """
 
@@ -23,42 +23,11 @@ import contextlib
 from collections.abc import Iterable
 from typing import Any
 
-import lightning as L
 import torch
 
 from fedray.platform.config import TrainConfig
 from fedray.platform.data.augment import crop_flip
 from fedray.platform.errors import ContractError
-
-# Lightning hooks whose overrides the loop would not honour: an algorithm that overrides one is
-# refused with one line when the run is configured (not half-way through a round).
-UNSUPPORTED_HOOKS = {
-    "optimizer_step": "the platform steps the optimizer (train.grad_clip, train.precision)",
-    "optimizer_zero_grad": "the platform zeroes the gradients before backward",
-    "backward": "the platform calls loss.backward() (scaled under train.precision=16-mixed)",
-    "configure_gradient_clipping": "set train.grad_clip instead",
-    "lr_scheduler_step": "schedulers from configure_optimizers step by their interval",
-    "configure_callbacks": "there is no Trainer to attach callbacks to",
-    "validation_step": "evaluation is the platform's: override eval_logits",
-    "test_step": "evaluation is the platform's: override eval_logits",
-    "predict_step": "evaluation is the platform's: override eval_logits",
-}
-
-
-def check_client_class(name: str, client_cls: type) -> None:
-    """One line naming the first rule ``client_cls`` breaks: a hook the loop does not call, or manual
-    optimisation (``automatic_optimization = False``)."""
-    for hook, why in UNSUPPORTED_HOOKS.items():
-        if getattr(client_cls, hook, None) is not getattr(L.LightningModule, hook, None):
-            raise ContractError(
-                f"algorithm {name!r}: {client_cls.__name__} overrides LightningModule.{hook}, which "
-                f"fedray's worker loop does not call ({why})"
-            )
-    if getattr(client_cls, "automatic_optimization", True) is False:
-        raise ContractError(
-            f"algorithm {name!r}: {client_cls.__name__} sets automatic_optimization=False; fedray's "
-            "worker loop runs automatic optimisation only (return the loss from training_step)"
-        )
 
 
 def single_optimizer(configured: Any, who: str) -> tuple[torch.optim.Optimizer, list[dict[str, Any]]]:

@@ -9,6 +9,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedray.platform.config import ExperimentConfig
+from fedray.platform.runtime.coordinator import (
+    Coordinator,
+    coordinator_scheduling,
+    pool_size,
+    start_worker,
+    worker_options,
+)
 
 
 @dataclass
@@ -118,14 +125,6 @@ def start_runtime(cfg: ExperimentConfig, placement_group=None, num_actors: int |
     Lightning at the same time, while the driver goes on. The last run's processes are taken
     where they fit (KeptRuntime)."""
     import ray
-
-    from fedray.platform.runtime.coordinator import (
-        Coordinator,
-        coordinator_scheduling,
-        pool_size,
-        start_worker,
-        worker_options,
-    )
 
     options = worker_options(cfg, placement_group)
     free = dict(ray.available_resources() or ray.cluster_resources())

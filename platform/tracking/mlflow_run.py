@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from fedray.platform.config import ExperimentConfig, config_yaml, flatten
-from fedray.platform.errors import first_line
+from fedray.platform.errors import ConfigError, first_line
 from fedray.platform.tracking.outage import PatientCalls, shorten_http_retries, unreachable
 
 TAG_CHECKPOINT = "fedray.checkpoint_dir"
@@ -270,8 +270,6 @@ class SystemMetrics:
 
 def existing_experiment(client, name: str, uri: str):
     """The experiment called ``name``; a one-line ConfigError naming the ones there when missing."""
-    from fedray.platform.errors import ConfigError
-
     found = client.get_experiment_by_name(name)
     if found is None:
         known = ", ".join(repr(n) for n in sorted(e.name for e in client.search_experiments())) or "none"
@@ -286,20 +284,14 @@ def experiment_id(client, name: str, uri: str) -> str:
     return client.create_experiment(name, artifact_location=_artifact_root(uri))
 
 
-def checkpoint_dir_of(run_id: str, uri: str | None = None) -> str:
-    """The checkpoint folder (a path or a storage URI) a run recorded, for ``fedray run --resume RUN_ID``."""
+def recorded_checkpoint_dir(run_id: str, uri: str | None = None) -> str | None:
+    """The checkpoint folder (a path or a storage URI) a run recorded in its tag, if any."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
-
-    from fedray.platform.errors import ConfigError
-    from fedray.platform.runtime import storage
 
     uri = uri or tracking_uri()
     try:
         run = MlflowClient(tracking_uri=uri).get_run(run_id)
     except MlflowException:
         raise ConfigError(f"--resume {run_id}: no such run in the MLflow store {uri}") from None
-    path = run.data.tags.get(TAG_CHECKPOINT)
-    if not path or not storage.exists(storage.join(path, "checkpoint.pt")):
-        raise ConfigError(f"--resume {run_id}: the run has no checkpoint to resume from (looked in {path})")
-    return path
+    return run.data.tags.get(TAG_CHECKPOINT)

@@ -1,4 +1,5 @@
-"""Live progress per round (round, clients done, accuracy, bytes sent) and the closing summary table.
+"""A run's live progress per round (round, clients done, accuracy, bytes sent), drawn from the
+Coordinator's events by the driver, so a run started from a notebook shows what ``fedray run`` shows.
 
 On a terminal it is a rich live bar; elsewhere (CI, pipes) one plain line per round.
 """
@@ -9,7 +10,6 @@ import sys
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 
 def mb(nbytes: float) -> float:
@@ -98,26 +98,3 @@ class Progress:
             self._bar.console.print(line, highlight=False)
         else:
             print(line, flush=True)
-
-
-def summary_table(rows: list[dict[str, Any]], title: str = "fedray") -> Table:
-    """rows: algorithm, personal mean/std, global, MB up/down, wall time (and anything else present)."""
-    table = Table(title=title)
-    columns = list(dict.fromkeys(k for row in rows for k in row))
-    for col in columns:
-        table.add_column(col, justify="left" if col in ("algorithm", "run id") else "right")
-    for row in rows:
-        table.add_row(*[_cell(row.get(col)) for col in columns])
-    return table
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.2f}"
-    return str(value)
-
-
-def print_table(table: Table) -> None:
-    Console(file=sys.stdout, width=160).print(table)
