@@ -12,7 +12,7 @@ from pathlib import Path
 from fedray.platform.api import registry
 from fedray.platform.config import Catalog, ExperimentConfig, loading
 from fedray.platform.data import known_datasets, split_file_num_clients
-from fedray.platform.data.datasets import dataset_info
+from fedray.platform.data.datasets import dataset_info, unknown_dataset
 from fedray.platform.data.federation import parse_normalize
 from fedray.platform.errors import ConfigError
 from fedray.platform.models import is_known_model, model_group
@@ -20,12 +20,9 @@ from fedray.platform.models.checks import require_homogeneous, shared_feature_di
 
 
 def check_dataset(cfg: ExperimentConfig) -> None:
-    d = cfg.data
-    if d.dataset not in known_datasets():
-        raise ConfigError(
-            f"data.dataset={d.dataset!r}: unknown dataset; known: {', '.join(known_datasets())}"
-        )
-    parse_normalize(d.normalize)
+    if cfg.data.dataset not in known_datasets():
+        raise unknown_dataset(cfg.data.dataset)
+    parse_normalize(cfg.data.normalize)
 
 
 def check_model(cfg: ExperimentConfig) -> None:

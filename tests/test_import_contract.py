@@ -97,7 +97,7 @@ def layer_of(module: str) -> tuple[int, str]:
 
 def violations(sources: dict[str, str]) -> list[str]:
     """Every import that breaks the contract, one line each."""
-    known = set(sources) | {m + ".__init__" for m in sources if m in {s.rsplit(".", 1)[0] for s in sources}}
+    known = set(sources)
     problems = []
     for module, source in sources.items():
         my_layer, my_package = layer_of(module)
@@ -111,12 +111,7 @@ def violations(sources: dict[str, str]) -> list[str]:
             elif their_package != my_package and their_layer >= my_layer:
                 kind = "a sibling" if their_layer == my_layer else "a layer above"
                 problems.append(f"{where}: {kind} ({their_package})")
-            if (
-                in_function
-                and (module, target.rsplit(".", 1)[0] if target not in sources else target)
-                not in (LAZY_IMPORTS)
-                and (module, target) not in LAZY_IMPORTS
-            ):
+            if in_function and (module, target) not in LAZY_IMPORTS:
                 problems.append(
                     f"{where} inside a function: import at the top, or name the reason in LAZY_IMPORTS"
                 )

@@ -186,20 +186,20 @@ def dataset_info(cfg: DataConfig) -> tuple[int, int, int]:
         train_dir = _imagefolder_dirs(cfg)[0]
         classes = _class_dirs(train_dir)
         return len(classes), 3, _imagefolder_image_size(train_dir, classes)
-    raise _unknown_dataset(cfg.dataset)
+    raise unknown_dataset(cfg.dataset)
 
 
 # ------------------------------------------------------------------------------------------ pre-flight
 
 
-def _unknown_dataset(name: str) -> ConfigError:
+def unknown_dataset(name: str) -> ConfigError:
     return ConfigError(f"data.dataset={name!r}: unknown dataset; known: {', '.join(known_datasets())}")
 
 
 def _check_source(cfg: DataConfig) -> None:
     """The dataset is known and its files are where the config says (or will be downloaded)."""
     if cfg.dataset not in known_datasets():
-        raise _unknown_dataset(cfg.dataset)
+        raise unknown_dataset(cfg.dataset)
     if cfg.dataset == "synthetic":
         if cfg.synthetic_classes < 1:
             raise ConfigError(f"data.synthetic_classes={cfg.synthetic_classes}: must be >= 1")

@@ -15,16 +15,26 @@ def _values(algo: AlgorithmConfig | None) -> str:
     return ", ".join(f"{k}={v}" for k, v in fields.items()) or "no hyperparameters"
 
 
-def _partition(cfg: ExperimentConfig) -> str:
+def partition_names(cfg: ExperimentConfig) -> tuple[str, str]:
+    """The partition as a short label (run names, the dataset entity) and as a phrase (descriptions)."""
     p = cfg.data.partition
-    text = {
-        "iid": "IID",
-        "dirichlet": f"Dirichlet(alpha={p.alpha:g}) label skew",
-        "shards": f"{p.classes_per_client} label shards per client",
-        "shamsian": f"pathological, {p.classes_per_client} classes per client",
-        "file": f"the split file {p.path}",
+    label, text = {
+        "iid": ("iid", "IID"),
+        "dirichlet": (f"dir{p.alpha:g}", f"Dirichlet(alpha={p.alpha:g}) label skew"),
+        "shards": (f"shards{p.classes_per_client}", f"{p.classes_per_client} label shards per client"),
+        "shamsian": (
+            f"pat{p.classes_per_client}",
+            f"pathological, {p.classes_per_client} classes per client",
+        ),
+        "file": ("file", f"the split file {p.path}"),
     }[p.kind]
-    return f"long-tailed (rho={p.long_tail_rho:g}), {text}" if p.long_tail_rho else text
+    if p.long_tail_rho:
+        return f"lt{p.long_tail_rho:g}-{label}", f"long-tailed (rho={p.long_tail_rho:g}), {text}"
+    return label, text
+
+
+def _partition(cfg: ExperimentConfig) -> str:
+    return partition_names(cfg)[1]
 
 
 def _init(cfg: ExperimentConfig) -> str:

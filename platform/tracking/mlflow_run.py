@@ -18,6 +18,7 @@ from pathlib import Path
 
 from fedray.platform.config import ExperimentConfig, config_yaml, flatten
 from fedray.platform.errors import ConfigError, first_line
+from fedray.platform.tracking.descriptions import partition_names
 from fedray.platform.tracking.outage import PatientCalls, shorten_http_retries, unreachable
 
 TAG_CHECKPOINT = "fedray.checkpoint_dir"
@@ -56,15 +57,7 @@ def _artifact_root(uri: str) -> str | None:
 
 
 def partition_label(cfg: ExperimentConfig) -> str:
-    p = cfg.data.partition
-    label = {
-        "iid": "iid",
-        "dirichlet": f"dir{p.alpha:g}",
-        "shards": f"shards{p.classes_per_client}",
-        "shamsian": f"pat{p.classes_per_client}",
-        "file": "file",
-    }[p.kind]
-    return f"lt{p.long_tail_rho:g}-{label}" if p.long_tail_rho else label
+    return partition_names(cfg)[0]
 
 
 def run_name(cfg: ExperimentConfig) -> str:
