@@ -46,6 +46,9 @@ def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]
 
 
 class FedAvgServer(Server):
+    UPLINK_KEYS: ClassVar[tuple[str, ...]] = ("model", "num_samples")
+    STATE: ClassVar[tuple[str, ...]] = ("model",)
+
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
         self.model = ctx.make_model(0)

@@ -64,10 +64,12 @@ from fedray.platform.api import (
     Payload,
     Server,
     ServerContext,
+    client_count,
     clients_per_round,
     cpu_state,
     derive_seed,
     register,
+    round_count,
 )
 
 Selection = Literal["in_order", "highest_similarity", "lowest_similarity"]
@@ -200,6 +202,8 @@ class FedCrossServer(Server):
     global model (their uniform mean), which is only evaluated."""
 
     hp: FedCrossConfig
+    UPLINK_KEYS = ("model",)  # K uploads of equal weight: no sample count
+    STATE = ("num_models", "model", "middleware", "assignment", "collaborators")
 
     def __init__(self, ctx: ServerContext) -> None:
         super().__init__(ctx)
@@ -277,23 +281,19 @@ class FedCrossClient(ClientModule):
 @dataclass
 class FedCrossConfig(AlgorithmConfig):
     WHOLE_MODEL: ClassVar[bool] = True  # cross-aggregates whole middleware models
-    ROUND_FIELDS: ClassVar[tuple[str, ...]] = (
-        "propeller_rounds",
-        "dynamic_alpha_rounds",
-        "dynamic_alpha_start_round",
-    )  # scaled by --scale
-    CLIENT_FIELDS: ClassVar[tuple[str, ...]] = ("num_middleware",)  # scaled like data.num_clients
     MIN_PARTICIPANTS: ClassVar[int] = 2  # cross-aggregation needs a collaborator
     alpha: float = 0.99  # cross-aggregation self weight (paper default; range [0.5, 1))
     selection: Selection = "lowest_similarity"  # CoModelSel; the paper's main experiments use lowest
-    num_middleware: int | None = (
-        None  # K; null = train.fraction * N. Set, it also fixes the clients per round
-    )
+    num_middleware: int | None = client_count(
+        None
+    )  # K; null = train.fraction * N; also the clients per round
     same_init: bool = True  # all K models copy one random init
-    propeller_rounds: int = 0  # PM acceleration for rounds 0..propeller_rounds-1 (paper: 100); 0 = off
+    propeller_rounds: int = round_count(
+        0
+    )  # PM acceleration for rounds 0..propeller_rounds-1 (paper: 100); 0 = off
     propeller_num: int = 4  # P propeller models per middleware model
-    dynamic_alpha_rounds: int = 0  # DA ramp length (paper: 100; 50 in PM-DA); 0 = off
-    dynamic_alpha_start_round: int = 0  # first DA round (PM-DA: = propeller_rounds)
+    dynamic_alpha_rounds: int = round_count(0)  # DA ramp length (paper: 100; 50 in PM-DA); 0 = off
+    dynamic_alpha_start_round: int = round_count(0)  # first DA round (PM-DA: = propeller_rounds)
 
     def participants(self) -> int | None:
         """The paper's K is both the middleware count and the clients per round: setting one sets both."""

@@ -39,7 +39,7 @@ Implementation choices (reasons in docs/algorithms/fedl2g.md where the paper is 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,7 @@ from fedray.platform.api import (
     ServerContext,
     derive_seed,
     register,
+    round_count,
 )
 
 Variant = Literal["f", "l"]
@@ -147,6 +148,8 @@ class FedL2GServer(Server):
     """Holds G as an ``nn.Embedding(C, M)`` and updates it with a stock SGD step on the mean pi."""
 
     hp: FedL2GConfig
+    UPLINK_KEYS = ("classes", "rows")
+    STATE = ("guide", "optimizer")
 
     def __init__(self, ctx: ServerContext) -> None:
         super().__init__(ctx)
@@ -244,11 +247,10 @@ class FedL2GClient(ClientModule):
 @register("fedl2g", server=FedL2GServer, client=FedL2GClient)
 @dataclass
 class FedL2GConfig(AlgorithmConfig):
-    ROUND_FIELDS: ClassVar[tuple[str, ...]] = ("warmup_rounds",)  # scaled by --scale
     variant: Variant = "f"  # "f": guide features (M = K); "l": guide logits (M = C)
     server_lr: float | None = None  # eta_s; null = the paper's default for the variant: 100 (f), 0.1 (l)
     server_clip: float | None = 100.0  # max norm of the averaged pi before the server step; null = none
-    warmup_rounds: int = 50  # T': rounds without local training
+    warmup_rounds: int = round_count(50)  # T': rounds without local training
     quiz_size: int = 10  # |D^q|: one batch
     study_batch: int = 10  # |B^s| of the pseudo step
 

@@ -94,6 +94,8 @@ class FedProtoServer(Server):
     """Keeps the global prototypes ``[C, d]`` and their mask ``[C]``; none before the first uploads."""
 
     hp: FedProtoConfig
+    UPLINK_KEYS = ("classes", "protos", "counts")
+    STATE = ("dim", "protos", "mask")
 
     def __init__(self, ctx: ServerContext) -> None:
         super().__init__(ctx)
@@ -133,6 +135,7 @@ class FedProtoClient(ClientModule):
     """CE + lam * prototype pull (Eq. 5); uploads the prototypes of the classes it holds (Eq. 4)."""
 
     hp: FedProtoConfig
+    eval_mode = "own"  # its own extractor, scored against the global prototypes (load_for_eval)
     targets: Tensor  # held
     has_target: Tensor  # held
 

@@ -186,6 +186,8 @@ class FedSCServer(FedAvgServer):
     """FedAvg's global model plus R (``[K_r, C, d]`` + mask) and O (``[C, d]`` + mask) of the last round."""
 
     hp: FedSCConfig
+    UPLINK_KEYS = (*FedAvgServer.UPLINK_KEYS, "prototypes", "class_counts")
+    STATE = (*FedAvgServer.STATE, "relational", "relational_mask", "consistent", "consistent_mask")
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)

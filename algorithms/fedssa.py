@@ -56,6 +56,7 @@ from fedray.platform.api import (
     header_rows,
     load_header_rows,
     register,
+    round_count,
     scatter_rows,
 )
 
@@ -103,11 +104,14 @@ class FedSSAServer(Server):
     """Keeps the global header ``[C, d+1]`` (random init) and each client's seen classes once known."""
 
     hp: FedSSAConfig
+    STATE = ("header", "seen_classes", "latest", "latest_seen")
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
         self.header = global_header(ctx)
         self.seen_classes: dict[int, Tensor] = {}  # client id -> S_k as sorted class indices
+        self.latest: Tensor | None = None  # [N, C, d+1] every client's latest rows ([code] variant only)
+        self.latest_seen: Tensor | None = None  # [N, C] which of them it uploaded
         if self.hp.aggregate_all_latest:  # [code] variant: every client's latest uploaded rows
             self.latest = self.header.new_zeros(ctx.num_clients, *self.header.shape)
             self.latest_seen = torch.zeros(ctx.num_clients, ctx.num_classes, dtype=torch.bool)
@@ -121,6 +125,9 @@ class FedSSAServer(Server):
             for cid in selected
         }
 
+    def uplink_keys(self) -> tuple[str, ...]:
+        return ("header",) if self.hp.comm == "full_header" else ("rows", "classes")
+
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
         if not uplinks:
             return
@@ -130,8 +137,10 @@ class FedSSAServer(Server):
         headers, seen = scatter_rows([u["rows"] for u in uplinks.values()], classes, self.ctx.num_classes)
         if self.hp.aggregate_all_latest:
             cids = torch.tensor(list(uplinks))
-            self.latest[cids], self.latest_seen[cids] = headers, seen
-            headers, seen = self.latest, self.latest_seen
+            latest, latest_seen = self.latest, self.latest_seen
+            assert latest is not None and latest_seen is not None  # made in __init__ for this variant
+            latest[cids], latest_seen[cids] = headers, seen
+            headers, seen = latest, latest_seen
         self.header = classwise_mean(headers, seen, self.header)
 
     def eval_payload(self) -> Payload | None:
@@ -145,16 +154,21 @@ class FedSSAClient(ClientModule):
     """Fuses the global seen rows into its header (Eq. 4), trains with plain CE, uploads seen rows."""
 
     hp: FedSSAConfig
+    seen: Tensor  # held
+    seen_idx: Tensor  # held
 
     def __init__(self, model, ctx) -> None:
         super().__init__(model, ctx)
-        self.seen = ctx.class_counts > 0  # [C] S_k as a mask, fixed for the run
-        self.seen_idx = self.seen.nonzero().squeeze(1)  # [|S_k|] sorted class indices
+        self.hold("seen", ctx.class_counts > 0)  # [C] S_k as a mask, fixed for the run
+        self.hold("seen_idx", self.seen.nonzero().squeeze(1))  # [|S_k|] sorted class indices
 
     def receive(self, rnd: int, payload: Payload) -> None:
         super().receive(rnd, payload)
         local = header_rows(self.model)
-        rows = payload["seen_rows"] if "seen_rows" in payload else payload["header"][self.seen_idx]
+        if "seen_rows" in payload:
+            rows = payload["seen_rows"].to(local.device)
+        else:
+            rows = payload["header"].to(local.device)[self.seen_idx]
         global_rows = local.index_copy(0, self.seen_idx, rows)  # [C, d+1]; unseen rows unused by the fuse
         mu = mu_schedule(rnd, self.hp.mu0, self.hp.t_stable)
         load_header_rows(self.model, fuse_header(global_rows, local, self.seen, mu))
@@ -170,11 +184,10 @@ class FedSSAClient(ClientModule):
 @register("fedssa", server=FedSSAServer, client=FedSSAClient)
 @dataclass
 class FedSSAConfig(AlgorithmConfig):
-    ROUND_FIELDS: ClassVar[tuple[str, ...]] = ("t_stable",)  # scaled by --scale
     SHARED_FEATURES: ClassVar[bool] = True  # class-wise header rows [d+1] shared across the group
     mu0: float = 0.5  # [code] default; the paper tunes it in (0, 1]
     # [code] homogeneous runs (2 for heterogeneous): docs/algorithms/fedssa.md, Default hyperparameters
-    t_stable: int = 45
+    t_stable: int = round_count(45)
     # True: [code]'s mean over all clients' latest rows (docs/algorithms/fedssa.md, Aggregation set)
     aggregate_all_latest: bool = False
     comm: Literal["seen_rows", "full_header"] = "seen_rows"  # what travels: S_k's rows or the whole header

@@ -73,6 +73,8 @@ class LGFedAvgServer(Server):
     """Holds the global header ``[C, d+1]``; sends it whole, FedAvg-averages the uploaded headers."""
 
     hp: LGFedAvgConfig
+    UPLINK_KEYS = ("header", "num_samples")
+    STATE = ("header",)
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -99,6 +101,7 @@ class LGFedAvgClient(ClientModule):
     """Replaces its header with the global one, trains the whole model, uploads the header."""
 
     hp: LGFedAvgConfig
+    eval_mode = "own"  # its own extractor under the global header (eval_head: global)
 
     def receive(self, rnd: int, payload: Payload) -> None:
         super().receive(rnd, payload)

@@ -43,7 +43,9 @@ class KillerClient(FedAvgClient):
         if batch_idx == 1:  # mid-fit: one optimiser step already taken
             self.kill_once("train")
             self.fail_once("cuda_error", RuntimeError("CUDA error: an illegal memory access was encountered"))
-            self.fail_once("oom", torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+            self.fail_once(
+                "oom", torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            )
         return super().training_step(batch, batch_idx)
 
     def load_for_eval(self, payload) -> None:

@@ -53,6 +53,8 @@ def test_tensors_and_plain_values_round_trip(tmp_path):
 
 
 class ServerWithModel(Server):
+    STATE = ("model", "optimizer", "counts")
+
     def __init__(self, ctx: ServerContext) -> None:
         super().__init__(ctx)
         self.model = torch.nn.Linear(3, 2)
@@ -80,7 +82,7 @@ def test_a_server_saves_its_modules_and_optimizers_as_state_dicts_and_loads_them
 
 def test_a_server_holding_another_kind_of_value_is_a_contract_error_naming_it(tmp_path):
     ctx = ServerContext(load_config(None, []), 2, 2, ["a", "a"], lambda cid: None)  # type: ignore[arg-type]
-    server = Server(ctx)
+    server = type("ProtoServer", (Server,), {"STATE": ("prototypes",)})(ctx)
     server.prototypes = {3: np.zeros(4)}  # type: ignore[attr-defined]
     with pytest.raises(ContractError, match=r"checkpoint\.server\.prototypes\.3 is a numpy\.ndarray") as info:
         storage.save_torch({"server": server.state_dict()}, str(tmp_path / "c.pt"))

@@ -147,7 +147,9 @@ def test_a_downlink_changed_in_place_is_refused():
 
 def test_the_trainer_is_not_there_and_says_so():
     _, fed, host = host_for(algorithm="trainer_probe", **{"train.local_epochs": 1})
-    with pytest.raises(ContractError, match=r"TrainerClient\.trainer: fedray trains clients with its own loop"):
+    with pytest.raises(
+        ContractError, match=r"TrainerClient\.trainer: fedray trains clients with its own loop"
+    ):
         host.train(0, [ClientTask(0, [fed.shards[0]])], [[{}]])
 
 

@@ -153,7 +153,9 @@ def test_report_has_every_section_and_the_stores_numbers(store, report):
         assert float(down["data-value"]) == pytest.approx(metrics["comm/down_bytes_cum"] / MIB)
         # the wall time the CLI printed, which the run's span (the UI's Duration) agrees with
         assert float(wall["data-value"]) == metrics["time/wall_s"]
-        assert metrics["time/wall_s"] == pytest.approx((run.info.end_time - run.info.start_time) / 1000, abs=1)
+        assert metrics["time/wall_s"] == pytest.approx(
+            (run.info.end_time - run.info.start_time) / 1000, abs=1
+        )
 
     # the same numbers, unrounded, in summary.csv
     import pandas as pd
@@ -415,7 +417,11 @@ def test_report_of_runs_without_client_test_data_ranks_by_global_accuracy(tmp_pa
     client = MlflowClient(uri)
     eid = client.create_experiment("global_only", artifact_location=(tmp_path / "art").as_uri())
     finals = {}
-    for algo, seed, accs in [("fedavg", 0, [0.3, 0.4]), ("fedavg", 1, [0.32, 0.44]), ("fedsc", 0, [0.35, 0.5])]:
+    for algo, seed, accs in [
+        ("fedavg", 0, [0.3, 0.4]),
+        ("fedavg", 1, [0.32, 0.44]),
+        ("fedsc", 0, [0.35, 0.5]),
+    ]:
         tags = {"algorithm": algo, "seed": str(seed), "dataset": "cifar10", "partition": "dir0.2"}
         run = client.create_run(eid, tags=tags, run_name=f"{algo}-s{seed}")
         for step, acc in enumerate(accs, start=1):

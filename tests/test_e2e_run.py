@@ -59,7 +59,9 @@ def test_local_sends_nothing_and_has_no_global_model(mlflow_store, tmp_path):
     # personalised models are logged: every client trained, so all four
     mlflow.set_tracking_uri(mlflow_store)
     logged = mlflow.search_logged_models([result.experiment_id], output_format="list")
-    assert sorted(m.name for m in logged if m.source_run_id == result.run_id) == [f"client_{k}" for k in range(4)]
+    assert sorted(m.name for m in logged if m.source_run_id == result.run_id) == [
+        f"client_{k}" for k in range(4)
+    ]
     model = mlflow.pytorch.load_model(f"runs:/{result.run_id}/client_2")
     assert model(torch.zeros(3, 1, 8, 8)).shape == (3, 10)  # the synthetic set has 10 classes
 

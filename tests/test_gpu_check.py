@@ -75,7 +75,9 @@ def test_metric_comparison_ignores_timings_and_names_the_first_difference():
     first = history(acc_global=[0.5, 0.6], time_round_s=[1.0, 1.1], acc_majority=[math.nan])
     same = history(acc_global=[0.5, 0.6], time_round_s=[3.0, 0.2], acc_majority=[math.nan])
     assert gpu_check.metric_differences(first, same) == []
-    changed = history(acc_global=[0.5, 0.7], time_round_s=[1.0, 1.1], acc_majority=[math.nan], loss_prox=[0.1])
+    changed = history(
+        acc_global=[0.5, 0.7], time_round_s=[1.0, 1.1], acc_majority=[math.nan], loss_prox=[0.1]
+    )
     assert gpu_check.metric_differences(first, changed) == [
         "acc/global at step 2: 0.6 vs 0.7",
         "loss/prox: steps [] vs [1]",
@@ -87,7 +89,9 @@ def test_a_resumed_run_is_compared_with_the_first_rounds_of_a_longer_one():
     resumed = history(acc_global=[0.5, 0.6, 0.7, 0.8], final_global=[0.0, 0.0, 0.0, 0.8])
     ignore = gpu_check.IGNORED_PREFIXES + gpu_check.END_OF_RUN_PREFIXES
     assert gpu_check.metric_differences(longer, resumed, ignore, last_step=4) == []
-    assert gpu_check.metric_differences(longer, resumed, ignore) == ["acc/global: steps [1, 2, 3, 4, 5] vs [1, 2, 3, 4]"]
+    assert gpu_check.metric_differences(longer, resumed, ignore) == [
+        "acc/global: steps [1, 2, 3, 4, 5] vs [1, 2, 3, 4]"
+    ]
 
 
 def test_check_9_wants_exit_2_and_one_line_naming_the_key_in_under_a_minute():
@@ -104,14 +108,19 @@ def test_a_row_fails_on_a_requirement_and_lists_gpu_expectations_it_could_not_ch
     assert row.passed  # not checked is not failed
     row.expect(False, "4 workers", "2", None)
     assert not row.passed and row.result == "FAIL"
-    assert row.cells()[-1] == "FAIL: expected 4 workers (got 2); not checked (pretend): device tag cuda... (got 'cpu')"
+    assert (
+        row.cells()[-1]
+        == "FAIL: expected 4 workers (got 2); not checked (pretend): device tag cuda... (got 'cpu')"
+    )
     skipped = Row("2 baseline")
     skipped.skip("check 1's run failed")
     assert not skipped.passed and skipped.result == "skipped: check 1's run failed"
 
 
 def test_the_table_renders_as_text_and_as_markdown():
-    ok = Row("1 quickstart", gpu_procs="4", util="37 / 80", round_s="0.41", acc="0.9777", notes=["device cuda"])
+    ok = Row(
+        "1 quickstart", gpu_procs="4", util="37 / 80", round_s="0.41", acc="0.9777", notes=["device cuda"]
+    )
     bad = Row("9 GPU asked for, none visible")
     bad.require(False, "exit status 1 | expected 2")
     text = gpu_check.render_text([ok, bad]).splitlines()
@@ -127,7 +136,10 @@ def test_cross_device_data_comes_from_data_an_archive_or_the_synthetic_stand_in(
     tree = tmp_path / "cifar"
     (tree / "train").mkdir(parents=True)
     (tree / "test").mkdir()
-    assert gpu_check.cross_device_data(str(tree)).overrides == ["data.dataset=imagefolder", f"data.root={tree}"]
+    assert gpu_check.cross_device_data(str(tree)).overrides == [
+        "data.dataset=imagefolder",
+        f"data.root={tree}",
+    ]
     assert gpu_check.cross_device_data("synthetic").overrides == gpu_check.SYNTHETIC
     fallback = gpu_check.cross_device_data(None, archives=(tmp_path / "missing.tar.gz",))
     assert fallback.overrides == gpu_check.SYNTHETIC and "1 channel" in fallback.label
@@ -136,7 +148,11 @@ def test_cross_device_data_comes_from_data_an_archive_or_the_synthetic_stand_in(
 
 
 def test_every_checkpoint_file_is_loaded_and_its_tensors_found(tmp_path):
-    state = {"server": {"w": torch.zeros(2)}, "rows": [torch.ones(3), (torch.ones(1),)], "obj": SimpleNamespace(t=torch.zeros(4))}
+    state = {
+        "server": {"w": torch.zeros(2)},
+        "rows": [torch.ones(3), (torch.ones(1),)],
+        "obj": SimpleNamespace(t=torch.zeros(4)),
+    }
     assert sorted(t.numel() for t in gpu_check.tensors_in(state)) == [1, 2, 3, 4]
     (tmp_path / "states").mkdir()
     # a checkpoint holds tensors and plain values only (one carrying an object is refused on loading)
@@ -158,7 +174,9 @@ def test_only_takes_check_numbers():
 def test_a_command_past_its_time_limit_is_killed_with_what_it_started(tmp_path):
     ctx = gpu_check.Context(tmp_path, pretend=True, smi_on=False, data=None, rounds=1)
     # a child that leaves the process group, as a daemon might: ended by pid afterwards
-    code = "import subprocess, time; subprocess.Popen(['sleep', '60'], start_new_session=True); time.sleep(60)"
+    code = (
+        "import subprocess, time; subprocess.Popen(['sleep', '60'], start_new_session=True); time.sleep(60)"
+    )
     started = time.monotonic()
     outcome = ctx.run_command("sleeper", [sys.executable, "-c", code], timeout=2)
     assert time.monotonic() - started < 15

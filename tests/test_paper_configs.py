@@ -40,7 +40,7 @@ def test_a_scaled_paper_config_runs_a_round(path, factor):
 
     # rounds and clients shrink, the algorithm's round counts keep their share and stay >= 1
     assert 1 <= cfg.rounds <= paper.rounds and 2 <= cfg.data.num_clients <= paper.data.num_clients
-    for name in getattr(cfg.algo, "ROUND_FIELDS", ()):
+    for name in cfg.algo.scaled_fields("rounds"):
         assert getattr(cfg.algo, name) >= min(1, getattr(paper.algo, name)), name
     assert clients_per_round(cfg) >= getattr(cfg.algo, "MIN_PARTICIPANTS", 1)
 

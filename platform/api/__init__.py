@@ -21,7 +21,13 @@ from fedray.platform.api.algorithm import (
 from fedray.platform.api.header import header_rows, load_header_rows
 from fedray.platform.api.prototypes import class_prototypes, scatter_rows
 from fedray.platform.api.registry import register
-from fedray.platform.config import AlgorithmConfig, ExperimentConfig, clients_per_round
+from fedray.platform.config import (
+    AlgorithmConfig,
+    ExperimentConfig,
+    client_count,
+    clients_per_round,
+    round_count,
+)
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ConfigError, ContractError
 from fedray.platform.models import FedModel
@@ -40,11 +46,13 @@ __all__ = [
     "ServerContext",
     "batch_loader",
     "class_prototypes",
+    "client_count",
     "clients_per_round",
     "cpu_state",
     "derive_seed",
     "header_rows",
     "load_header_rows",
     "register",
+    "round_count",
     "scatter_rows",
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import lightning as L
 import numpy as np
@@ -24,7 +24,7 @@ from fedray.platform.api.contract import check_client_class
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.data import ArrayDataset
-from fedray.platform.errors import ContractError
+from fedray.platform.errors import CheckpointError, ContractError
 from fedray.platform.models import FedModel
 
 Payload = dict[str, Any]
@@ -131,10 +131,15 @@ class ClientContext:
 class Server:
     """Server half. Lives in the Coordinator; holds whatever the algorithm keeps between rounds.
 
-    Checkpointing saves every attribute but ``ctx`` and ``hp``; keep server state in attributes.
+    Two declarations, checked by the platform: ``UPLINK_KEYS``, the keys ``aggregate`` reads from
+    every uplink (each round's uplinks must carry exactly these), and ``STATE``, the attributes a
+    checkpoint keeps and a resumed run restores (every attribute but ``ctx`` and ``hp``; a checkpoint
+    whose keys differ is refused on load).
     """
 
     hp: AlgorithmConfig  # the algorithm's own config section; a subclass names its own type
+    UPLINK_KEYS: ClassVar[tuple[str, ...]] = ()
+    STATE: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: ServerContext) -> None:
         assert ctx.cfg.algo is not None, "a ServerContext is built from a resolved config"
@@ -154,6 +159,10 @@ class Server:
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
         """Fold this round's uplinks (sorted by client id) into the server state."""
 
+    def uplink_keys(self) -> tuple[str, ...]:
+        """The keys of every uplink: ``UPLINK_KEYS``, or an override where they follow a hyperparameter."""
+        return self.UPLINK_KEYS
+
     def global_model(self) -> nn.Module | None:
         """The model evaluated on the global test set, for algorithms that have one."""
         return None
@@ -164,16 +173,30 @@ class Server:
         return None if model is None else {"model": cpu_state(model)}
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the server: its attributes, a module or optimizer as its own
-        ``state_dict()``. A checkpoint holds tensors and plain values only (it is loaded with
+        """What a checkpoint keeps of the server: the ``STATE`` attributes, a module or optimizer as
+        its own ``state_dict()``. A checkpoint holds tensors and plain values only (it is loaded with
         ``weights_only``), so an attribute of another kind needs these two methods overridden."""
-        return {
-            k: v.state_dict() if isinstance(v, STATEFUL) else v
-            for k, v in vars(self).items()
-            if k not in ("ctx", "hp")
-        }
+        who = type(self).__name__
+        for k in sorted(vars(self).keys() - {"ctx", "hp"} - set(self.STATE)):
+            raise ContractError(
+                f"{who}.{k} is not in {who}.STATE, the attributes a checkpoint keeps: a resumed run "
+                "would start it afresh (add it to STATE)"
+            )
+        for k in self.STATE:
+            if not hasattr(self, k):
+                raise ContractError(f"{who}.STATE names {k!r}, which {who} does not have")
+        state = {k: getattr(self, k) for k in self.STATE}
+        return {k: v.state_dict() if isinstance(v, STATEFUL) else v for k, v in state.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        who = type(self).__name__
+        if set(state) != set(self.STATE):  # an attribute renamed since: never resume with a fresh value
+            missing, extra = sorted(set(self.STATE) - set(state)), sorted(set(state) - set(self.STATE))
+            what = f"has no {missing[0]!r}, which" if missing else f"holds {extra[0]!r}, which"
+            raise CheckpointError(
+                f"the checkpoint's server state {what} {who}.STATE {'declares' if missing else 'does not declare'} "
+                "(it was saved by another version of the algorithm)"
+            )
         for k, v in state.items():
             current = getattr(self, k, None)
             if isinstance(current, STATEFUL):
@@ -200,11 +223,16 @@ class ClientModule(L.LightningModule):
     # The worker then trains every client on one module per architecture and no state is committed
     # or checkpointed; a receive() that leaves a parameter as it found it is refused in one line.
     keeps_state: ClassVar[bool] = True
+    # How a client is tested on its own test split. "global": with a server evaluation payload, the
+    # server's one model (the worker loads it; load_for_eval and eval_logits are not called), without
+    # one the client's own module. "own": the client's module, after load_for_eval(payload) when the
+    # server sends one (a personal extractor under a global header, say).
+    eval_mode: ClassVar[Literal["global", "own"]] = "global"
 
     @classmethod
     def check_contract(cls, algorithm: str) -> None:
         """Raise ContractError (one line) for a rule this class breaks that its code already shows."""
-        check_client_class(algorithm, cls)
+        check_client_class(algorithm, cls, ClientModule)
 
     def __init__(self, model: FedModel, ctx: ClientContext) -> None:
         assert ctx.cfg.algo is not None, "a ClientContext is built from a resolved config"
@@ -240,7 +268,7 @@ class ClientModule(L.LightningModule):
         return {"model": cpu_state(self.model), "num_samples": self.ctx.num_train}
 
     def load_for_eval(self, payload: Payload) -> None:
-        """Load the server's evaluation payload (global-model algorithms) before a local test."""
+        """Load the server's evaluation payload before a local test (``eval_mode = "own"`` only)."""
         self.model.load_state_dict(payload["model"])
 
     def eval_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -325,9 +353,16 @@ def commits_state(client_cls: type[ClientModule], cfg: ExperimentConfig) -> bool
 
 
 def tests_with_global_model(client_cls: type[ClientModule], eval_payload: Payload | None) -> bool:
-    """Whether every client is tested with the one global model (the default ``load_for_eval`` of
-    a server payload) rather than with a module of its own."""
-    return eval_payload is not None and client_cls.load_for_eval is ClientModule.load_for_eval
+    """Whether every client is tested with the server's one model (``eval_mode = "global"`` and an
+    evaluation payload) rather than with a module of its own."""
+    if eval_payload is None or client_cls.eval_mode != "global":
+        return False
+    if "model" not in eval_payload:
+        raise ContractError(
+            f"{client_cls.__name__}.eval_mode is 'global', but the server's eval_payload has no 'model' "
+            f"(it has {sorted(eval_payload)}): set eval_mode = 'own' and override load_for_eval"
+        )
+    return True
 
 
 # --------------------------------------------------------------------------------------------- data

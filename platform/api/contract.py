@@ -1,14 +1,21 @@
-"""The rules of the algorithm contract that a client class shows in its code, checked once per process
-when its algorithm is looked up (before the run starts), each failure one line naming the rule.
+"""The rules of the algorithm contract, each failure one line (:class:`ContractError`) naming the rule.
 
-The worker drives a client with its own loop over Lightning's hooks
-(:mod:`fedray.platform.runtime.local_training`); the hooks that loop does not call, manual
-optimisation and an override of the platform's own entry point are refused here.
+What a client class shows in its code is checked once per process when its algorithm is looked up,
+before the run starts (:func:`check_client_class`): the worker drives a client with its own loop
+over Lightning's hooks (:mod:`fedray.platform.runtime.local_training`), so the hooks that loop does
+not call, manual optimisation and an override of the platform's entry point are refused, and the
+evaluation mode must agree with the methods the class overrides. What only a running client shows
+is checked on the first client each worker trains (:func:`check_downlink_read`,
+:func:`check_held_tensors`) and on every round's uplinks (:func:`check_uplinks`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import lightning as L
+import torch
 
 from fedray.platform.errors import ContractError
 
@@ -27,9 +34,26 @@ UNSUPPORTED_HOOKS = {
 }
 
 
-def check_client_class(name: str, client_cls: type) -> None:
-    """One line naming the first rule ``client_cls`` breaks: a hook the loop does not call, or manual
-    optimisation (``automatic_optimization = False``)."""
+# methods of ClientModule the platform calls and an algorithm does not override
+PLATFORM_METHODS = {
+    "begin_round": "override receive, which it calls after setting self.rnd",
+    "hold": "it registers the buffer that moves with the module",
+    "record": "it keeps the statistic for this round's mean",
+    "pop_stats": "the worker reads the round's statistics with it",
+}
+EVAL_MODES = ("global", "own")
+
+
+def check_client_class(name: str, client_cls: Any, base: Any) -> None:
+    """One line naming the first rule ``client_cls`` (a subclass of ``base``, ClientModule) breaks: a
+    platform method overridden, a hook the loop does not call, manual optimisation
+    (``automatic_optimization = False``), or an evaluation mode its methods contradict."""
+    for method, why in PLATFORM_METHODS.items():
+        if getattr(client_cls, method) is not getattr(base, method):
+            raise ContractError(
+                f"algorithm {name!r}: {client_cls.__name__} overrides ClientModule.{method}, which the "
+                f"platform owns ({why})"
+            )
     for hook, why in UNSUPPORTED_HOOKS.items():
         if getattr(client_cls, hook, None) is not getattr(L.LightningModule, hook, None):
             raise ContractError(
@@ -40,4 +64,115 @@ def check_client_class(name: str, client_cls: type) -> None:
         raise ContractError(
             f"algorithm {name!r}: {client_cls.__name__} sets automatic_optimization=False; fedray's "
             "worker loop runs automatic optimisation only (return the loss from training_step)"
+        )
+    mode = getattr(client_cls, "eval_mode", None)
+    if mode not in EVAL_MODES:
+        raise ContractError(
+            f"algorithm {name!r}: {client_cls.__name__}.eval_mode={mode!r}: must be one of {EVAL_MODES}"
+        )
+    if mode == "global" and client_cls.load_for_eval is not base.load_for_eval:
+        raise ContractError(
+            f"algorithm {name!r}: {client_cls.__name__} overrides load_for_eval, which eval_mode='global' "
+            "never calls (every client is tested with the server's one model): set eval_mode = 'own'"
+        )
+
+
+# ------------------------------------------------------------------------------ a running client
+
+
+class ReadKeys(dict):
+    """A downlink that remembers which of its keys were read: the first client a worker trains gets
+    its downlink this way, so a key ``receive`` never looks at is found (:func:`check_downlink_read`)."""
+
+    def __init__(self, payload: Mapping[str, Any]) -> None:
+        super().__init__(payload)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(key)  # type: ignore[arg-type]
+        return super().__contains__(key)
+
+    def __iter__(self):
+        self.read.update(super().keys())
+        return super().__iter__()
+
+    def items(self):  # type: ignore[override]
+        self.read.update(super().keys())
+        return super().items()
+
+    def values(self):  # type: ignore[override]
+        self.read.update(super().keys())
+        return super().values()
+
+    def unread(self) -> list[str]:
+        return sorted(set(dict.keys(self)) - self.read)
+
+
+def check_downlink_read(name: str, module: Any, payload: ReadKeys) -> None:
+    """Every key of a downlink is read by ``receive``: one it never looks at is a model it forgot to
+    load (an override that skipped ``super().receive``), or bytes sent for nothing."""
+    for key in payload.unread():
+        hint = (
+            "call super().receive(rnd, payload), which loads it"
+            if key == "model"
+            else "read it, or stop sending it"
+        )
+        raise ContractError(
+            f"algorithm {name!r}: {type(module).__name__}.receive never read downlink key {key!r} ({hint})"
+        )
+
+
+# a ClientModule's own bookkeeping, and nn.Module's registries (which hold parameters and buffers)
+OWN_ATTRIBUTES = {"_parameters", "_buffers", "_modules", "_stats", "_optimizer_state", "ctx", "hp"}
+
+
+def holds_tensor(value: Any, depth: int = 0) -> bool:
+    if torch.is_tensor(value):
+        return True
+    if depth < 2 and isinstance(value, Mapping):
+        return any(holds_tensor(v, depth + 1) for v in value.values())
+    if depth < 2 and isinstance(value, (list, tuple)):
+        return any(holds_tensor(v, depth + 1) for v in value)
+    return False
+
+
+def check_held_tensors(name: str, module: Any) -> None:
+    """A client keeps tensors between calls through ``hold()`` (a buffer that moves with the module to
+    its GPU), never as a plain attribute, which stays where it was made and fails the next step on a
+    device mismatch (on a GPU only, where the run would see every client fail)."""
+    for attr, value in vars(module).items():
+        if attr not in OWN_ATTRIBUTES and holds_tensor(value):
+            raise ContractError(
+                f"algorithm {name!r}: {type(module).__name__} keeps a tensor in the plain attribute "
+                f"self.{attr}, which does not move with the module to its device; keep it with "
+                f"self.hold({attr!r}, value)"
+            )
+
+
+def check_uplinks(name: str, server: Any, uplinks: Mapping[int, Any]) -> None:
+    """Every uplink carries exactly the keys its server declares it reads (``Server.uplink_keys``):
+    a key the client half dropped fails here, in one line, not as a KeyError inside ``aggregate``."""
+    declared = set(server.uplink_keys())
+    who = type(server).__name__
+    for cid, uplink in uplinks.items():
+        keys = set(uplink)
+        if keys == declared:
+            continue
+        missing, extra = sorted(declared - keys), sorted(keys - declared)
+        if missing:
+            raise ContractError(
+                f"algorithm {name!r}: client {cid}'s uplink lacks {missing[0]!r}, which {who} declares it "
+                f"reads (uplink_keys: {sorted(declared)})"
+            )
+        raise ContractError(
+            f"algorithm {name!r}: client {cid}'s uplink carries {extra[0]!r}, which {who} does not declare "
+            f"(uplink_keys: {sorted(declared)}): declare it, or stop sending it"
         )

@@ -370,10 +370,10 @@ def scaled_count(value: int, factor: float, floor: int = 1) -> int:
 def scale(cfg: ExperimentConfig, factor: float) -> ExperimentConfig:
     """Shrink a paper setting for a CPU: rounds, clients and the algorithm's round counts times ``factor``.
 
-    The algorithm's ``ROUND_FIELDS`` (e.g. FedL2G's ``warmup_rounds``) shrink too, so a warm-up keeps
+    The algorithm's round counts (e.g. FedL2G's ``warmup_rounds``, declared with ``round_count``) shrink too, so a warm-up keeps
     its share of the run; a round count stays >= 1 (0 stays 0: off). The participation fraction is
     kept, so K = C * N shrinks with N, but never below the algorithm's ``MIN_PARTICIPANTS`` (FedCross
-    cross-aggregates 2 or more); its ``CLIENT_FIELDS`` (counts that fix K) shrink like N. Data size is
+    cross-aggregates 2 or more); its client counts (``client_count``: counts that fix K) shrink like N. Data size is
     untouched: add ``data.train_subset=N`` for that.
     """
     if not 0 < factor <= 1:
@@ -386,8 +386,8 @@ def scale(cfg: ExperimentConfig, factor: float) -> ExperimentConfig:
     out.data = dataclasses.replace(cfg.data, num_clients=n)
     out.eval_every = min(cfg.eval_every, out.rounds)
     if algo is not None:
-        changes = {name: scaled_count(getattr(algo, name), factor) for name in algo.ROUND_FIELDS}
-        for name in algo.CLIENT_FIELDS:
+        changes = {name: scaled_count(getattr(algo, name), factor) for name in algo.scaled_fields("rounds")}
+        for name in algo.scaled_fields("clients"):
             if getattr(algo, name) is not None:
                 changes[name] = min(n, scaled_count(getattr(algo, name), factor, floor=need))
         out.algo = dataclasses.replace(algo, **changes)

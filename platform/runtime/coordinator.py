@@ -27,6 +27,7 @@ from fedray.platform.api.algorithm import (
     payload_nbytes,
     tests_with_global_model,
 )
+from fedray.platform.api.contract import check_uplinks
 from fedray.platform.api.registry import get as get_algorithm
 from fedray.platform.config import ExperimentConfig, clients_per_round
 from fedray.platform.data import ArrayDataset
@@ -312,6 +313,7 @@ class RoundLoop:
         for cid, error in sorted(failed.items()):
             self.emit("client_failed", round=rnd + 1, client=cid, error=error)
         uplinks = dict(sorted(uplinks.items()))
+        check_uplinks(self.spec.name, self.server, uplinks)
         self.server.aggregate(rnd, uplinks)
         up_bytes = sum(payload_nbytes(u) for u in uplinks.values())
         down_bytes = sum(payload_nbytes(downlinks[cid]) for cid in selected)

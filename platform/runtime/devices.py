@@ -48,7 +48,9 @@ def assigned_gpu_ids() -> tuple[str, ...]:
         return ()
 
 
-def worker_device(cfg: ExperimentConfig, gpu_ids: tuple[str, ...] | None = None) -> tuple[torch.device, DeviceInfo]:
+def worker_device(
+    cfg: ExperimentConfig, gpu_ids: tuple[str, ...] | None = None
+) -> tuple[torch.device, DeviceInfo]:
     """The device this worker trains on: the CPU unless the run asked for GPUs and Ray gave some."""
     if cfg.ray.num_gpus_per_client <= 0:
         return torch.device("cpu"), DeviceInfo("cpu", "cpu")
@@ -95,5 +97,6 @@ def is_device_error(err: BaseException) -> bool:
         return True
     text = str(err)
     return isinstance(err, RuntimeError) and any(
-        marker in text for marker in ("CUDA error", "CUDA driver", "cuDNN error", "CUBLAS_STATUS", "NCCL error")
+        marker in text
+        for marker in ("CUDA error", "CUDA driver", "cuDNN error", "CUBLAS_STATUS", "NCCL error")
     )

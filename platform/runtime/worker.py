@@ -30,6 +30,7 @@ from fedray.platform.api.algorithm import (
     seed_torch,
     tests_with_global_model,
 )
+from fedray.platform.api.contract import ReadKeys, check_downlink_read, check_held_tensors
 from fedray.platform.api.registry import get as get_algorithm
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.data import ArrayDataset, ClientShard, normalize
@@ -211,6 +212,7 @@ class ClientHost:
         self.payloads: dict[Any, Payload] = {}  # this round's downlinks, read once per worker
         self.payload_round = -1
         self.meta: dict[str, Any] = {}
+        self.checked_client = False  # the contract's checks of a running client, on its first one
 
     def setup(self, meta: dict[str, Any], cfg: ExperimentConfig | None = None) -> dict[str, Any]:
         """What the data says (classes, channels, normalisation), known once the driver has loaded it;
@@ -339,7 +341,12 @@ class ClientHost:
         # seeded before receive: every draw a client makes depends on (seed, round, client) only,
         # never on which worker runs it or what that worker ran before
         seed_torch(derive_seed(self.cfg.seed, rnd, task.client, 2), self.device)
+        first = not self.checked_client
+        if first:
+            payload = ReadKeys(payload)
         module.begin_round(rnd, payload)
+        if isinstance(payload, ReadKeys):
+            check_downlink_read(self.spec.name, module, payload)
         if written is not None:
             require_overwritten(self.spec.name, module, written)
         epochs = module.local_epochs(rnd)
@@ -352,6 +359,9 @@ class ClientHost:
                 "place; the downlink is shared by the worker's clients (copy it before changing it)"
             )
         stats = module.pop_stats()
+        if first:
+            check_held_tensors(self.spec.name, module)
+            self.checked_client = True
         stats["time/client_s"] = time.perf_counter() - start
         if self.keeps_state:
             self.cache(task.client, task.version + 1, module)

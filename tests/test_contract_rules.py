@@ -1,0 +1,227 @@
+"""A third-party algorithm that breaks a rule of the contract gets one line naming the rule, before its
+run starts or in its first round: never a silently wrong run, never a KeyError deep in the Coordinator.
+
+Rules a class shows in its code are checked when the algorithm is looked up (no Ray); rules only a
+running client shows are checked by a ClientHost on its first client; the uplink rule ends a real
+``fedray run`` with its line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import tiny_overrides
+from test_client_host import host_for
+
+from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer
+from fedray.platform.api import AlgorithmConfig, ClientModule, ContractError, Server, ServerContext, register
+from fedray.platform.api.algorithm import tests_with_global_model as global_model_evaluation
+from fedray.platform.api.contract import check_uplinks
+from fedray.platform.api.registry import available, get
+from fedray.platform.catalog import load_config
+from fedray.platform.errors import CheckpointError
+from fedray.platform.runtime.driver import run_experiment
+from fedray.platform.runtime.state_store import ClientTask
+
+
+def probe(name: str, client: type, server: type = Server) -> str:
+    """Register ``client`` under ``name`` (once per process) and return the name."""
+    if name not in available():
+        register(name, server=server, client=client)(dataclass(type(f"{name}Config", (AlgorithmConfig,), {})))
+    return name
+
+
+def one_line(err: pytest.ExceptionInfo) -> str:
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+# ------------------------------------------------------------------ what the class shows: at lookup
+
+
+class RoundClient(ClientModule):
+    def begin_round(self, rnd, payload):
+        self.receive(rnd, payload)  # forgets self.rnd, on which the data order depends
+
+
+class PersonalEvalClient(ClientModule):
+    """Loads a header for its test but leaves eval_mode at 'global', where load_for_eval is never called."""
+
+    def load_for_eval(self, payload):
+        self.model.head.load_state_dict(payload["head"])
+
+
+class ModeClient(ClientModule):
+    eval_mode = "personal"  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize(
+    ("name", "client", "rule"),
+    [
+        (
+            "round_probe",
+            RoundClient,
+            "RoundClient overrides ClientModule.begin_round, which the platform owns",
+        ),
+        ("eval_probe", PersonalEvalClient, "overrides load_for_eval, which eval_mode='global' never calls"),
+        ("mode_probe", ModeClient, "ModeClient.eval_mode='personal': must be one of ('global', 'own')"),
+    ],
+)
+def test_a_class_that_breaks_a_rule_is_refused_when_its_algorithm_is_looked_up(name, client, rule):
+    with pytest.raises(ContractError) as err:
+        get(probe(name, client))
+    assert rule in one_line(err)
+
+
+def test_the_cli_refuses_it_before_anything_starts(capsys):
+    from fedray.platform.apps.cli import main
+
+    assert main(["run", *tiny_overrides(algorithm=probe("round_probe", RoundClient))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
+        "fedray: error: algorithm 'round_probe': RoundClient overrides ClientModule.begin_round"
+    )
+    assert "\n" not in err
+
+
+def test_scaled_fields_listed_by_name_are_refused_at_definition():
+    with pytest.raises(ContractError) as err:
+
+        @dataclass
+        class OldStyle(AlgorithmConfig):
+            ROUND_FIELDS = ("warmup",)
+            warmup: int = 5
+
+    assert "OldStyle.ROUND_FIELDS: declare each scaled field with round_count()" in one_line(err)
+
+
+# ------------------------------------------------------------------ what a running client shows: first client
+
+
+class ForgotReceiveClient(ClientModule):
+    """Overrides receive without calling super(): the downlink's model is never loaded."""
+
+    def receive(self, rnd, payload):
+        self.lr_scale = 1.0
+
+
+class PlainTensorClient(ClientModule):
+    """Keeps what came down as a plain attribute: on a GPU it stays on the CPU and the step fails."""
+
+    def receive(self, rnd, payload):
+        super().receive(rnd, payload)
+        self.anchor = [p.detach().clone() for p in self.model.parameters()]
+
+
+def first_client(algorithm: str):
+    _, fed, host = host_for(algorithm=algorithm, **{"train.local_epochs": 1})
+    state = {k: v.clone() for k, v in host.arch_model("cnn_small").state_dict().items()}
+    return lambda: host.train(0, [ClientTask(0, [fed.shards[0]])], [[{"model": state}]])
+
+
+def test_a_downlink_key_receive_never_reads_is_refused_on_the_first_client():
+    with pytest.raises(ContractError) as err:
+        first_client(probe("forgot_probe", ForgotReceiveClient))()
+    assert one_line(err) == (
+        "algorithm 'forgot_probe': ForgotReceiveClient.receive never read downlink key 'model' (call "
+        "super().receive(rnd, payload), which loads it)"
+    )
+
+
+def test_a_tensor_kept_outside_hold_is_refused_on_the_first_client():
+    with pytest.raises(ContractError) as err:
+        first_client(probe("plain_probe", PlainTensorClient))()
+    assert "PlainTensorClient keeps a tensor in the plain attribute self.anchor" in one_line(err)
+    assert "self.hold('anchor', value)" in str(err.value)
+
+
+def test_a_client_that_keeps_the_rules_passes_both_checks():
+    first_client("fedavg")()  # the default receive reads the model and holds nothing in plain attributes
+
+
+# ------------------------------------------------------------------ the server's declarations
+
+
+def server_ctx(**settings) -> ServerContext:
+    cfg = load_config(None, tiny_overrides(**settings))
+    return ServerContext(cfg, 4, 10, ["cnn_small"] * 4, lambda cid: torch.nn.Linear(2, 2))  # type: ignore[arg-type,return-value]
+
+
+def test_an_uplink_without_a_key_the_server_reads_is_named():
+    server = FedAvgServer(server_ctx())
+    with pytest.raises(ContractError) as err:
+        check_uplinks("fedcross_like", server, {0: {"model": {}, "num_samples": 3}, 2: {"model": {}}})
+    assert one_line(err) == (
+        "algorithm 'fedcross_like': client 2's uplink lacks 'num_samples', which FedAvgServer declares it reads "
+        "(uplink_keys: ['model', 'num_samples'])"
+    )
+    with pytest.raises(
+        ContractError, match="client 0's uplink carries 'extra', which FedAvgServer does not declare"
+    ):
+        check_uplinks("x", server, {0: {"model": {}, "num_samples": 3, "extra": 1}})
+
+
+class ModelOnlyClient(FedAvgClient):
+    """Uploads its model without the sample count FedAvg's aggregate weights by."""
+
+    def upload(self):
+        return {"model": super().upload()["model"]}
+
+
+# registered at import: Ray's processes import this module when they unpickle the run's config
+@register("modelonly_probe", server=FedAvgServer, client=ModelOnlyClient)
+@dataclass
+class ModelOnlyConfig(AlgorithmConfig):
+    pass
+
+
+def test_a_run_whose_uplinks_lack_a_declared_key_ends_in_its_first_round_with_one_line(
+    ray_session, mlflow_store
+):
+    with pytest.raises(ContractError) as err:
+        run_experiment(load_config(None, tiny_overrides(algorithm="modelonly_probe", rounds=2)))
+    assert "algorithm 'modelonly_probe': client " in one_line(err)
+    assert "uplink lacks 'num_samples', which FedAvgServer declares it reads" in str(err.value)
+
+
+class Counter(FedAvgServer):
+    STATE = (*FedAvgServer.STATE, "count")
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.count = 0
+
+
+def test_server_state_is_declared_and_a_checkpoint_with_other_keys_is_refused():
+    ctx = server_ctx()
+    undeclared = type("Undeclared", (FedAvgServer,), {})(ctx)
+    undeclared.seen = {1: 2}  # type: ignore[attr-defined]
+    with pytest.raises(ContractError) as err:
+        undeclared.state_dict()
+    assert "Undeclared.seen is not in Undeclared.STATE" in one_line(err)
+
+    saved = Counter(ctx).state_dict()
+    renamed = type("Renamed", (FedAvgServer,), {"STATE": (*FedAvgServer.STATE, "rounds_seen")})(ctx)
+    with pytest.raises(CheckpointError) as err:
+        renamed.load_state_dict(saved)
+    assert one_line(err) == (
+        "the checkpoint's server state has no 'rounds_seen', which Renamed.STATE declares (it was saved by "
+        "another version of the algorithm)"
+    )
+    Counter(ctx).load_state_dict(saved)  # the same declaration loads
+
+
+class OwnEval(ClientModule):
+    eval_mode = "own"
+
+
+def test_global_evaluation_needs_a_model_in_the_payload():
+    assert global_model_evaluation(ClientModule, {"model": {}})
+    assert not global_model_evaluation(OwnEval, {"model": {}})
+    assert not global_model_evaluation(ClientModule, None)
+    with pytest.raises(ContractError) as err:
+        global_model_evaluation(ClientModule, {"header": torch.zeros(2)})
+    assert "ClientModule.eval_mode is 'global', but the server's eval_payload has no 'model'" in one_line(err)
