@@ -157,7 +157,7 @@ def select_collaborators(v: Tensor, rnd: int, strategy: Selection) -> Tensor:
 
 
 def cross_aggregate(v: Tensor, co: Tensor, alpha: float) -> Tensor:
-    """CrossAggr: ``w_i = alpha * v_i + (1 - alpha) * v_{co[i]}`` (Sec. III-B2, Eq. 1).
+    """CrossAggr: ``w_i = alpha * v_i + (1 - alpha) * v_{co[i]}`` (Sec. III-B2; numbered Eq. 1 in Sec. III-C2).
 
     Shape: ``v [K, P]``, ``co [K]`` -> ``[K, P]``. Reads only the uploaded snapshot ``v``.
     """
