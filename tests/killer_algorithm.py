@@ -22,6 +22,8 @@ from fedray.platform.config.algorithm_config import AlgorithmConfig
 
 
 class KillerClient(FedAvgClient):
+    eval_mode = "own"  # each client tests its own module after load_for_eval, where the kill waits
+
     def kill_once(self, stage: str) -> None:
         hp = self.hp
         right_round = stage == "eval" or self.rnd == hp.round  # evaluation: the client's first one
