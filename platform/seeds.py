@@ -4,6 +4,7 @@ One registry and one naming scheme for the platform, the data layer and the algo
 declared at module level by its owner: its name (``owner/purpose``), the parts that vary along it,
 and, for a stream older than this registry, the tag it was written with::
 
+    stream("fedcross/shuffle", "rnd")                     # algorithms/fedcross.py: a new stream
     stream("fedl2g/quiz", "client", tag=13)               # algorithms/fedl2g.py: an older one
 
 A call site names the stream and passes the experiment seed and the parts, never a number::
@@ -22,7 +23,8 @@ How a name maps to its numbers. A stream has a tag (a few ints) and one of two d
 A new stream's tag is crc32 of its name, so the name alone fixes its numbers. The streams written
 before the registry keep their hand-picked tags (``tag=``), in the place they had: the same inputs
 give the same bits, so partitions, initial weights, sampled clients and data orders are what they were
-for every seed, and results logged before stay reproducible.
+for every seed, and results logged before stay reproducible. The exception was a collision: FedCross's
+shuffle used the evaluation sample's tag (5), so it now has a name-derived tag and new numbers.
 
 Two streams collide when some parts give them the same inputs under one seed: the same derivation,
 the same number of inputs, every fixed input equal. SeedSequence reads ``[s, t]`` as ``[s, t, 0]``,

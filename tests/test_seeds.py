@@ -45,8 +45,8 @@ def rng_state(rng: np.random.Generator) -> int:
 
 def test_the_platform_and_algorithm_streams_are_declared_and_no_two_share_a_tag():
     found = seeds.streams()
-    assert {"model/init", "client/train", "coordinator/sample", "data/split", "fedl2g/quiz",
-            "lgfedavg/header"} <= set(found)  # fmt: skip
+    assert {"model/init", "client/train", "coordinator/sample", "data/split", "fedcross/shuffle",
+            "fedl2g/quiz", "lgfedavg/header"} <= set(found)  # fmt: skip
     for a, b in product(found.values(), repeat=2):
         if a.name < b.name:
             assert not a.meets(b), f"{a.describe()} ({a.name}) and {b.describe()} ({b.name})"
@@ -98,6 +98,15 @@ def test_todays_streams_keep_their_numbers():
             torch.randperm(30, generator=gen),
             torch.randperm(30, generator=torch.Generator().manual_seed(old_derive_seed(seed, client, 13))),
         )
+
+
+def test_the_fedcross_shuffle_no_longer_shares_the_evaluation_samples_seed():
+    tag = zlib.crc32(b"fedcross/shuffle") & 0x7FFFFFFF  # a new stream's tag comes from its name
+    for seed, rnd in product(SEEDS, GRID["rnd"]):
+        shuffle = seed_of("fedcross/shuffle", seed, rnd)
+        assert shuffle == old_derive_seed(seed, rnd, tag)
+        assert shuffle != old_derive_seed(seed, rnd, 5) == seed_of("coordinator/eval_sample", seed, rnd)
+        assert shuffle != seed_of("coordinator/sample", seed, rnd)
 
 
 def test_declaring_a_name_twice_raises_naming_both(scratch):

@@ -26,7 +26,7 @@ from fedray.platform.config import AlgorithmConfig, ExperimentConfig, clients_pe
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ConfigError, ContractError
 from fedray.platform.models import FedModel
-from fedray.platform.seeds import derive_seed, numpy_rng, seed_of, stream, torch_generator
+from fedray.platform.seeds import numpy_rng, seed_of, stream, torch_generator
 
 __all__ = [
     "AlgorithmConfig",
@@ -44,7 +44,6 @@ __all__ = [
     "class_prototypes",
     "clients_per_round",
     "cpu_state",
-    "derive_seed",
     "header_rows",
     "load_header_rows",
     "numpy_rng",
