@@ -67,14 +67,17 @@ from fedray.platform.api import (
     client_count,
     clients_per_round,
     cpu_state,
-    derive_seed,
     register,
     round_count,
+    stream,
+    torch_generator,
 )
 
 Selection = Literal["in_order", "highest_similarity", "lowest_similarity"]
 
-SHUFFLE_STREAM = 5  # derive_seed tag of the per-round model -> client permutation
+# the per-round model -> client permutation. Its tag comes from its name: the hand-picked 5 it had
+# was coordinator/eval_sample's, so both drew from the same seed every round
+stream("fedcross/shuffle", "rnd")
 DA_ALPHA_START = 0.5  # dynamic alpha starts here (Sec. III-D: "from 0.5 to a specific threshold")
 
 
@@ -221,7 +224,7 @@ class FedCrossServer(Server):
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
         if len(selected) != self.num_models:
             raise ValueError(f"{len(selected)} clients sampled for {self.num_models} middleware models")
-        gen = torch.Generator().manual_seed(derive_seed(self.ctx.cfg.seed, rnd, SHUFFLE_STREAM))
+        gen = torch_generator("fedcross/shuffle", self.ctx.cfg.seed, rnd)
         order = torch.randperm(self.num_models, generator=gen).tolist()  # model i -> selected[order[i]]
         self.assignment = {selected[j]: i for i, j in enumerate(order)}
         # a distinct payload object per client: each carries a different model

@@ -49,7 +49,6 @@ from torch.func import functional_call
 from fedray.platform.api import (
     AlgorithmConfig,
     ArrayDataset,
-    ClientContext,
     ClientModule,
     ConfigError,
     ExperimentConfig,
@@ -57,13 +56,19 @@ from fedray.platform.api import (
     Payload,
     Server,
     ServerContext,
-    derive_seed,
     register,
     round_count,
+    stream,
+    torch_generator,
 )
 
 Variant = Literal["f", "l"]
 DEFAULT_SERVER_LR = {"f": 100.0, "l": 0.1}  # paper Sec. 4 / Tab. 4: eta_s per variant
+
+# tags as they were before named streams, so FedL2G's numbers stand
+stream("fedl2g/guide_init", tag=11)  # the server's initial guiding vectors G
+stream("fedl2g/quiz", "client", tag=13)  # a client's quiz/study split, fixed for the run
+stream("fedl2g/study_batch", "rnd", "client", tag=7)  # the study batch of a client's meta step
 
 # ------------------------------------------------------------------------------------------- math
 
@@ -156,7 +161,7 @@ class FedL2GServer(Server):
         dim = ctx.feature_dim if self.hp.variant == "f" else ctx.num_classes
         self.guide = nn.Embedding(ctx.num_classes, dim)
         with torch.no_grad():  # N(0, 1) as nn.Embedding, from its own seed (independent of model inits)
-            gen = torch.Generator().manual_seed(derive_seed(ctx.cfg.seed, 11))
+            gen = torch_generator("fedl2g/guide_init", ctx.cfg.seed)
             self.guide.weight.copy_(torch.randn(ctx.num_classes, dim, generator=gen))
         self.optimizer = torch.optim.SGD(self.guide.parameters(), lr=self.hp.eta_s)
 
@@ -178,10 +183,6 @@ class FedL2GServer(Server):
 # ------------------------------------------------------------------------------------------- client half
 
 
-def quiz_seed(ctx: ClientContext) -> int:
-    return derive_seed(ctx.cfg.seed, ctx.client_id, 13)
-
-
 class FedL2GClient(ClientModule):
     """Trains on the study set with CE + guide (Eq. 4); uploads the non-zero rows of pi (Eqs. 5-6)."""
 
@@ -193,7 +194,8 @@ class FedL2GClient(ClientModule):
         n_quiz = min(self.hp.quiz_size, ctx.num_train // 2)
         # a seeded draw, fixed per (seed, client) for the run and never trained on: shards are stored
         # class by class, so the first samples would make a one-class quiz
-        order = torch.randperm(ctx.num_train, generator=torch.Generator().manual_seed(quiz_seed(ctx)))
+        gen = torch_generator("fedl2g/quiz", ctx.cfg.seed, ctx.client_id)
+        order = torch.randperm(ctx.num_train, generator=gen)
         self.quiz = ctx.train.subset(order[:n_quiz].sort().values)
         self.study = ctx.train.subset(order[n_quiz:].sort().values)
         self.hold("guide", torch.zeros(0))  # G, from every downlink
@@ -221,7 +223,7 @@ class FedL2GClient(ClientModule):
 
     def upload(self) -> Payload:
         device = self.guide.device
-        gen = torch.Generator().manual_seed(derive_seed(self.ctx.cfg.seed, self.rnd, self.ctx.client_id, 7))
+        gen = torch_generator("fedl2g/study_batch", self.ctx.cfg.seed, self.rnd, self.ctx.client_id)
         idx = torch.randperm(len(self.study), generator=gen)[: self.hp.study_batch]
         study = (self.study.x[idx].to(device), self.study.y[idx].to(device))
         quiz = (self.quiz.x.to(device), self.quiz.y.to(device))

@@ -35,11 +35,15 @@ from fedray.platform.api import (
     Payload,
     Server,
     ServerContext,
-    derive_seed,
     header_rows,
     load_header_rows,
     register,
+    seed_of,
+    stream,
 )
+
+# the server's initial header (LG-FedAvg's and FedSSA's); its tag predates named streams
+stream("lgfedavg/header", tag=(4, 1))
 
 # ------------------------------------------------------------------------------------------- header math
 
@@ -66,7 +70,7 @@ def average_headers(headers: Tensor, weights: Tensor) -> Tensor:
 def global_header(ctx: ServerContext) -> Tensor:
     """The server's initial header ``[C, d+1]`` (LG-FedAvg's and FedSSA's), seeded by the run."""
     d = ctx.make_model(0).head.in_features
-    return init_header(ctx.num_classes, d, derive_seed(ctx.cfg.seed, 4, 1))
+    return init_header(ctx.num_classes, d, seed_of("lgfedavg/header", ctx.cfg.seed))
 
 
 class LGFedAvgServer(Server):

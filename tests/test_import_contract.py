@@ -15,7 +15,7 @@ FOLDERS = {"platform": "fedray.platform", "algorithms": "fedray.algorithms", "sw
 # Bottom to top. A module may import its own package, and packages of a lower layer; packages that
 # share a layer are siblings and never import each other.
 LAYERS: list[tuple[str, ...]] = [
-    ("fedray.platform.errors",),
+    ("fedray.platform.errors", "fedray.platform.seeds"),  # seeds: named random streams, numpy and torch
     ("fedray.platform.config",),
     ("fedray.platform.data", "fedray.platform.models"),
     ("fedray.platform.api",),

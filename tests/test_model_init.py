@@ -8,13 +8,14 @@ import torch
 from conftest import tiny_overrides
 
 from fedray.algorithms.fedcross import FedCrossServer
-from fedray.platform.api.algorithm import ServerContext, derive_seed, seed_torch
+from fedray.platform.api.algorithm import ServerContext, seed_torch
 from fedray.platform.catalog import load_config
 from fedray.platform.errors import ConfigError
 from fedray.platform.models import arch_for_client, build_model
 from fedray.platform.runtime.driver import federation_meta, prepare_federation
 from fedray.platform.runtime.state_store import ClientTask
 from fedray.platform.runtime.worker import ClientHost, make_client_model
+from fedray.platform.seeds import derive_seed
 from fedray.platform.tracking.descriptions import run_description
 
 

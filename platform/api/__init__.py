@@ -4,8 +4,10 @@
 
 An algorithm is a :class:`Server` (in the Coordinator) and a :class:`ClientModule` (a LightningModule
 trained in a worker) that exchange payloads, plus an :class:`AlgorithmConfig` registered under its
-name. The helpers are the tensor functions several algorithms share, written once. The rules of the
-contract are checked by the platform (:mod:`.contract`), each failure a one-line :class:`ContractError`.
+name. The helpers are the tensor functions several algorithms share, written once; an algorithm's own
+random draws come from streams it declares by name (:func:`stream`, :mod:`fedray.platform.seeds`). The
+rules of the contract are checked by the platform (:mod:`.contract`), each failure a one-line
+:class:`ContractError`.
 """
 
 from fedray.platform.api.algorithm import (
@@ -16,7 +18,6 @@ from fedray.platform.api.algorithm import (
     ServerContext,
     batch_loader,
     cpu_state,
-    derive_seed,
 )
 from fedray.platform.api.header import header_rows, load_header_rows
 from fedray.platform.api.prototypes import class_prototypes, scatter_rows
@@ -31,6 +32,7 @@ from fedray.platform.config import (
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ConfigError, ContractError
 from fedray.platform.models import FedModel
+from fedray.platform.seeds import numpy_rng, seed_of, stream, torch_generator
 
 __all__ = [
     "AlgorithmConfig",
@@ -49,10 +51,13 @@ __all__ = [
     "client_count",
     "clients_per_round",
     "cpu_state",
-    "derive_seed",
     "header_rows",
     "load_header_rows",
+    "numpy_rng",
     "register",
     "round_count",
     "scatter_rows",
+    "seed_of",
+    "stream",
+    "torch_generator",
 ]

@@ -9,7 +9,6 @@ MLflow steps show ``rnd + 1``, the number of rounds completed.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -26,6 +25,7 @@ from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import CheckpointError, ContractError
 from fedray.platform.models import FedModel
+from fedray.platform.seeds import seed_of
 
 Payload = dict[str, Any]
 
@@ -56,11 +56,6 @@ def cpu_state(module_or_state: nn.Module | Mapping[str, torch.Tensor]) -> dict[s
     """A detached CPU copy of a state dict, safe to ship and to keep while training goes on."""
     state = module_or_state.state_dict() if isinstance(module_or_state, nn.Module) else module_or_state
     return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
-
-
-def derive_seed(*parts: int) -> int:
-    """A stable 31-bit seed from integers (experiment seed, round, client id...)."""
-    return zlib.crc32(np.asarray(parts, dtype=np.int64).tobytes()) & 0x7FFFFFFF
 
 
 def seed_torch(seed: int, device: torch.device | None = None) -> None:
@@ -295,7 +290,7 @@ class ClientModule(L.LightningModule):
         return self.ctx.train
 
     def data_seed(self) -> int:
-        return derive_seed(self.ctx.cfg.seed, self.rnd, self.ctx.client_id, 1)
+        return seed_of("client/data_order", self.ctx.cfg.seed, self.rnd, self.ctx.client_id)
 
     @property
     def trainer(self):  # type: ignore[override]

@@ -55,14 +55,10 @@ import numpy as np
 from fedray.platform.config import DataConfig
 from fedray.platform.data.datasets import ArrayDataset, DatasetBundle, check_source_and_partition
 from fedray.platform.data.partition import (
-    OFFICIAL_TEST_STREAM,
-    SPLIT_STREAM,
-    SUBSET_STREAM,
     _assign_by_counts,
     apportion,
     partition,
     stratified_split,
-    stream_rng,
 )
 from fedray.platform.data.split_file import (
     SampleSpace,
@@ -73,6 +69,7 @@ from fedray.platform.data.split_file import (
     split_path,
 )
 from fedray.platform.errors import ConfigError
+from fedray.platform.seeds import numpy_rng
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -260,7 +257,7 @@ def partitioned(bundle: DatasetBundle, cfg: DataConfig, seed: int) -> Federation
         # a stratified random subset of the pool (e.g. the 10k-image benchmark)
         fraction = cfg.train_subset / len(pool_ids)
         keep, _ = stratified_split(
-            all_labels[pool_ids], (fraction, 1 - fraction), stream_rng(seed, SUBSET_STREAM)
+            all_labels[pool_ids], (fraction, 1 - fraction), numpy_rng("data/subset", seed)
         )
         pool_ids = pool_ids[np.sort(keep)]
     labels = all_labels[pool_ids]
@@ -268,7 +265,7 @@ def partitioned(bundle: DatasetBundle, cfg: DataConfig, seed: int) -> Federation
     ratios = (s.train, s.val) if s.convention == "official_test" else (s.train, s.val, s.test)
     client_ids = []
     for client_id, idx in enumerate(parts):
-        pieces = stratified_split(labels[idx], ratios, stream_rng(seed, SPLIT_STREAM, client_id))
+        pieces = stratified_split(labels[idx], ratios, numpy_rng("data/split", seed, client_id))
         train, val, *rest = (pool_ids[idx[piece]] for piece in pieces)
         test = rest[0] if rest else _empty()  # official_test: drawn below
         if len(train) == 0:
@@ -280,7 +277,7 @@ def partitioned(bundle: DatasetBundle, cfg: DataConfig, seed: int) -> Federation
         client_ids.append((train, val, test))
     if s.convention == "official_test":
         shares = [np.concatenate([tr, va]) for tr, va, _ in client_ids]
-        tests = official_test_shares(bundle, shares, stream_rng(seed, OFFICIAL_TEST_STREAM))
+        tests = official_test_shares(bundle, shares, numpy_rng("data/official_test", seed))
         client_ids = [(tr, va, te) for (tr, va, _), te in zip(client_ids, tests)]
     global_test = np.sort(np.concatenate([te for *_, te in client_ids])) if merged else None
     provenance = {

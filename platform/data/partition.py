@@ -11,9 +11,9 @@ the label array it was given. Guarantees:
 - ``long_tail`` returns the indices it keeps, not a partition.
 
 Randomness comes only from the ``rng`` argument (a ``np.random.Generator`` or an int seed), so the same
-seed gives the same partition. :func:`partition` derives independent streams from the experiment seed
-(``default_rng([seed, stream])``): changing the partitioner does not change which samples the long-tail
-step keeps, and neither collides with other users of the same seed.
+seed gives the same partition. :func:`partition` draws from the experiment seed's named streams
+``data/long_tail`` and ``data/partition`` (:mod:`fedray.platform.seeds`): changing the partitioner does
+not change which samples the long-tail step keeps, and neither collides with other users of the seed.
 """
 
 from __future__ import annotations
@@ -24,20 +24,9 @@ import numpy as np
 
 from fedray.platform.config import PartitionConfig
 from fedray.platform.errors import ConfigError
+from fedray.platform.seeds import numpy_rng
 
 RngLike = np.random.Generator | int
-
-# stream ids under the experiment seed; each random step has its own
-PARTITION_STREAM = 1
-LONG_TAIL_STREAM = 2
-SPLIT_STREAM = 3
-SUBSET_STREAM = 4
-OFFICIAL_TEST_STREAM = 5
-
-
-def stream_rng(seed: int, stream: int, *more: int) -> np.random.Generator:
-    """An independent generator for one random step (``stream``) of an experiment seeded ``seed``."""
-    return np.random.default_rng([seed, stream, *more])
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -315,9 +304,9 @@ def partition(
     labels = np.asarray(labels)
     pool = np.arange(len(labels), dtype=np.int64)
     if cfg.long_tail_rho is not None:
-        pool = long_tail(labels, cfg.long_tail_rho, stream_rng(seed, LONG_TAIL_STREAM))
+        pool = long_tail(labels, cfg.long_tail_rho, numpy_rng("data/long_tail", seed))
     sub = labels[pool]
-    rng = stream_rng(seed, PARTITION_STREAM)
+    rng = numpy_rng("data/partition", seed)
     if cfg.kind == "iid":
         parts = iid(sub, num_clients, rng)
     elif cfg.kind == "dirichlet":

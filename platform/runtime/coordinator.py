@@ -23,7 +23,6 @@ from fedray.platform.api.algorithm import (
     ServerContext,
     commits_state,
     cpu_state,
-    derive_seed,
     payload_nbytes,
     tests_with_global_model,
 )
@@ -46,6 +45,7 @@ from fedray.platform.runtime.worker import (
     client_model_state,
     make_client_model,
 )
+from fedray.platform.seeds import numpy_rng, seed_of
 
 EVAL_CLIENTS_PER_JOB = 32  # clients one evaluation call tests: amortises a call, still spreads the work
 TRAIN_CLIENTS_PER_JOB = 8  # most clients one training call trains
@@ -88,7 +88,7 @@ def hold_here(refs: tuple, here: str) -> tuple:
 
 def sample_clients(seed: int, rnd: int, num_clients: int, k: int) -> list[int]:
     """K distinct clients, a pure function of (seed, round) so a resumed run samples the same ones."""
-    rng = np.random.default_rng(derive_seed(seed, rnd, 3))
+    rng = numpy_rng("coordinator/sample", seed, rnd)
     return sorted(rng.choice(num_clients, size=k, replace=False).tolist())
 
 
@@ -124,7 +124,7 @@ def eval_clients(cfg: ExperimentConfig, rnd: int, selected: list[int]) -> list[i
     if policy == "selected":
         return list(selected)
     if policy == "sample" and cfg.eval.sample_size < n:
-        rng = np.random.default_rng(derive_seed(cfg.seed, rnd, 5))
+        rng = numpy_rng("coordinator/eval_sample", cfg.seed, rnd)
         return sorted(rng.choice(n, size=cfg.eval.sample_size, replace=False).tolist())
     return list(range(n))
 
@@ -227,7 +227,7 @@ class RoundLoop:
             make_model=lambda cid: make_client_model(cfg, cid, meta),
             make_distinct_model=lambda i: make_client_model(cfg, i, meta, init="per_client"),
         )
-        torch.manual_seed(derive_seed(cfg.seed, 4))
+        torch.manual_seed(seed_of("coordinator/server_init", cfg.seed))
         self.spec = get_algorithm(cfg.algorithm)
         self.server = self.spec.server_cls(ctx)
         storage.check_plain(self.server.state_dict(), f"{cfg.algorithm}'s server state")  # checkpointable

@@ -26,7 +26,6 @@ from fedray.platform.api.algorithm import (
     ClientModule,
     Payload,
     commits_state,
-    derive_seed,
     seed_torch,
     tests_with_global_model,
 )
@@ -47,6 +46,7 @@ from fedray.platform.runtime.local_training import LocalTraining
 from fedray.platform.runtime.memory import retain_freed_memory
 from fedray.platform.runtime.state_store import ClientTask
 from fedray.platform.runtime.transport import use_fast_tensor_transport
+from fedray.platform.seeds import seed_of, torch_generator
 
 # the global test set is split across actors in chunks this size: its sums never depend on the pool size
 EVAL_CHUNK = 1024
@@ -63,7 +63,7 @@ def make_client_model(
     a draw of its own. Either way a function of (seed, client id): every run starts identically."""
     init = init or cfg.model.init
     draw = first_client_of_arch(cfg.model.group, client_id) if init == "shared" else client_id
-    seed_torch(derive_seed(cfg.seed, draw, 0))  # initial weights are drawn on the CPU
+    seed_torch(seed_of("model/init", cfg.seed, draw))  # initial weights are drawn on the CPU
     arch = arch_for_client(cfg.model.group, client_id)
     return build_model(arch, meta["in_channels"], meta["image_size"], meta["num_classes"])
 
@@ -340,7 +340,7 @@ class ClientHost:
         written = None if self.keeps_state else [t._version for t in module.model.state_dict().values()]
         # seeded before receive: every draw a client makes depends on (seed, round, client) only,
         # never on which worker runs it or what that worker ran before
-        seed_torch(derive_seed(self.cfg.seed, rnd, task.client, 2), self.device)
+        seed_torch(seed_of("client/train", self.cfg.seed, rnd, task.client), self.device)
         first = not self.checked_client
         if first:
             payload = ReadKeys(payload)
@@ -371,7 +371,7 @@ class ClientHost:
         """``data.augment``'s draws for one client's round: a function of (seed, round, client)."""
         if self.cfg.data.augment != "crop_flip":
             return None
-        return torch.Generator().manual_seed(derive_seed(self.cfg.seed, rnd, client, 3))
+        return torch_generator("client/augment", self.cfg.seed, rnd, client)
 
     def evaluate(self, tasks: list[ClientTask], payload: Payload | None) -> list[tuple[int, int, int, float]]:
         """(client, correct, total, summed loss) of each client on its own test split.
