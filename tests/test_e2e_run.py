@@ -94,7 +94,7 @@ def test_split_written_by_one_run_reproduces_it_in_another(mlflow_store, tmp_pat
 
 
 def test_eval_policies_pick_clients_and_say_so_in_the_metric_name():
-    from fedray.platform.runtime.coordinator import eval_clients, policy_suffix
+    from fedray.platform.runtime.evaluation import eval_clients, policy_suffix
 
     cfg = load_config(
         None, tiny_overrides(**{"data.num_clients": 10, "eval.clients": "sample", "eval.sample_size": 3})

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from fedray.platform.runtime.coordinator import personalized_accuracy
+from fedray.platform.runtime.evaluation import personalized_accuracy
 
 
 def test_plain_and_weighted_personal_means_by_hand():

@@ -163,6 +163,10 @@ def check_uplinks(name: str, server: Any, uplinks: Mapping[int, Any]) -> None:
     declared = set(server.uplink_keys())
     who = type(server).__name__
     for cid, uplink in uplinks.items():
+        if not isinstance(uplink, Mapping):
+            raise ContractError(
+                f"algorithm {name!r}: client {cid}'s upload() returned a {type(uplink).__name__}, not a payload mapping"
+            )
         keys = set(uplink)
         if keys == declared:
             continue

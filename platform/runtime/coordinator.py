@@ -22,8 +22,6 @@ from fedray.platform.api.algorithm import (
     Payload,
     ServerContext,
     commits_state,
-    cpu_state,
-    payload_nbytes,
     tests_with_global_model,
 )
 from fedray.platform.api.contract import check_uplinks
@@ -33,9 +31,10 @@ from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ContractError
 from fedray.platform.models import arch_for_client
 from fedray.platform.runtime import storage
-from fedray.platform.runtime.checkpoint import checkpoint_file
+from fedray.platform.runtime.checkpoint import LoopRecord, load_checkpoint, save_checkpoint
+from fedray.platform.runtime.evaluation import Evaluation
 from fedray.platform.runtime.memory import retain_freed_memory
-from fedray.platform.runtime.pool import Job, WorkerPool
+from fedray.platform.runtime.pool import Job, Outcome, WorkerPool
 from fedray.platform.runtime.state_store import StateStore
 from fedray.platform.runtime.transport import use_fast_tensor_transport
 from fedray.platform.runtime.worker import (
@@ -47,7 +46,6 @@ from fedray.platform.runtime.worker import (
 )
 from fedray.platform.seeds import numpy_rng, seed_of
 
-EVAL_CLIENTS_PER_JOB = 32  # clients one evaluation call tests: amortises a call, still spreads the work
 TRAIN_CLIENTS_PER_JOB = 8  # most clients one training call trains
 SAMPLES_PER_CALL = 256  # small clients share a call until it holds this many training samples
 
@@ -92,46 +90,34 @@ def sample_clients(seed: int, rnd: int, num_clients: int, k: int) -> list[int]:
     return sorted(rng.choice(num_clients, size=k, replace=False).tolist())
 
 
+def accept_uplinks(
+    trained: Outcome, store: StateStore
+) -> tuple[dict[int, Payload], dict[int, dict[str, float]], dict[int, str]]:
+    """The round's uplinks and statistics by client id, and the clients that failed with their line;
+    an accepted client's new state is committed to the store (its uplink is in, so it is the truth)."""
+    uplinks: dict[int, Any] = {}  # a payload each; check_uplinks refuses anything else
+    stats: dict[int, dict[str, float]] = {}
+    failed: dict[int, str] = {}
+    for _, (results, state_refs, worker) in trained.results.items():
+        states = state_refs or (None,) * len(results)
+        result: ClientResult
+        for result, state_ref in zip(results, states, strict=True):
+            if result.error is not None:
+                failed[result.client] = result.error
+                continue
+            if state_ref is not None:
+                store.commit(result.client, state_ref, worker)
+            uplinks[result.client], stats[result.client] = result.uplink, result.stats
+    for clients, error in trained.failed.items():
+        failed.update(dict.fromkeys(clients, error))
+    return dict(sorted(uplinks.items())), stats, failed
+
+
 def mean_stats(per_client: list[dict[str, float]]) -> dict[str, float]:
     """Mean of each training statistic over the clients that report it, summed in client-id order
     (not arrival order) so the same run always logs the same bits."""
     names = dict.fromkeys(name for stats in per_client for name in stats)
     return {name: float(np.mean([s[name] for s in per_client if name in s])) for name in names}
-
-
-def personalized_accuracy(correct: np.ndarray, total: np.ndarray, loss_sum: np.ndarray) -> dict[str, float]:
-    """Each client's model on its own test split, reported the two ways the literature does.
-
-    ``acc/personal_mean``: the plain mean of per-client accuracies (FedSSA); ``acc/personal_weighted``:
-    total correct over total test samples (PFLlib, FedL2G). Clients without test data are left out;
-    with none at all there is nothing to report.
-    """
-    tested = total > 0
-    if not tested.any():
-        return {}
-    acc = correct[tested] / total[tested]
-    return {
-        "acc/personal_mean": float(acc.mean()),
-        "acc/personal_std": float(acc.std()),
-        "acc/personal_weighted": float(correct.sum() / total.sum()),
-        "loss/personal": float(loss_sum.sum() / total.sum()),
-    }
-
-
-def eval_clients(cfg: ExperimentConfig, rnd: int, selected: list[int]) -> list[int]:
-    """The clients the personalised evaluation covers this round (``eval.clients``)."""
-    policy, n = cfg.eval.clients, cfg.data.num_clients
-    if policy == "selected":
-        return list(selected)
-    if policy == "sample" and cfg.eval.sample_size < n:
-        rng = numpy_rng("coordinator/eval_sample", cfg.seed, rnd)
-        return sorted(rng.choice(n, size=cfg.eval.sample_size, replace=False).tolist())
-    return list(range(n))
-
-
-def policy_suffix(cfg: ExperimentConfig) -> str:
-    """Personalised metrics over a subset of the clients say so in their name."""
-    return "" if cfg.eval.clients == "all" else f"_{cfg.eval.clients}"
 
 
 def scheduling(placement_group) -> dict[str, Any]:
@@ -193,10 +179,6 @@ def job_label(key: Any) -> str:
     return f"client{'s' if len(key) > 1 else ''} {', '.join(map(str, key))}"
 
 
-def chunks(items: list, size: int) -> list[list]:
-    return [items[i : i + size] for i in range(0, len(items), size)]
-
-
 class RoundLoop:
     """The coordinator's body. Free of the ``@ray.remote`` decorator so its logic reads plainly."""
 
@@ -254,10 +236,11 @@ class RoundLoop:
             ray.put(global_test.subset(np.arange(s, min(s + EVAL_CHUNK, len(global_test)))))
             for s in range(0, len(global_test), EVAL_CHUNK)
         ]
+        self.evaluation = Evaluation(
+            cfg, self.pool, self.store, shard_refs, self.global_chunks, self.affinity
+        )
         self.start_round = 0
-        self.history: list[dict[str, float]] = []
-        self.cum = {"up": 0, "down": 0}
-        self.last_client_acc: dict[int, float] = {}
+        self.record = LoopRecord()
         return {"devices": devices}
 
     # ------------------------------------------------------------------------------------ events
@@ -283,7 +266,7 @@ class RoundLoop:
         k = clients_per_round(cfg)
         for rnd in range(self.start_round, cfg.rounds):
             metrics = self.run_round(rnd, sample_clients(cfg.seed, rnd, cfg.data.num_clients, k))
-            self.history.append(metrics)
+            self.record.history.append(metrics)
             done = rnd + 1
             if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.rounds):
                 self.save_checkpoint(done)
@@ -297,42 +280,20 @@ class RoundLoop:
         self.emit("round_start", round=rnd + 1, selected=selected)
         downlinks = self.server.configure(rnd, selected)
         trained = self.pool.run(self.train_jobs(rnd, selected, downlinks), self.retry_reporter(rnd))
-        uplinks, stats, failed = {}, {}, {}
-        for _, (results, state_refs, worker) in trained.results.items():
-            states = state_refs or (None,) * len(results)
-            result: ClientResult
-            for result, state_ref in zip(results, states, strict=True):
-                if result.error is not None:
-                    failed[result.client] = result.error
-                    continue
-                if state_ref is not None:  # the uplink is accepted: its state is the truth
-                    self.store.commit(result.client, state_ref, worker)
-                uplinks[result.client], stats[result.client] = result.uplink, result.stats
-        for clients, error in trained.failed.items():
-            failed.update(dict.fromkeys(clients, error))
+        uplinks, stats, failed = accept_uplinks(trained, self.store)
         for cid, error in sorted(failed.items()):
             self.emit("client_failed", round=rnd + 1, client=cid, error=error)
-        uplinks = dict(sorted(uplinks.items()))
         check_uplinks(self.spec.name, self.server, uplinks)
         self.server.aggregate(rnd, uplinks)
-        up_bytes = sum(payload_nbytes(u) for u in uplinks.values())
-        down_bytes = sum(payload_nbytes(downlinks[cid]) for cid in selected)
-        self.cum["up"] += up_bytes
-        self.cum["down"] += down_bytes
         metrics = mean_stats([stats[cid] for cid in sorted(stats)])
-        metrics.update(
-            {
-                "comm/up_bytes": up_bytes,
-                "comm/down_bytes": down_bytes,
-                "comm/up_bytes_cum": self.cum["up"],
-                "comm/down_bytes_cum": self.cum["down"],
-                "clients/selected": len(selected),
-                "clients/failed": len(failed),
-                "clients/retried": sum(len(clients) for clients in trained.retried),
-            }
-        )
+        metrics.update(self.record.count_traffic(uplinks.values(), [downlinks[cid] for cid in selected]))
+        metrics["clients/selected"], metrics["clients/failed"] = len(selected), len(failed)
+        metrics["clients/retried"] = sum(len(clients) for clients in trained.retried)
         if (rnd + 1) % self.cfg.eval_every == 0 or rnd + 1 == self.cfg.rounds:
-            evaluation, retried = self.evaluate(rnd, selected)
+            evaluation, retried = self.evaluation.run(
+                rnd, selected, self.server, self.retry_reporter(rnd), partial(self.report_failure, rnd)
+            )
+            self.record.client_acc = self.evaluation.client_acc
             metrics.update(evaluation)
             metrics["clients/retried"] += retried
         metrics["time/round_s"] = time.perf_counter() - start
@@ -363,101 +324,33 @@ class RoundLoop:
             return None
         return self.pool.identity(cid) if self.pool.pinned else self.store.holder.get(cid)
 
+    def report_failure(self, rnd: int, key: Any, error: str) -> None:
+        self.emit("client_failed", round=rnd + 1, client=key[1], error=error)
+
     def retry_reporter(self, rnd: int):
         def report(key: Any, error: str) -> None:
             self.emit("client_retried", round=rnd + 1, client=job_label(key), error=error)
 
         return report
 
-    def evaluate(self, rnd: int, selected: list[int]) -> tuple[dict[str, float], int]:
-        """Clients on their own test splits (``eval.clients``), then the global model, if any, on the
-        global test set; both dispatched over the pool like training. Returns (metrics, retried jobs)."""
-        payload = self.server.eval_payload()
-        payload_ref = None if payload is None else ray.put(payload)
-        by_worker: dict[Any, list[int]] = {}
-        for cid in eval_clients(self.cfg, rnd, selected):
-            by_worker.setdefault(self.affinity(cid), []).append(cid)
-        per_job = max(
-            1, min(EVAL_CLIENTS_PER_JOB, math.ceil(sum(map(len, by_worker.values())) / (4 * len(self.pool))))
-        )
-        jobs = [
-            Job(
-                ("clients", group[0]),
-                "evaluate",
-                ([self.store.task(c, self.shards[c]) for c in group], payload_ref),
-                worker,
-            )
-            for worker, cids in by_worker.items()
-            for group in chunks(cids, per_job)
-        ]
-        model = self.server.global_model()
-        if model is not None:
-            state = ray.put(cpu_state(model))
-            jobs += [
-                Job(
-                    ("global", j),
-                    "evaluate_global",
-                    (model.arch, state, {j: [ref]}),
-                    self.pool.identity(j % len(self.pool)),
-                )
-                for j, ref in enumerate(self.global_chunks)
-            ]
-        done = self.pool.run(jobs, self.retry_reporter(rnd))
-        for key, error in done.failed.items():
-            self.emit("client_failed", round=rnd + 1, client=key[1], error=f"evaluation: {error}")
-        rows = sorted(
-            row for (kind, _), (part, _, _) in done.results.items() if kind == "clients" for row in part
-        )
-        self.last_client_acc = {cid: c / t for cid, c, t, _ in rows if t > 0}
-        suffix = policy_suffix(self.cfg)
-        columns = (np.array([r[i] for r in rows], dtype=np.float64) for i in (1, 2, 3))
-        out = {f"{k}{suffix}": v for k, v in personalized_accuracy(*columns).items()}
-        parts = sorted(
-            row for (kind, _), (part, _, _) in done.results.items() if kind == "global" for row in part
-        )
-        if parts:
-            correct, total, loss = (sum(p[i] for p in parts) for i in (1, 2, 3))
-            out["acc/global"] = correct / max(total, 1)
-            out["loss/global"] = loss / max(total, 1)
-        return out, len(done.retried)
-
     # ------------------------------------------------------------------------------------ state
     def save_checkpoint(self, done: int) -> None:
-        """The committed store (only states new since the last checkpoint are written), the server
-        state and the loop's counters; the checkpoint file lands atomically, last."""
-        state = {
-            "round": done,
-            "server": self.server.state_dict(),
-            "states": self.store.write(self.checkpoint_dir),
-            "history": self.history,
-            "cum": self.cum,
-            "last_client_acc": self.last_client_acc,
-            "torch_rng": torch.get_rng_state(),
-        }
-        path = checkpoint_file(self.checkpoint_dir)
-        storage.save_torch(state, path)
-        self.store.prune(self.checkpoint_dir)
+        path = save_checkpoint(self.checkpoint_dir, done, self.server, self.store, self.record)
         self.emit("checkpoint", round=done, path=path)
 
     def load_checkpoint(self, checkpoint_dir: str) -> list[dict[str, float]]:
         """Restore the run as the checkpoint left it; returns the rounds' metrics so far."""
-        state = storage.load_torch(checkpoint_file(checkpoint_dir))
-        self.server.load_state_dict(state["server"])
-        self.store.read(checkpoint_dir, state["states"])
-        self.history = state["history"]
-        self.cum = state["cum"]
-        self.last_client_acc = state["last_client_acc"]
-        torch.set_rng_state(state["torch_rng"])
-        self.start_round = state["round"]
-        return self.history
+        self.start_round, self.record = load_checkpoint(checkpoint_dir, self.server, self.store)
+        self.evaluation.client_acc = self.record.client_acc
+        return self.record.history
 
     def summary(self, finished: bool) -> dict[str, Any]:
         model = self.server.global_model()
         return {
             "finished": finished,
-            "rounds_done": len(self.history),
-            "history": self.history,
-            "client_acc": self.last_client_acc,
+            "rounds_done": len(self.record.history),
+            "history": self.record.history,
+            "client_acc": self.record.client_acc,
             "global_model": None if model is None else {k: v.cpu() for k, v in model.state_dict().items()},
         }
 
@@ -491,7 +384,7 @@ class RoundLoop:
         client states go."""
         live = self.pool.detach()
         ray.get([worker.clear.remote() for worker in live])
-        del self.pool, self.server, self.store, self.global_chunks, self.shards
+        del self.pool, self.server, self.store, self.global_chunks, self.shards, self.evaluation
         return live
 
 

@@ -1,0 +1,139 @@
+"""A round's evaluation: clients on their own test splits (``eval.clients``), then the server's global
+model, if any, on the global test set, both dispatched over the worker pool like training.
+
+The global test set is split into fixed-size chunks summed in chunk order, and client rows are
+sorted by client id, so the numbers never depend on the pool's size or on which worker ran what.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import ray
+
+from fedray.platform.api.algorithm import Server, cpu_state
+from fedray.platform.config import ExperimentConfig
+from fedray.platform.runtime.pool import Job, WorkerPool
+from fedray.platform.runtime.state_store import StateStore
+from fedray.platform.seeds import numpy_rng
+
+EVAL_CLIENTS_PER_JOB = 32  # clients one evaluation call tests: amortises a call, still spreads the work
+
+
+def personalized_accuracy(correct: np.ndarray, total: np.ndarray, loss_sum: np.ndarray) -> dict[str, float]:
+    """Each client's model on its own test split, reported the two ways the literature does.
+
+    ``acc/personal_mean``: the plain mean of per-client accuracies (FedSSA); ``acc/personal_weighted``:
+    total correct over total test samples (PFLlib, FedL2G). Clients without test data are left out;
+    with none at all there is nothing to report.
+    """
+    tested = total > 0
+    if not tested.any():
+        return {}
+    acc = correct[tested] / total[tested]
+    return {
+        "acc/personal_mean": float(acc.mean()),
+        "acc/personal_std": float(acc.std()),
+        "acc/personal_weighted": float(correct.sum() / total.sum()),
+        "loss/personal": float(loss_sum.sum() / total.sum()),
+    }
+
+
+def eval_clients(cfg: ExperimentConfig, rnd: int, selected: list[int]) -> list[int]:
+    """The clients the personalised evaluation covers this round (``eval.clients``)."""
+    policy, n = cfg.eval.clients, cfg.data.num_clients
+    if policy == "selected":
+        return list(selected)
+    if policy == "sample" and cfg.eval.sample_size < n:
+        rng = numpy_rng("coordinator/eval_sample", cfg.seed, rnd)
+        return sorted(rng.choice(n, size=cfg.eval.sample_size, replace=False).tolist())
+    return list(range(n))
+
+
+def policy_suffix(cfg: ExperimentConfig) -> str:
+    """Personalised metrics over a subset of the clients say so in their name."""
+    return "" if cfg.eval.clients == "all" else f"_{cfg.eval.clients}"
+
+
+def chunks(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+class Evaluation:
+    """Evaluates a round over the pool; ``client_acc`` keeps each tested client's last accuracy."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        pool: WorkerPool,
+        store: StateStore,
+        shards: list,
+        global_chunks: list,
+        affinity: Callable[[int], Any],
+    ) -> None:
+        self.cfg, self.pool, self.store, self.shards = cfg, pool, store, shards
+        self.global_chunks = global_chunks
+        self.affinity = affinity  # client -> the worker that caches it (None: any)
+        self.client_acc: dict[int, float] = {}
+
+    def run(
+        self, rnd: int, selected: list[int], server: Server, on_retry, on_failed: Callable[[Any, str], None]
+    ) -> tuple[dict[str, float], int]:
+        """The round's evaluation metrics, and the number of jobs retried on the way."""
+        done = self.pool.run(self.client_jobs(rnd, selected, server) + self.global_jobs(server), on_retry)
+        for key, error in done.failed.items():
+            on_failed(key, f"evaluation: {error}")
+        rows = sorted(
+            row for (kind, _), (part, _, _) in done.results.items() if kind == "clients" for row in part
+        )
+        self.client_acc = {cid: c / t for cid, c, t, _ in rows if t > 0}
+        suffix = policy_suffix(self.cfg)
+        columns = (np.array([r[i] for r in rows], dtype=np.float64) for i in (1, 2, 3))
+        out = {f"{k}{suffix}": v for k, v in personalized_accuracy(*columns).items()}
+        parts = sorted(
+            row for (kind, _), (part, _, _) in done.results.items() if kind == "global" for row in part
+        )
+        if parts:
+            correct, total, loss = (sum(p[i] for p in parts) for i in (1, 2, 3))
+            out["acc/global"] = correct / max(total, 1)
+            out["loss/global"] = loss / max(total, 1)
+        return out, len(done.retried)
+
+    def client_jobs(self, rnd: int, selected: list[int], server: Server) -> list[Job]:
+        """Clients grouped by the worker that caches them, a few dozen per call."""
+        payload = server.eval_payload()
+        payload_ref = None if payload is None else ray.put(payload)
+        by_worker: dict[Any, list[int]] = {}
+        for cid in eval_clients(self.cfg, rnd, selected):
+            by_worker.setdefault(self.affinity(cid), []).append(cid)
+        count = sum(map(len, by_worker.values()))
+        per_job = max(1, min(EVAL_CLIENTS_PER_JOB, math.ceil(count / (4 * len(self.pool)))))
+        return [
+            Job(
+                ("clients", group[0]),
+                "evaluate",
+                ([self.store.task(c, self.shards[c]) for c in group], payload_ref),
+                worker,
+            )
+            for worker, cids in by_worker.items()
+            for group in chunks(cids, per_job)
+        ]
+
+    def global_jobs(self, server: Server) -> list[Job]:
+        """One job per chunk of the global test set, for a server with a global model."""
+        model = server.global_model()
+        if model is None:
+            return []
+        state = ray.put(cpu_state(model))
+        return [
+            Job(
+                ("global", j),
+                "evaluate_global",
+                (model.arch, state, {j: [ref]}),
+                self.pool.identity(j % len(self.pool)),
+            )
+            for j, ref in enumerate(self.global_chunks)
+        ]
