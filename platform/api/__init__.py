@@ -4,7 +4,8 @@
 
 An algorithm is a :class:`Server` (in the Coordinator) and a :class:`ClientModule` (a LightningModule
 trained in a worker) that exchange payloads, plus an :class:`AlgorithmConfig` registered under its
-name. The helpers are the tensor functions several algorithms share, written once. The rules of the
+name. The helpers are the tensor functions several algorithms share, written once; :class:`Metrics` names
+what the platform records (an algorithm's training loss is ``Metrics.LOSS_TRAIN``). The rules of the
 contract are checked by the platform (:mod:`.contract`), each failure a one-line :class:`ContractError`.
 """
 
@@ -25,6 +26,7 @@ from fedray.platform.config import AlgorithmConfig, ExperimentConfig, clients_pe
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ConfigError, ContractError
 from fedray.platform.models import FedModel
+from fedray.platform.tracking.names import Metrics
 
 __all__ = [
     "AlgorithmConfig",
@@ -35,6 +37,7 @@ __all__ = [
     "ContractError",
     "ExperimentConfig",
     "FedModel",
+    "Metrics",
     "Payload",
     "Server",
     "ServerContext",

@@ -45,6 +45,7 @@ from fedray.platform.runtime.worker import (
     client_model_state,
     make_client_model,
 )
+from fedray.platform.tracking.names import Metrics, personal_on
 
 EVAL_CLIENTS_PER_JOB = 32  # clients one evaluation call tests: amortises a call, still spreads the work
 TRAIN_CLIENTS_PER_JOB = 8  # most clients one training call trains
@@ -110,10 +111,10 @@ def personalized_accuracy(correct: np.ndarray, total: np.ndarray, loss_sum: np.n
         return {}
     acc = correct[tested] / total[tested]
     return {
-        "acc/personal_mean": float(acc.mean()),
-        "acc/personal_std": float(acc.std()),
-        "acc/personal_weighted": float(correct.sum() / total.sum()),
-        "loss/personal": float(loss_sum.sum() / total.sum()),
+        Metrics.ACC_PERSONAL_MEAN: float(acc.mean()),
+        Metrics.ACC_PERSONAL_STD: float(acc.std()),
+        Metrics.ACC_PERSONAL_WEIGHTED: float(correct.sum() / total.sum()),
+        Metrics.LOSS_PERSONAL: float(loss_sum.sum() / total.sum()),
     }
 
 
@@ -126,11 +127,6 @@ def eval_clients(cfg: ExperimentConfig, rnd: int, selected: list[int]) -> list[i
         rng = np.random.default_rng(derive_seed(cfg.seed, rnd, 5))
         return sorted(rng.choice(n, size=cfg.eval.sample_size, replace=False).tolist())
     return list(range(n))
-
-
-def policy_suffix(cfg: ExperimentConfig) -> str:
-    """Personalised metrics over a subset of the clients say so in their name."""
-    return "" if cfg.eval.clients == "all" else f"_{cfg.eval.clients}"
 
 
 def scheduling(placement_group) -> dict[str, Any]:
@@ -320,20 +316,20 @@ class RoundLoop:
         metrics = mean_stats([stats[cid] for cid in sorted(stats)])
         metrics.update(
             {
-                "comm/up_bytes": up_bytes,
-                "comm/down_bytes": down_bytes,
-                "comm/up_bytes_cum": self.cum["up"],
-                "comm/down_bytes_cum": self.cum["down"],
-                "clients/selected": len(selected),
-                "clients/failed": len(failed),
-                "clients/retried": sum(len(clients) for clients in trained.retried),
+                Metrics.COMM_UP_BYTES: up_bytes,
+                Metrics.COMM_DOWN_BYTES: down_bytes,
+                Metrics.COMM_UP_BYTES_CUM: self.cum["up"],
+                Metrics.COMM_DOWN_BYTES_CUM: self.cum["down"],
+                Metrics.CLIENTS_SELECTED: len(selected),
+                Metrics.CLIENTS_FAILED: len(failed),
+                Metrics.CLIENTS_RETRIED: sum(len(clients) for clients in trained.retried),
             }
         )
         if (rnd + 1) % self.cfg.eval_every == 0 or rnd + 1 == self.cfg.rounds:
             evaluation, retried = self.evaluate(rnd, selected)
             metrics.update(evaluation)
-            metrics["clients/retried"] += retried
-        metrics["time/round_s"] = time.perf_counter() - start
+            metrics[Metrics.CLIENTS_RETRIED] += retried
+        metrics[Metrics.TIME_ROUND_S] = time.perf_counter() - start
         return metrics
 
     def train_jobs(self, rnd: int, selected: list[int], downlinks: dict[int, Payload]) -> list[Job]:
@@ -407,16 +403,16 @@ class RoundLoop:
             row for (kind, _), (part, _, _) in done.results.items() if kind == "clients" for row in part
         )
         self.last_client_acc = {cid: c / t for cid, c, t, _ in rows if t > 0}
-        suffix = policy_suffix(self.cfg)
         columns = (np.array([r[i] for r in rows], dtype=np.float64) for i in (1, 2, 3))
-        out = {f"{k}{suffix}": v for k, v in personalized_accuracy(*columns).items()}
+        # over a subset of the clients (eval.clients), the personalised metrics say so in their name
+        out = {personal_on(k, self.cfg.eval.clients): v for k, v in personalized_accuracy(*columns).items()}
         parts = sorted(
             row for (kind, _), (part, _, _) in done.results.items() if kind == "global" for row in part
         )
         if parts:
             correct, total, loss = (sum(p[i] for p in parts) for i in (1, 2, 3))
-            out["acc/global"] = correct / max(total, 1)
-            out["loss/global"] = loss / max(total, 1)
+            out[Metrics.ACC_GLOBAL] = correct / max(total, 1)
+            out[Metrics.LOSS_GLOBAL] = loss / max(total, 1)
         return out, len(done.retried)
 
     # ------------------------------------------------------------------------------------ state
