@@ -53,6 +53,7 @@ from fedray.platform.api import (
     ConfigError,
     ExperimentConfig,
     FedModel,
+    Metrics,
     Payload,
     Server,
     ServerContext,
@@ -217,7 +218,7 @@ class FedL2GClient(ClientModule):
         logits, z = self.model.forward_with_features(x)
         ce = F.cross_entropy(logits, y)
         guide = guide_loss(self.guided(logits, z), self.guide, y)
-        self.record("loss/train", ce)
+        self.record(Metrics.LOSS_TRAIN, ce)
         self.record("loss/guide", guide)
         return ce + guide
 

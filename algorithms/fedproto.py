@@ -43,6 +43,7 @@ from fedray.platform.api import (
     ClientModule,
     ConfigError,
     ExperimentConfig,
+    Metrics,
     Payload,
     Server,
     ServerContext,
@@ -167,7 +168,7 @@ class FedProtoClient(ClientModule):
         x, y = batch
         logits, z = self.model.forward_with_features(x)
         loss = torch.nn.functional.cross_entropy(logits, y)
-        self.record("loss/train", loss)
+        self.record(Metrics.LOSS_TRAIN, loss)
         if self.has_target.numel() == 0:  # round 0: no global prototypes yet
             return loss
         reg = self.regulariser(self.guided(logits, z), y)

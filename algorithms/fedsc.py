@@ -62,6 +62,7 @@ from fedray.platform.api import (
     AlgorithmConfig,
     ConfigError,
     ExperimentConfig,
+    Metrics,
     Payload,
     class_prototypes,
     cpu_state,
@@ -271,7 +272,7 @@ class FedSCClient(FedAvgClient):
             self.record("loss/rpcl", rpcl)
             self.record("loss/cpdr", cpdr)
             loss = loss + rpcl + cpdr
-        self.record("loss/train", loss)
+        self.record(Metrics.LOSS_TRAIN, loss)
         return loss
 
     def upload(self) -> Payload:

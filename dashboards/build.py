@@ -23,9 +23,19 @@ from fedray.dashboards import figures as figs
 from fedray.dashboards import load
 from fedray.dashboards import summary as sm
 from fedray.dashboards.html import Cell, Section, figure, heading, page, paragraph, table
-from fedray.dashboards.load import KIND_TAG, ExperimentRuns
+from fedray.dashboards.load import ExperimentRuns
 from fedray.platform.errors import ConfigError
 from fedray.platform.runtime.progress import mb
+from fedray.platform.tracking.names import (
+    METRICS_COLUMN_PREFIX,
+    Metrics,
+    Params,
+    RunKind,
+    Tags,
+    metric_column,
+    param_column,
+    tag_filter,
+)
 
 HTML_NAME = "report.html"
 ARTIFACT_DIR = "report"
@@ -70,7 +80,7 @@ def make_report(
     selected = sm.best_configs(runs, metric)
     history = load.load_history(ex, list(selected["run_id"]))
     history["comm_mb"] = (
-        history["comm/up_bytes_cum"].fillna(0) + history["comm/down_bytes_cum"].fillna(0)
+        history[Metrics.COMM_UP_BYTES_CUM].fillna(0) + history[Metrics.COMM_DOWN_BYTES_CUM].fillna(0)
     ).map(mb)
     auto = target is None
     target = sm.auto_target(selected, metric) if target is None else float(target)
@@ -115,7 +125,7 @@ def _report_run(ex: ExperimentRuns) -> tuple[str, bool]:
     run = ex.client().create_run(
         ex.experiment_id,
         run_name="report",
-        tags={KIND_TAG: "report", "fedray.report_runs": str(n), "mlflow.note.content": note},
+        tags={Tags.KIND: RunKind.REPORT, Tags.REPORT_RUNS: str(n), Tags.NOTE: note},
     )
     return run.info.run_id, True
 
@@ -146,7 +156,7 @@ def _acc_cell(stat: tuple[float, float], n: int) -> Cell:
 
 def _metric_words(metric: str) -> tuple[str, str]:
     """How the report names ``metric``: short (a column header) and as an axis label."""
-    if metric.startswith("acc/personal"):
+    if metric.startswith(Metrics.ACC_PERSONAL_PREFIX):
         return "personalised", "personalised accuracy"
     return "global", "global model accuracy"
 
@@ -218,13 +228,14 @@ def _summary_section(
 def _curve_sections(
     selected: pd.DataFrame, history: pd.DataFrame, colors: dict, fig_dir: Path, swept: bool, metric: str
 ) -> list[Section]:
-    personal = sm.curves(selected, history, "acc/personal_mean")
-    global_ = sm.curves(selected, history, "acc/global")
+    personal = sm.curves(selected, history, Metrics.ACC_PERSONAL_MEAN)
+    global_ = sm.curves(selected, history, Metrics.ACC_GLOBAL)
     by_comm = sm.curves(selected, history, metric, x="comm_mb")
     which = " Each algorithm is drawn at its best sweep configuration (see Sweep)." if swept else ""
 
     rounds = Section("accuracy-round", "Accuracy against round")
-    column = "metrics.acc/majority_baseline"  # the same for every run on one partition: their mean
+    # the same for every run on one partition: their mean
+    column = metric_column(Metrics.ACC_MAJORITY_BASELINE)
     majority = float(selected[column].mean()) if column in selected and personal else None
     png = figs.save_png(
         figs.accuracy_vs_round(personal, global_, colors, majority), fig_dir / "accuracy_vs_round.png"
@@ -292,7 +303,7 @@ def _sweep_section(
     for group, params in swept.items():
         frame = runs[runs["group"] == group]
         slug = _slug(group)
-        configs = frame.groupby("config")[f"metrics.{metric}"].agg(
+        configs = frame.groupby("config")[metric_column(metric)].agg(
             mean="mean", std=lambda v: v.std(ddof=0), size="size"
         )
         configs = configs.sort_values("mean", ascending=False)
@@ -335,7 +346,7 @@ def _partition_section(ex: ExperimentRuns, runs: pd.DataFrame, fig_dir: Path) ->
         png = part["png"]
         (fig_dir / f"partition_{i}.png").write_bytes(png)
         used = ", ".join(sorted(set(names.loc[part["run_ids"], "group"])))
-        clients = first.get("params.data.num_clients", "?")
+        clients = first.get(param_column(Params.NUM_CLIENTS), "?")
         section.add(
             figure(
                 png,
@@ -376,7 +387,9 @@ def _runs_section(ex: ExperimentRuns, runs: pd.DataFrame, selected: pd.DataFrame
     )
     section.add(table([Cell(h, css="text") for h in headers], rows))
     for sweep_id in sorted(set(runs["sweep_id"]) - {""}):
-        section.add(paragraph(f"MLflow UI search box, this sweep: tags.sweep_id = '{sweep_id}'", "meta"))
+        section.add(
+            paragraph(f"MLflow UI search box, this sweep: {tag_filter(Tags.SWEEP_ID, sweep_id)}", "meta")
+        )
     if len(runs) <= 30:
         ids = ", ".join(f"'{r}'" for r in runs["run_id"])
         section.add(paragraph(f"MLflow UI search box, these runs: attributes.run_id IN ({ids})", "meta"))
@@ -403,7 +416,7 @@ def _meta(ex: ExperimentRuns, runs: pd.DataFrame, target_run: str | None) -> lis
 
 def _runs_frame(runs: pd.DataFrame, selected: pd.DataFrame) -> pd.DataFrame:
     cols = ["run_id", "run_name", "group", "algorithm", "seed", "config", "sweep_id", "parent_id", "wall_s"]
-    metrics = sorted(c for c in runs.columns if c.startswith("metrics."))
+    metrics = sorted(c for c in runs.columns if c.startswith(METRICS_COLUMN_PREFIX))
     return runs[cols + metrics].assign(in_figures=runs["run_id"].isin(selected["run_id"]))
 
 

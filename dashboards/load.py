@@ -17,21 +17,20 @@ import pandas as pd
 
 from fedray.platform.errors import ConfigError
 from fedray.platform.tracking.mlflow_run import existing_experiment, quiet_mlflow, tracking_uri
+from fedray.platform.tracking.names import Metrics, Params, RunKind, Tags, metric_column, param_column
 
 # Per-round metrics the report draws; other keys stay in the store.
 HISTORY_KEYS = (
-    "acc/personal_mean",
-    "acc/personal_std",
-    "acc/global",
-    "loss/train",
-    "comm/up_bytes_cum",
-    "comm/down_bytes_cum",
-    "time/round_s",
+    Metrics.ACC_PERSONAL_MEAN,
+    Metrics.ACC_PERSONAL_STD,
+    Metrics.ACC_GLOBAL,
+    Metrics.LOSS_TRAIN,
+    Metrics.COMM_UP_BYTES_CUM,
+    Metrics.COMM_DOWN_BYTES_CUM,
+    Metrics.TIME_ROUND_S,
 )
-PRIMARY_METRIC = "acc/personal_mean"
-GLOBAL_METRIC = "acc/global"  # the metric of experiments whose clients hold no test data
-KIND_TAG = "fedray.kind"
-PARENT_TAG = "mlflow.parentRunId"
+PRIMARY_METRIC = Metrics.ACC_PERSONAL_MEAN
+GLOBAL_METRIC = Metrics.ACC_GLOBAL  # the metric of experiments whose clients hold no test data
 
 
 @dataclass
@@ -74,8 +73,8 @@ def load_runs(experiment: str, tracking_uri: str | None = None) -> ExperimentRun
     client = MlflowClient(tracking_uri=uri)
     found = existing_experiment(client, experiment, uri)
     all_runs = _search_all(client, found.experiment_id)
-    runs = [r for r in all_runs if r.data.tags.get(KIND_TAG) != "report"]
-    parents = {r.data.tags.get(PARENT_TAG) for r in runs} - {None}
+    runs = [r for r in all_runs if r.data.tags.get(Tags.KIND) != RunKind.REPORT]
+    parents = {r.data.tags.get(Tags.PARENT_RUN_ID) for r in runs} - {None}
 
     # personalised accuracy when any run has it; global accuracy for experiments without client test
     # data (every client sample used for training, as FedCross and FedSC train)
@@ -131,8 +130,8 @@ def _search_all(client, experiment_id: str) -> list:
 def _skip_reason(run, metric: str) -> str | None:
     if run.info.status != "FINISHED":
         return f"status {run.info.status}"
-    if "algorithm" not in run.data.tags:
-        return "no 'algorithm' tag (not a fedray run)"
+    if Tags.ALGORITHM not in run.data.tags:
+        return f"no {Tags.ALGORITHM!r} tag (not a fedray run)"
     if metric not in run.data.metrics:
         return f"no {metric} metric"
     return None
@@ -145,7 +144,7 @@ def _skip_summary(skipped: list[dict[str, Any]]) -> str:
 
 def _row(run) -> dict[str, Any]:
     tags, info = run.data.tags, run.info
-    seed = tags.get("seed", run.data.params.get("seed", ""))
+    seed = tags.get(Tags.SEED, run.data.params.get(Params.SEED, ""))
     try:
         seed_sort = int(seed)
     except ValueError:
@@ -155,22 +154,22 @@ def _row(run) -> dict[str, Any]:
         "run_id": info.run_id,
         "run_name": info.run_name,
         "status": info.status,
-        "group": tags.get("label") or tags["algorithm"],
-        "algorithm": tags["algorithm"],
+        "group": tags.get(Tags.LABEL) or tags[Tags.ALGORITHM],
+        "algorithm": tags[Tags.ALGORITHM],
         "seed": seed,
         "seed_sort": seed_sort,
-        "dataset": tags.get("dataset", ""),
-        "partition": tags.get("partition", ""),
-        "model_group": tags.get("model_group", ""),
-        "sweep_id": tags.get("sweep_id", ""),
-        "parent_id": tags.get(PARENT_TAG, ""),
+        "dataset": tags.get(Tags.DATASET, ""),
+        "partition": tags.get(Tags.PARTITION, ""),
+        "model_group": tags.get(Tags.MODEL_GROUP, ""),
+        "sweep_id": tags.get(Tags.SWEEP_ID, ""),
+        "parent_id": tags.get(Tags.PARENT_RUN_ID, ""),
         "start_time": info.start_time,
         # the time the run's command took (summed over resumes); runs logged before fedray recorded
         # it fall back to the run's span
-        "wall_s": run.data.metrics.get("time/wall_s", (end - info.start_time) / 1000.0),
+        "wall_s": run.data.metrics.get(Metrics.TIME_WALL_S, (end - info.start_time) / 1000.0),
     }
-    row.update({f"params.{k}": v for k, v in run.data.params.items()})
-    row.update({f"metrics.{k}": v for k, v in run.data.metrics.items()})
+    row.update({param_column(k): v for k, v in run.data.params.items()})
+    row.update({metric_column(k): v for k, v in run.data.metrics.items()})
     return row
 
 
@@ -236,7 +235,9 @@ def load_client_accuracy(ex: ExperimentRuns, run_ids: list[str]) -> pd.DataFrame
 def partition_signature(row: pd.Series) -> tuple:
     """Runs with equal data params and seed trained on identical shards (the partition is a pure
     function of the data config and the seed)."""
-    data = sorted((k, row[k]) for k in row.index if k.startswith("params.data.") and pd.notna(row[k]))
+    data = sorted(
+        (k, row[k]) for k in row.index if k.startswith(param_column(Params.DATA_PREFIX)) and pd.notna(row[k])
+    )
     return (row["seed"], *data)
 
 

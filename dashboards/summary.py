@@ -11,21 +11,36 @@ import numpy as np
 import pandas as pd
 
 from fedray.platform.runtime.progress import mb
+from fedray.platform.tracking.names import (
+    PARAMS_COLUMN_PREFIX,
+    Metrics,
+    Params,
+    best_of,
+    metric_column,
+    param_column,
+)
 
 # Params that differ between runs without being a hyperparameter of the algorithm: the repeat
 # axis (seed), the grouping (algorithm), naming, bookkeeping and placement.
-NOT_HYPERPARAMETERS = {"seed", "algorithm", "name", "storage_path", "progress", "checkpoint_every"}
-NOT_HYPERPARAMETER_PREFIXES = ("tracking.", "ray.")
+NOT_HYPERPARAMETERS = {
+    Params.SEED,
+    Params.ALGORITHM,
+    Params.NAME,
+    Params.STORAGE_PATH,
+    Params.PROGRESS,
+    Params.CHECKPOINT_EVERY,
+}
+NOT_HYPERPARAMETER_PREFIXES = (Params.TRACKING_PREFIX, Params.RAY_PREFIX)
 
 
 def hyperparameters(runs: pd.DataFrame) -> dict[str, list[str]]:
     """Per group, the params that vary across its runs: the axes of a sweep (empty: not a sweep)."""
     out: dict[str, list[str]] = {}
-    params = [c for c in runs.columns if c.startswith("params.")]
+    params = [c for c in runs.columns if c.startswith(PARAMS_COLUMN_PREFIX)]
     for group, frame in runs.groupby("group", sort=True):
         varying = []
         for col in params:
-            name = col.removeprefix("params.")
+            name = col.removeprefix(PARAMS_COLUMN_PREFIX)
             if name in NOT_HYPERPARAMETERS or name.startswith(NOT_HYPERPARAMETER_PREFIXES):
                 continue
             if frame[col].fillna("<unset>").nunique() > 1:
@@ -51,7 +66,7 @@ def with_configs(runs: pd.DataFrame, hparams: dict[str, list[str]]) -> pd.DataFr
     runs = runs.copy()
 
     def label(row: pd.Series) -> str:
-        return ", ".join(f"{p}={row.get('params.' + p)}" for p in hparams.get(row["group"], []))
+        return ", ".join(f"{p}={row.get(param_column(p))}" for p in hparams.get(row["group"], []))
 
     runs["config"] = runs.apply(label, axis=1) if len(runs) else []
     return runs
@@ -63,7 +78,7 @@ def best_configs(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
     A sweep's curves and table rows must come from one configuration: averaging different
     hyperparameters together would draw an algorithm nobody ran.
     """
-    col = f"metrics.{metric}"
+    col = metric_column(metric)
     chosen = []
     for _, frame in runs.groupby("group", sort=True):
         means = frame.groupby("config", sort=False)[col].mean()
@@ -89,8 +104,8 @@ def auto_target(runs: pd.DataFrame, metric: str) -> float:
 
 def _best_col(runs: pd.DataFrame, metric: str) -> str:
     """``best/personal_mean`` is logged at the end of a run; runs without it use the final value."""
-    best = f"metrics.best/{metric.split('/', 1)[1]}"
-    return best if best in runs else f"metrics.{metric}"
+    best = metric_column(best_of(metric))
+    return best if best in runs else metric_column(metric)
 
 
 def mean_std(values: pd.Series) -> tuple[float, float]:
@@ -103,7 +118,7 @@ def mean_std(values: pd.Series) -> tuple[float, float]:
 
 def _best(runs: pd.DataFrame, history: pd.DataFrame, metric: str) -> pd.Series:
     """Best-round value per run: the logged ``best/...`` metric, else the max of the history."""
-    col = f"metrics.best/{metric.split('/', 1)[1]}"
+    col = metric_column(best_of(metric))
     logged = runs.set_index("run_id")[col] if col in runs else pd.Series(np.nan, index=runs["run_id"])
     from_history = history.groupby("run_id")[metric].max() if len(history) else pd.Series(dtype=float)
     return logged.fillna(from_history.reindex(logged.index))
@@ -114,16 +129,19 @@ def summary_table(
 ) -> list[dict[str, Any]]:
     """One row per group with raw numbers (fractions, MB, seconds); the page formats them."""
     reached = rounds_to_target(history, target, metric)
-    best_personal = _best(selected, history, "acc/personal_mean")
-    best_global = _best(selected, history, "acc/global")
+    best_personal = _best(selected, history, Metrics.ACC_PERSONAL_MEAN)
+    best_global = _best(selected, history, Metrics.ACC_GLOBAL)
     rows = []
     for group, frame in selected.groupby("group", sort=True):
         ids = list(frame["run_id"])
         rounds = pd.Series([reached.get(i, math.nan) for i in ids], dtype=float)
 
         def final(key: str, frame: pd.DataFrame = frame) -> tuple[float, float]:
-            col = f"metrics.{key}"
+            col = metric_column(key)
             return mean_std(frame[col]) if col in frame else (math.nan, math.nan)
+
+        def mean_mb(key: str, frame: pd.DataFrame = frame) -> float:
+            return mean_std(frame.get(metric_column(key), pd.Series(0.0)).map(mb))[0]
 
         rows.append(
             {
@@ -133,14 +151,14 @@ def summary_table(
                 "runs": len(ids),
                 "seeds": ", ".join(frame["seed"].astype(str)),
                 "run_ids": ids,
-                "personal_final": final("acc/personal_mean"),
+                "personal_final": final(Metrics.ACC_PERSONAL_MEAN),
                 "personal_best": mean_std(best_personal.reindex(ids)),
-                "global_final": final("acc/global"),
+                "global_final": final(Metrics.ACC_GLOBAL),
                 "global_best": mean_std(best_global.reindex(ids)),
                 "rounds_to_target": float(rounds.mean()) if rounds.notna().any() else math.nan,
                 "reached": int(rounds.notna().sum()),
-                "mb_up": mean_std(frame.get("metrics.comm/up_bytes_cum", pd.Series(0.0)).map(mb))[0],
-                "mb_down": mean_std(frame.get("metrics.comm/down_bytes_cum", pd.Series(0.0)).map(mb))[0],
+                "mb_up": mean_mb(Metrics.COMM_UP_BYTES_CUM),
+                "mb_down": mean_mb(Metrics.COMM_DOWN_BYTES_CUM),
                 "wall_s": mean_std(frame["wall_s"])[0],
             }
         )
@@ -186,8 +204,8 @@ def sweep_points(runs: pd.DataFrame, param: str, metric: str) -> pd.DataFrame:
     """One row per run of a group: the param's value (text) and the final metric."""
     return pd.DataFrame(
         {
-            "value": runs[f"params.{param}"].fillna("None").astype(str).to_numpy(),
-            "metric": runs[f"metrics.{metric}"].astype(float).to_numpy(),
+            "value": runs[param_column(param)].fillna("None").astype(str).to_numpy(),
+            "metric": runs[metric_column(metric)].astype(float).to_numpy(),
         }
     )
 
@@ -196,9 +214,9 @@ def sweep_grid(runs: pd.DataFrame, p1: str, p2: str, metric: str) -> pd.DataFram
     """Mean final metric over seeds (and any other swept param) on the p1 x p2 grid."""
     frame = pd.DataFrame(
         {
-            p1: runs[f"params.{p1}"].fillna("None").astype(str),
-            p2: runs[f"params.{p2}"].fillna("None").astype(str),
-            "metric": runs[f"metrics.{metric}"].astype(float),
+            p1: runs[param_column(p1)].fillna("None").astype(str),
+            p2: runs[param_column(p2)].fillna("None").astype(str),
+            "metric": runs[metric_column(metric)].astype(float),
         }
     )
     grid = frame.pivot_table(index=p1, columns=p2, values="metric", aggfunc="mean")

@@ -29,6 +29,7 @@ from typing import Any, Literal
 from fedray.platform.catalog import build_config
 from fedray.platform.config import load_yaml, merge, parse_overrides
 from fedray.platform.errors import ConfigError
+from fedray.platform.tracking.names import Metrics
 
 SPACES_DIR = Path(__file__).resolve().parent / "spaces"
 KINDS = ("grid", "choice", "uniform", "loguniform", "randint", "quniform")
@@ -79,7 +80,7 @@ class SearchSpace:
     params: list[Param]
     search: Literal["grid", "random", "optuna"] = "grid"
     samples: int = 1
-    metric: str = "acc/personal_mean"
+    metric: str = Metrics.ACC_PERSONAL_MEAN
     mode: Literal["max", "min"] = "max"
     scheduler: Literal["asha", "none"] = "asha"
     grace_rounds: int = 3
@@ -148,7 +149,7 @@ def load_space(path: str | Path) -> SearchSpace:
         params=[_parse_param(str(path), key, spec) for key, spec in params_raw.items()],
         search=raw.get("search", "grid"),
         samples=int(raw.get("samples", 1)),
-        metric=raw.get("metric", "acc/personal_mean"),
+        metric=raw.get("metric", Metrics.ACC_PERSONAL_MEAN),
         mode=raw.get("mode", "max"),
         scheduler=raw.get("scheduler", "asha"),
         grace_rounds=int(raw.get("grace_rounds", 3)),

@@ -29,10 +29,16 @@ from fedray.platform.runtime.driver import ensure_ray, require_gpus, run_experim
 from fedray.platform.runtime.processes import KeptRuntime
 from fedray.platform.tracking.descriptions import sweep_description
 from fedray.platform.tracking.mlflow_run import RunTracker, tracking_uri
+from fedray.platform.tracking.names import RunKind, Tags, tag_filter
 from fedray.platform.tracking.views import DEFAULT_SERVER, runs_table_url, save_sweep_view
 from fedray.sweeps.space import SearchSpace, check_space, load_space, space_path, trial_config
 
 SWEEP_STATE = "fedray_sweep.json"  # parent run id and settings, for --resume
+
+
+def tune_key(metric: str) -> str:
+    """A metric's name in the results a trial reports to Tune (which reads a ``/`` as nesting)."""
+    return metric.replace("/", "_")
 
 
 @dataclass
@@ -81,13 +87,13 @@ def run_trial(point: dict[str, Any], base: dict[str, Any], parent_run_id: str, s
     pg = ray.util.get_current_placement_group()
     actors = trial_actors(cfg) if pg is not None else None  # as many as trial_resources reserved
     tags = {
-        "sweep_id": sweep_id,
-        "trial_id": tune.get_context().get_trial_id() or "",
-        "mlflow.runName": f"{cfg.algorithm} {trial_label(point)}",  # charts' legends name the values
+        Tags.SWEEP_ID: sweep_id,
+        Tags.TRIAL_ID: tune.get_context().get_trial_id() or "",
+        Tags.RUN_NAME: f"{cfg.algorithm} {trial_label(point)}",  # charts' legends name the values
     }
 
     def report(rnd: int, metrics: dict[str, float]) -> None:
-        tune.report({"round": rnd, **{k.replace("/", "_"): v for k, v in metrics.items()}})
+        tune.report({"round": rnd, **{tune_key(k): v for k, v in metrics.items()}})
 
     run_experiment(
         cfg, parent_run_id=parent_run_id, tags=tags, on_round=report, placement_group=pg, num_actors=actors
@@ -171,7 +177,7 @@ def run_sweep(
     sweeps_dir = Path(base_cfg.storage_path).resolve() / "sweeps"  # Tune's state is local to its driver
     path = sweeps_dir / name
     state_file = path / SWEEP_STATE
-    metric = space.metric.replace("/", "_")
+    metric = tune_key(space.metric)
 
     ensure_ray(base_cfg)
     KeptRuntime.release()  # a caller's last run's processes would hold the CPUs the trials reserve
@@ -183,12 +189,12 @@ def run_sweep(
         parent = RunTracker(base_cfg, run_id=state["parent_run_id"])
     else:
         parent_cfg = build_config(merge(base, {"name": base_cfg.tracking.experiment or base_cfg.name}))
-        parent = RunTracker(parent_cfg, extra_tags={"fedray.kind": "sweep", "sweep_id": name})
-        parent.client.set_tag(parent.run_id, "mlflow.runName", name)
+        parent = RunTracker(parent_cfg, extra_tags={Tags.KIND: RunKind.SWEEP, Tags.SWEEP_ID: name})
+        parent.client.set_tag(parent.run_id, Tags.RUN_NAME, name)
         parent.describe(sweep_description(algorithm, space, base_cfg))
         params = [p.key for p in space.params]
         view = save_sweep_view(parent.client, parent.experiment_id, name, parent.run_id, params)
-        parent.set_tags({"fedray.ui_view": view})
+        parent.set_tags({Tags.UI_VIEW: view})
         parent.log_text(Path(space.path).read_text(), "search_space.yaml")
         parent.log_text(yaml.safe_dump(base, sort_keys=False), "base_config.yaml")
         path.mkdir(parents=True, exist_ok=True)
@@ -243,7 +249,7 @@ class _TrialLines(Callback):
     """One line per started and finished trial (Tune's own tables are too wide to read)."""
 
     def __init__(self, metric: str) -> None:
-        self.metric = metric.replace("/", "_")
+        self.metric = tune_key(metric)
         self.running = 0
         self.max_running = 0
 
@@ -291,7 +297,7 @@ class InterruptAfterTrials(Callback):
 
 def summarize(grid, space: SearchSpace, parent, path: Path, base: dict[str, Any]) -> SweepResult:
     """Trial table, best config (logged on the parent), and stray child runs closed as KILLED."""
-    metric = space.metric.replace("/", "_")
+    metric = tune_key(space.metric)
     rows = []
     for result in grid:
         point = {k: v for k, v in (result.config or {}).items()}
@@ -302,7 +308,7 @@ def summarize(grid, space: SearchSpace, parent, path: Path, base: dict[str, Any]
                 space.metric: metrics.get(metric),
                 "rounds": metrics.get("round"),
                 "status": "error" if result.error else "ok",
-                "trial": metrics.get("trial_id") or os.path.basename(result.path or ""),
+                "trial": metrics.get("trial_id") or os.path.basename(result.path or ""),  # Tune's own field
             }
         )
     table = pd.DataFrame(rows)
@@ -318,9 +324,11 @@ def summarize(grid, space: SearchSpace, parent, path: Path, base: dict[str, Any]
     best = None
     if best_point:
         top = table.iloc[0]
-        run_id = next((r.info.run_id for r in children if r.data.tags.get("trial_id") == top["trial"]), "?")
+        run_id = next(
+            (r.info.run_id for r in children if r.data.tags.get(Tags.TRIAL_ID) == top["trial"]), "?"
+        )
         best = {"params": best_point, "value": float(top[space.metric]), "run_id": run_id}
-    view = parent.client.get_run(parent.run_id).data.tags.get("fedray.ui_view")
+    view = parent.client.get_run(parent.run_id).data.tags.get(Tags.UI_VIEW)
     chart = runs_table_url(
         parent.experiment_id, DEFAULT_SERVER, viewStateShareKey=view, compareRunsMode="CHART"
     )
@@ -340,7 +348,7 @@ def log_trial_curves(parent, children: list, space: SearchSpace, algorithm: str)
 
     newest = {}  # one run per trial: a resumed sweep re-runs an interrupted trial under its id
     for run in sorted(children, key=lambda r: r.info.start_time):
-        newest[run.data.tags.get("trial_id") or run.info.run_id] = run
+        newest[run.data.tags.get(Tags.TRIAL_ID) or run.info.run_id] = run
     curves = {}
     for trial, run in newest.items():
         history = parent.client.get_metric_history(run.info.run_id, space.metric)
@@ -361,11 +369,11 @@ def _close_stopped_children(parent) -> list:
     Returns the sweep's child runs."""
     runs = parent.client.search_runs(
         [parent.experiment_id],
-        filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'",
+        filter_string=tag_filter(Tags.PARENT_RUN_ID, parent.run_id),
         max_results=10_000,
     )
     for run in runs:
         if run.info.status == "RUNNING":
-            parent.client.set_tag(run.info.run_id, "fedray.stopped_early", "true")
+            parent.client.set_tag(run.info.run_id, Tags.STOPPED_EARLY, "true")
             parent.client.set_terminated(run.info.run_id, status="KILLED")
     return runs

@@ -10,6 +10,8 @@ import textwrap
 
 import pytest
 
+from fedray.platform.tracking.names import Metrics
+
 
 @pytest.fixture(scope="session")
 def ray_session():
@@ -92,7 +94,7 @@ def tiny_overrides(**extra):
 
 def without_timing(history: list[dict[str, float]]) -> list[dict[str, float]]:
     """A run's round metrics without its clocks (``time/*``), which differ between identical runs."""
-    return [{k: v for k, v in h.items() if not k.startswith("time/")} for h in history]
+    return [{k: v for k, v in h.items() if not k.startswith(Metrics.TIME_PREFIX)} for h in history]
 
 
 def free_port() -> int:

@@ -16,6 +16,7 @@ from fedray.algorithms.fedsc import (
     relational_prototypes,
     rpcl_loss,
 )
+from fedray.platform.tracking.names import Metrics
 
 # ------------------------------------------------------------------------------------------ Eq. 3-4
 
@@ -309,7 +310,7 @@ def test_client_loss_is_ce_plus_rpcl_plus_cpdr_with_u_from_epoch_start():
         expected = plain_client_loss(logits, z, data.y, z, rel, rmask, o, omask, tau=0.05)
     assert_close(loss.detach(), expected)
     stats = client.pop_stats()
-    assert {"loss/ce", "loss/rpcl", "loss/cpdr", "loss/train"} <= set(stats)
+    assert {"loss/ce", "loss/rpcl", "loss/cpdr", Metrics.LOSS_TRAIN} <= set(stats)
 
 
 def test_client_upload_has_eval_mode_prototypes_and_counts():

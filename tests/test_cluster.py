@@ -34,6 +34,8 @@ import pytest
 from conftest import free_port, tiny_overrides, without_timing
 from mlflow.tracking import MlflowClient
 
+from fedray.platform.tracking.names import Metrics, Tags
+
 RAY_CLI = Path(sys.executable).with_name("ray")
 START_TIMEOUT_S = 180  # generous: a loaded machine must not fail the test
 
@@ -331,21 +333,22 @@ def check(report: dict, mlflow_store: str, dirs: dict[str, Path]) -> None:
     lost, reference = report["node_lost"], report["full10"]
     assert report["driver_on_head"] and report["killed_node"]
     assert lost["finished"] and len(lost["history"]) == 6
-    assert sum(h["clients/retried"] for h in lost["history"]) >= 1  # the lost node's calls ran again
+    assert sum(h[Metrics.CLIENTS_RETRIED] for h in lost["history"]) >= 1  # the lost node's calls ran again
     assert "not placed" in lost["client_actor_nodes"]  # its replacement waited for a node with room
     assert lost["coordinator_nodes"] == [lost["driver_node"]]  # not restarted: it held the states
-    assert all(h["clients/failed"] == 0 for h in lost["history"])
+    assert all(h[Metrics.CLIENTS_FAILED] == 0 for h in lost["history"])
     uncounted = [
-        {k: v for k, v in h.items() if k != "clients/retried"} for h in without_timing(lost["history"])
+        {k: v for k, v in h.items() if k != Metrics.CLIENTS_RETRIED} for h in without_timing(lost["history"])
     ]
     assert uncounted == [
-        {k: v for k, v in h.items() if k != "clients/retried"} for h in without_timing(reference["history"])
+        {k: v for k, v in h.items() if k != Metrics.CLIENTS_RETRIED}
+        for h in without_timing(reference["history"])
     ]
     assert lost["client_acc"] == reference["client_acc"]
 
     # the checkpoints are under the storage path, resolved against the driver's cwd, and nowhere else
     storage = dirs["storage"].resolve()
-    ckpt = Path(client.get_run(resumed["run_id"]).data.tags["fedray.checkpoint_dir"])
+    ckpt = Path(client.get_run(resumed["run_id"]).data.tags[Tags.CHECKPOINT_DIR])
     assert ckpt.parent == storage
     assert {p.name for p in ckpt.iterdir()} == {"config.yaml", "checkpoint.pt", "states"}
     import torch
@@ -354,8 +357,7 @@ def check(report: dict, mlflow_store: str, dirs: dict[str, Path]) -> None:
     assert state["round"] == 4 and without_timing(state["history"]) == without_timing(full["history"])
     assert sorted(p.name for p in (ckpt / "states").iterdir()) == sorted(state["states"].values())
     others = [
-        Path(client.get_run(run["run_id"]).data.tags["fedray.checkpoint_dir"])
-        for run in (full, reference, lost)
+        Path(client.get_run(run["run_id"]).data.tags[Tags.CHECKPOINT_DIR]) for run in (full, reference, lost)
     ]
     assert sorted(storage.iterdir()) == sorted([ckpt, *others])
     for name in ("head-cwd", "worker-cwd", "driver-cwd"):

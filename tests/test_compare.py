@@ -7,6 +7,7 @@ from mlflow.tracking import MlflowClient
 
 from fedray.platform.apps.compare import load_comparison, run_comparison
 from fedray.platform.errors import ConfigError
+from fedray.platform.tracking.names import Tags
 
 
 def _write(tmp_path, runs, seeds=(0,)):
@@ -60,4 +61,4 @@ def test_compare_runs_every_entry_into_one_experiment(tmp_path, mlflow_store):
     assert rows[0]["global acc %"] is None and rows[1]["global acc %"] is not None
     client = MlflowClient(mlflow_store)
     runs = client.search_runs([client.get_experiment_by_name("cmp").experiment_id])
-    assert sorted(r.data.tags["label"] for r in runs) == ["fedavg", "local"]
+    assert sorted(r.data.tags[Tags.LABEL] for r in runs) == ["fedavg", "local"]

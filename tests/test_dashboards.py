@@ -26,6 +26,16 @@ from fedray.dashboards.build import make_report
 from fedray.dashboards.report import add_report_parser, build_report
 from fedray.platform.catalog import load_config
 from fedray.platform.errors import ConfigError
+from fedray.platform.tracking.names import (
+    Metrics,
+    Params,
+    RunKind,
+    Tags,
+    best_of,
+    metric_column,
+    param_column,
+    tag_filter,
+)
 
 EXP = "dash_compare"
 SECTIONS = ["summary", "accuracy-round", "accuracy-comm", "client-accuracy", "sweep", "partition", "runs"]
@@ -131,29 +141,29 @@ def test_report_has_every_section_and_the_stores_numbers(store, report):
         metrics = run.data.metrics
         (_, seeds, pers, pers_best, glob, glob_best, rounds, up, down, wall) = row
         assert seeds["text"] == "0"
-        assert float(pers["data-value"]) == metrics["acc/personal_mean"]
-        assert pers["text"] == f"{100 * metrics['acc/personal_mean']:.2f}"
-        assert float(pers_best["data-value"]) == metrics["best/personal_mean"]
+        assert float(pers["data-value"]) == metrics[Metrics.ACC_PERSONAL_MEAN]
+        assert pers["text"] == f"{100 * metrics[Metrics.ACC_PERSONAL_MEAN]:.2f}"
+        assert float(pers_best["data-value"]) == metrics[best_of(Metrics.ACC_PERSONAL_MEAN)]
         history = [
             m.value
             for m in sorted(
-                client.get_metric_history(run.info.run_id, "acc/personal_mean"), key=lambda m: m.step
+                client.get_metric_history(run.info.run_id, Metrics.ACC_PERSONAL_MEAN), key=lambda m: m.step
             )
         ]
-        assert metrics["best/personal_mean"] == max(history)
+        assert metrics[best_of(Metrics.ACC_PERSONAL_MEAN)] == max(history)
         if algo == "fedavg":
-            assert float(glob["data-value"]) == metrics["acc/global"]
-            assert float(glob_best["data-value"]) == metrics["best/global"]
+            assert float(glob["data-value"]) == metrics[Metrics.ACC_GLOBAL]
+            assert float(glob_best["data-value"]) == metrics[best_of(Metrics.ACC_GLOBAL)]
         else:  # no global model: no number, and no comm
             assert glob["text"] == glob_best["text"] == "—" and "data-value" not in glob
-            assert metrics["comm/up_bytes_cum"] == 0
+            assert metrics[Metrics.COMM_UP_BYTES_CUM] == 0
         first = next((i + 1 for i, v in enumerate(history) if v >= 0.3), None)
         assert rounds["text"] == ("not reached" if first is None else f"{first:.1f}")
-        assert float(up["data-value"]) == pytest.approx(metrics["comm/up_bytes_cum"] / MIB)
-        assert float(down["data-value"]) == pytest.approx(metrics["comm/down_bytes_cum"] / MIB)
+        assert float(up["data-value"]) == pytest.approx(metrics[Metrics.COMM_UP_BYTES_CUM] / MIB)
+        assert float(down["data-value"]) == pytest.approx(metrics[Metrics.COMM_DOWN_BYTES_CUM] / MIB)
         # the wall time the CLI printed, which the run's span (the UI's Duration) agrees with
-        assert float(wall["data-value"]) == metrics["time/wall_s"]
-        assert metrics["time/wall_s"] == pytest.approx(
+        assert float(wall["data-value"]) == metrics[Metrics.TIME_WALL_S]
+        assert metrics[Metrics.TIME_WALL_S] == pytest.approx(
             (run.info.end_time - run.info.start_time) / 1000, abs=1
         )
 
@@ -162,15 +172,15 @@ def test_report_has_every_section_and_the_stores_numbers(store, report):
 
     csv = pd.read_csv(report.parent / "summary.csv").set_index("group")
     fedavg = client.get_run(results["fedavg"].run_id).data.metrics
-    assert csv.loc["fedavg", "personal_final_mean"] == pytest.approx(fedavg["acc/personal_mean"], abs=0)
-    assert csv.loc["fedavg", "global_final_mean"] == pytest.approx(fedavg["acc/global"], abs=0)
+    assert csv.loc["fedavg", "personal_final_mean"] == pytest.approx(fedavg[Metrics.ACC_PERSONAL_MEAN], abs=0)
+    assert csv.loc["fedavg", "global_final_mean"] == pytest.approx(fedavg[Metrics.ACC_GLOBAL], abs=0)
 
 
 def test_report_is_logged_to_a_report_run_and_not_read_back(store, report):
     uri, root, results = store
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(EXP)
-    reports = client.search_runs([exp.experiment_id], "tags.`fedray.kind` = 'report'")
+    reports = client.search_runs([exp.experiment_id], tag_filter(Tags.KIND, RunKind.REPORT))
     assert len(reports) == 1 and reports[0].info.run_name == "report"
     assert reports[0].info.status == "FINISHED"
     logged = {a.path for a in client.list_artifacts(reports[0].info.run_id, "report")}
@@ -286,7 +296,7 @@ def test_empty_experiment_and_missing_store_fail_with_clear_messages(tmp_path):
         build_report("empty", tmp_path / "out", tracking_uri=uri)
 
     failed = client.create_experiment("failed")
-    run = client.create_run(failed, tags={"algorithm": "fedavg"})
+    run = client.create_run(failed, tags={Tags.ALGORITHM: "fedavg"})
     client.set_terminated(run.info.run_id, "FAILED")
     with pytest.raises(ConfigError, match=r"1 runs there, none usable: 1 with status FAILED"):
         build_report("failed", tmp_path / "out", tracking_uri=uri)
@@ -313,23 +323,23 @@ def _tiny_png(path: Path) -> Path:
 def _log_trial(client, exp_id, parent, label, params, seed, final, tmp: Path) -> str:
     """A finished run shaped like fedray's (tags, params, per-round metrics, artifacts), no training."""
     tags = {
-        "algorithm": "fedcross",
-        "label": label,
-        "dataset": "synthetic",
-        "partition": "dir1",
-        "model_group": "cnn_small",
-        "seed": str(seed),
-        "sweep_id": "sw1",
-        "mlflow.parentRunId": parent,
+        Tags.ALGORITHM: "fedcross",
+        Tags.LABEL: label,
+        Tags.DATASET: "synthetic",
+        Tags.PARTITION: "dir1",
+        Tags.MODEL_GROUP: "cnn_small",
+        Tags.SEED: str(seed),
+        Tags.SWEEP_ID: "sw1",
+        Tags.PARENT_RUN_ID: parent,
     }
     run = client.create_run(exp_id, run_name=f"{label}-s{seed}", tags=tags)
     rid = run.info.run_id
-    for k, v in {**params, "seed": seed, "data.num_clients": 4, "data.dataset": "synthetic"}.items():
+    for k, v in {**params, Params.SEED: seed, Params.NUM_CLIENTS: 4, "data.dataset": "synthetic"}.items():
         client.log_param(rid, k, v)
     for step in (1, 2, 3):
-        client.log_metric(rid, "acc/personal_mean", final * step / 3, step=step)
-        client.log_metric(rid, "comm/up_bytes_cum", step * MIB, step=step)
-        client.log_metric(rid, "comm/down_bytes_cum", step * MIB, step=step)
+        client.log_metric(rid, Metrics.ACC_PERSONAL_MEAN, final * step / 3, step=step)
+        client.log_metric(rid, Metrics.COMM_UP_BYTES_CUM, step * MIB, step=step)
+        client.log_metric(rid, Metrics.COMM_DOWN_BYTES_CUM, step * MIB, step=step)
     (tmp / rid).mkdir()
     (tmp / rid / "client_accuracy.csv").write_text(f"client,accuracy\n0,{final - 0.05}\n1,{final + 0.05}\n")
     client.log_artifact(rid, str(tmp / rid / "client_accuracy.csv"))
@@ -367,7 +377,7 @@ def test_sweep_report_draws_hyperparameters_and_logs_to_the_parent(tmp_path):
 
     # logged to the sweep's parent, and no separate report run made
     assert "report/report.html" in {a.path for a in client.list_artifacts(parent, "report")}
-    assert not client.search_runs([exp_id], "tags.`fedray.kind` = 'report'")
+    assert not client.search_runs([exp_id], tag_filter(Tags.KIND, RunKind.REPORT))
 
 
 # --------------------------------------------------------------------------------------------- pure parts
@@ -386,15 +396,15 @@ def test_rounds_to_target_auto_target_and_hyperparameters():
         {
             "run_id": ["a", "b", "c"],
             "group": ["x", "x", "y"],
-            "params.seed": ["0", "1", "0"],
-            "params.train.lr": ["0.1", "0.1", "0.1"],
-            "params.fedprox.mu": ["0.01", "0.1", None],
-            "params.tracking.uri": ["u1", "u2", "u3"],
-            "metrics.acc/personal_mean": [0.5, 0.7, 0.634],
+            param_column(Params.SEED): ["0", "1", "0"],
+            param_column("train.lr"): ["0.1", "0.1", "0.1"],
+            param_column("fedprox.mu"): ["0.01", "0.1", None],
+            param_column("tracking.uri"): ["u1", "u2", "u3"],
+            metric_column(Metrics.ACC_PERSONAL_MEAN): [0.5, 0.7, 0.634],
         }
     )
     assert sm.hyperparameters(runs) == {"x": ["fedprox.mu"], "y": []}  # seed and tracking.* are not swept
-    assert sm.auto_target(runs, "acc/personal_mean") == 0.6  # min over groups of the mean, floored
+    assert sm.auto_target(runs, Metrics.ACC_PERSONAL_MEAN) == 0.6  # min over groups of the mean, floored
 
 
 def test_accuracy_figure_draws_the_majority_class_floor_under_personalised_curves():
@@ -422,13 +432,13 @@ def test_report_of_runs_without_client_test_data_ranks_by_global_accuracy(tmp_pa
         ("fedavg", 1, [0.32, 0.44]),
         ("fedsc", 0, [0.35, 0.5]),
     ]:
-        tags = {"algorithm": algo, "seed": str(seed), "dataset": "cifar10", "partition": "dir0.2"}
+        tags = {Tags.ALGORITHM: algo, Tags.SEED: str(seed), Tags.DATASET: "cifar10", Tags.PARTITION: "dir0.2"}
         run = client.create_run(eid, tags=tags, run_name=f"{algo}-s{seed}")
         for step, acc in enumerate(accs, start=1):
-            client.log_metric(run.info.run_id, "acc/global", acc, step=step)
-            client.log_metric(run.info.run_id, "comm/up_bytes_cum", step * 2**20, step=step)
-            client.log_metric(run.info.run_id, "comm/down_bytes_cum", step * 2**20, step=step)
-        client.log_metric(run.info.run_id, "time/wall_s", 12.5)
+            client.log_metric(run.info.run_id, Metrics.ACC_GLOBAL, acc, step=step)
+            client.log_metric(run.info.run_id, Metrics.COMM_UP_BYTES_CUM, step * 2**20, step=step)
+            client.log_metric(run.info.run_id, Metrics.COMM_DOWN_BYTES_CUM, step * 2**20, step=step)
+        client.log_metric(run.info.run_id, Metrics.TIME_WALL_S, 12.5)
         client.set_terminated(run.info.run_id, "FINISHED")
         finals.setdefault(algo, []).append(accs[-1])
 

@@ -12,6 +12,15 @@ from mlflow.tracking import MlflowClient
 
 from fedray.platform.catalog import load_config
 from fedray.platform.runtime.driver import run_experiment
+from fedray.platform.tracking.names import (
+    Metrics,
+    Params,
+    Tags,
+    best_of,
+    best_round_of,
+    final_of,
+    personal_on,
+)
 
 
 @pytest.mark.usefixtures("ray_session")
@@ -25,21 +34,27 @@ def test_three_round_run_logs_params_metrics_and_artifacts(mlflow_store):
     assert run.info.status == "FINISHED"
     assert run.info.run_name == "fedprox-synthetic-dir1-s0"
     assert run.data.params["fedprox.mu"] == "0.1"
-    assert run.data.params["data.num_clients"] == "4"
-    assert run.data.tags["algorithm"] == "fedprox"
+    assert run.data.params[Params.NUM_CLIENTS] == "4"
+    assert run.data.tags[Tags.ALGORITHM] == "fedprox"
 
     # every per-round metric read back equals what the Result holds
-    for key in ("acc/personal_mean", "acc/global", "comm/up_bytes", "loss/train", "loss/prox"):
+    for key in (
+        Metrics.ACC_PERSONAL_MEAN,
+        Metrics.ACC_GLOBAL,
+        Metrics.COMM_UP_BYTES,
+        Metrics.LOSS_TRAIN,
+        "loss/prox",
+    ):
         logged = client.get_metric_history(result.run_id, key)
         assert [m.step for m in logged] == [1, 2, 3], key
         assert [m.value for m in logged] == pytest.approx([h[key] for h in result.history]), key
-    assert math.isclose(run.data.metrics["acc/global"], result.final["acc/global"])
-    assert result.final["acc/global"] > 0.3  # synthetic classes are separable: well above chance (0.1)
+    assert math.isclose(run.data.metrics[Metrics.ACC_GLOBAL], result.final[Metrics.ACC_GLOBAL])
+    assert result.final[Metrics.ACC_GLOBAL] > 0.3  # synthetic classes are separable: well above chance (0.1)
 
     # FedAvg-style payloads: each of the 4 clients gets and sends one full model per round
     h = result.history[0]
-    assert h["comm/down_bytes"] == h["comm/up_bytes"] - 4 * 8  # uplinks also carry num_samples
-    assert result.history[-1]["comm/up_bytes_cum"] == 3 * h["comm/up_bytes"]
+    assert h[Metrics.COMM_DOWN_BYTES] == h[Metrics.COMM_UP_BYTES] - 4 * 8  # uplinks also carry num_samples
+    assert result.history[-1][Metrics.COMM_UP_BYTES_CUM] == 3 * h[Metrics.COMM_UP_BYTES]
 
     artifacts = {a.path for a in client.list_artifacts(result.run_id)}
     assert {"config.yaml", "partition.csv", "partition.png", "client_accuracy.csv", "split.json"} <= artifacts
@@ -47,15 +62,15 @@ def test_three_round_run_logs_params_metrics_and_artifacts(mlflow_store):
     logged = mlflow.search_logged_models([run.info.experiment_id], output_format="list")
     models = {m.name for m in logged if m.source_run_id == run.info.run_id}
     assert models == {"global_model"}  # clients are evaluated with the global model
-    assert "global model" in run.data.tags["fedray.client_models"]
+    assert "global model" in run.data.tags[Tags.CLIENT_MODELS]
 
 
 @pytest.mark.usefixtures("ray_session")
 def test_local_sends_nothing_and_has_no_global_model(mlflow_store, tmp_path):
     result = run_experiment(load_config(None, tiny_overrides(algorithm="local", rounds=2)))
-    assert all(h["comm/up_bytes"] == 0 and h["comm/down_bytes"] == 0 for h in result.history)
-    assert result.final["acc/global"] is None
-    assert result.final["acc/personal_mean"] > 0.3
+    assert all(h[Metrics.COMM_UP_BYTES] == 0 and h[Metrics.COMM_DOWN_BYTES] == 0 for h in result.history)
+    assert result.final[Metrics.ACC_GLOBAL] is None
+    assert result.final[Metrics.ACC_PERSONAL_MEAN] > 0.3
     # personalised models are logged: every client trained, so all four
     mlflow.set_tracking_uri(mlflow_store)
     logged = mlflow.search_logged_models([result.experiment_id], output_format="list")
@@ -83,35 +98,39 @@ def test_split_written_by_one_run_reproduces_it_in_another(mlflow_store, tmp_pat
     assert again.client_acc == first.client_acc
     # the majority-label reference is logged once and shown beside the personalised numbers
     for run in (first, again):
-        logged = client.get_run(run.run_id).data.metrics["acc/majority_baseline"]
-        assert logged == pytest.approx(run.extra["acc/majority_baseline"])
+        logged = client.get_run(run.run_id).data.metrics[Metrics.ACC_MAJORITY_BASELINE]
+        assert logged == pytest.approx(run.extra[Metrics.ACC_MAJORITY_BASELINE])
         assert 0 < logged < 1
         assert run.summary_row()["majority baseline %"] == round(100 * logged, 2)
-    metrics = client.get_run(first.run_id).data.metrics
-    assert metrics["best/personal_mean"] == max(h["acc/personal_mean"] for h in first.history)
-    assert metrics["final/personal_weighted"] == first.history[-1]["acc/personal_weighted"]
-    assert metrics["best_round/personal_mean"] in (1, 2)
+    metrics, last = client.get_run(first.run_id).data.metrics, first.history[-1]
+    assert metrics[best_of(Metrics.ACC_PERSONAL_MEAN)] == max(
+        h[Metrics.ACC_PERSONAL_MEAN] for h in first.history
+    )
+    assert metrics[final_of(Metrics.ACC_PERSONAL_WEIGHTED)] == last[Metrics.ACC_PERSONAL_WEIGHTED]
+    assert metrics[best_round_of(Metrics.ACC_PERSONAL_MEAN)] in (1, 2)
 
 
 def test_eval_policies_pick_clients_and_say_so_in_the_metric_name():
-    from fedray.platform.runtime.evaluation import eval_clients, policy_suffix
+    from fedray.platform.runtime.evaluation import eval_clients
 
     cfg = load_config(
         None, tiny_overrides(**{"data.num_clients": 10, "eval.clients": "sample", "eval.sample_size": 3})
     )
     sample = eval_clients(cfg, 4, [1, 2])
     assert len(sample) == 3 and sample == eval_clients(cfg, 4, [1, 2]) != eval_clients(cfg, 5, [1, 2])
-    assert policy_suffix(cfg) == "_sample"
+    # the names a user reads in MLflow: the literal strings are the point here
+    assert personal_on(Metrics.ACC_PERSONAL_MEAN, cfg.eval.clients) == "acc/personal_mean_sample"
     cfg.eval.clients = "selected"
-    assert eval_clients(cfg, 4, [7, 2]) == [7, 2] and policy_suffix(cfg) == "_selected"
+    assert eval_clients(cfg, 4, [7, 2]) == [7, 2]
+    assert personal_on(Metrics.ACC_PERSONAL_MEAN, cfg.eval.clients) == "acc/personal_mean_selected"
     cfg.eval.clients = "all"
-    assert eval_clients(cfg, 4, [7, 2]) == list(range(10)) and policy_suffix(cfg) == ""
+    assert eval_clients(cfg, 4, [7, 2]) == list(range(10))
+    assert personal_on(Metrics.ACC_PERSONAL_MEAN, cfg.eval.clients) == "acc/personal_mean"
 
 
 @pytest.mark.usefixtures("ray_session")
 def test_selected_only_evaluation_and_a_checkpoint_of_current_states_only(mlflow_store):
     from fedray.platform.runtime.coordinator import sample_clients
-    from fedray.platform.tracking.mlflow_run import TAG_CHECKPOINT
 
     cfg = load_config(
         None,
@@ -124,13 +143,14 @@ def test_selected_only_evaluation_and_a_checkpoint_of_current_states_only(mlflow
     )
     result = run_experiment(cfg)
     last = result.history[-1]
-    assert "acc/personal_mean" not in last and 0 < last["acc/personal_mean_selected"] <= 1
+    selected_mean = personal_on(Metrics.ACC_PERSONAL_MEAN, "selected")
+    assert Metrics.ACC_PERSONAL_MEAN not in last and 0 < last[selected_mean] <= 1
     assert sorted(result.client_acc) == sample_clients(cfg.seed, 1, 4, 2)  # the last round's two clients
-    assert "acc/global" in last  # the global model is still tested on the global test set
+    assert Metrics.ACC_GLOBAL in last  # the global model is still tested on the global test set
 
     # the checkpoint directory is tagged; it holds one file per client that trained, at its latest
     # version (each round's checkpoint pruned the versions it superseded)
-    ckpt_dir = Path(MlflowClient(mlflow_store).get_run(result.run_id).data.tags[TAG_CHECKPOINT])
+    ckpt_dir = Path(MlflowClient(mlflow_store).get_run(result.run_id).data.tags[Tags.CHECKPOINT_DIR])
     assert (ckpt_dir / "checkpoint.pt").is_file() and ckpt_dir.name.startswith("fedavg-synthetic-dir1-s0-")
     trained = sample_clients(cfg.seed, 0, 4, 2) + sample_clients(cfg.seed, 1, 4, 2)
     expected = sorted(f"{c}-v{trained.count(c)}.pt" for c in set(trained))

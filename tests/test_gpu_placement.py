@@ -80,6 +80,7 @@ PLACEMENT = textwrap.dedent(
     from fedray.platform.catalog import load_config
     from fedray.platform.runtime.coordinator import pool_size
     from fedray.platform.runtime.driver import run_experiment
+    from fedray.platform.tracking.names import Metrics, Tags
 
     ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     cfg = load_config(None, json.loads(sys.argv[1]))
@@ -88,11 +89,11 @@ PLACEMENT = textwrap.dedent(
     tags = MlflowClient().get_run(result.run_id).data.tags
     print(json.dumps({
         "pool": pool_size(cfg, ray.cluster_resources()),
-        "workers": tags["fedray.workers"],
-        "device": tags["device"],
+        "workers": tags[Tags.WORKERS],
+        "device": tags[Tags.DEVICE],
         "free_gpu_during_rounds": free_gpu,
         "finished": result.finished,
-        "failed": sum(h["clients/failed"] for h in result.history),
+        "failed": sum(h[Metrics.CLIENTS_FAILED] for h in result.history),
     }))
     ray.shutdown()
     """

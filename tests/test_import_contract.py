@@ -13,8 +13,12 @@ FOLDERS = {"platform": "fedray.platform", "algorithms": "fedray.algorithms", "sw
            "dashboards": "fedray.dashboards"}  # fmt: skip
 
 # Bottom to top. A module may import its own package, and packages of a lower layer; packages that
-# share a layer are siblings and never import each other.
+# share a layer are siblings and never import each other. A module belongs to the longest package
+# that contains it.
 LAYERS: list[tuple[str, ...]] = [
+    # the names MLflow records under: the author API writes one (ClientModule's "loss/train") below the
+    # tracking layer that holds them, so this one module sits at the bottom and imports nothing of fedray
+    ("fedray.platform.tracking.names",),
     ("fedray.platform.errors", "fedray.platform.seeds"),  # seeds: named random streams, numpy and torch
     ("fedray.platform.config",),
     ("fedray.platform.data", "fedray.platform.models"),
@@ -88,11 +92,16 @@ def imports(module: str, source: str, known: set[str], typing: bool = True) -> l
 
 
 def layer_of(module: str) -> tuple[int, str]:
-    for index, packages in enumerate(LAYERS):
-        for package in packages:
-            if module == package or module.startswith(package + "."):
-                return index, package
-    raise AssertionError(f"{module} belongs to no layer: add its package to LAYERS")
+    found = [
+        (len(package), index, package)
+        for index, packages in enumerate(LAYERS)
+        for package in packages
+        if module == package or module.startswith(package + ".")
+    ]
+    if not found:
+        raise AssertionError(f"{module} belongs to no layer: add its package to LAYERS")
+    _, index, package = max(found)
+    return index, package
 
 
 def violations(sources: dict[str, str]) -> list[str]:
@@ -168,6 +177,13 @@ def test_no_import_cycles():
     assert cycles(read_sources()) == []
 
 
+def test_the_names_import_nothing_of_fedray():
+    names = "fedray.platform.tracking.names"
+    sources = read_sources()
+    assert imports(names, sources[names], set(sources)) == []
+    assert layer_of(names) == (0, names) and layer_of("fedray.platform.tracking.views")[1] != names
+
+
 def test_the_check_catches_an_upward_import_a_sibling_and_a_lazy_import():
     sources = read_sources()
     planted = dict(sources)
@@ -175,8 +191,12 @@ def test_the_check_catches_an_upward_import_a_sibling_and_a_lazy_import():
     planted["fedray.platform.data.stats"] += "\nfrom fedray.platform.models import registry\n"
     planted["fedray.algorithms.fedavg"] += "\nfrom fedray.platform.runtime import pool\n"
     planted["fedray.platform.runtime.pool"] += "\ndef f():\n    from fedray.platform.runtime import storage\n"
+    planted["fedray.platform.api.algorithm"] += "\nfrom fedray.platform.tracking import mlflow_run\n"
+    planted["fedray.platform.tracking.names"] += "\nfrom fedray.platform.errors import ConfigError\n"
     found = "\n".join(violations(planted))
     assert "fedray.platform.config.schema" in found and "a layer above" in found
+    # the names sit below everything: the rest of the tracking layer stays above the author API
+    assert "fedray.platform.api.algorithm:" in found and "fedray.platform.tracking.names:" in found
     assert "fedray.platform.data.stats" in found and "a sibling" in found
     assert "an algorithm imports fedray.platform.api only" in found
     assert "inside a function" in found

@@ -20,6 +20,7 @@ from fedray.platform.catalog import load_config
 from fedray.platform.data import normalize
 from fedray.platform.runtime.driver import prepare_federation, run_experiment
 from fedray.platform.tracking.dataset import dataset_source, split_digest
+from fedray.platform.tracking.names import Metrics, Tags
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +49,9 @@ def test_duration_is_the_commands_wall_time(two_runs):
     run = MlflowClient(uri).get_run(fedavg.run_id)
     duration_s = (run.info.end_time - run.info.start_time) / 1000
     assert abs(duration_s - fedavg.wall_time_s) < 1.0, (duration_s, fedavg.wall_time_s)
-    assert run.data.metrics["time/wall_s"] == pytest.approx(fedavg.wall_time_s, abs=1.0)
+    assert run.data.metrics[Metrics.TIME_WALL_S] == pytest.approx(fedavg.wall_time_s, abs=1.0)
     # the run was dated from the call's start, before the data and Ray: longer than its rounds
-    rounds_s = sum(h["time/round_s"] for h in fedavg.history)
+    rounds_s = sum(h[Metrics.TIME_ROUND_S] for h in fedavg.history)
     assert duration_s > rounds_s
 
 
@@ -61,7 +62,7 @@ def test_dataset_input_names_the_split_and_equal_splits_share_a_digest(two_runs)
     assert [len(i) for i in inputs] == [1, 1]
     a, b = inputs[0][0], inputs[1][0]
     assert a.dataset.name == "synthetic-dir1-4c"
-    assert [t.value for t in a.tags if t.key == "mlflow.data.context"] == ["train"]
+    assert [t.value for t in a.tags if t.key == Tags.DATASET_CONTEXT] == ["train"]
     assert a.dataset.digest == b.dataset.digest  # same data config and seed: the same split
     assert '"clients": 4' in a.dataset.profile and '"train_samples"' in a.dataset.profile
     # and the digest is the split's: another seed moves samples between clients, and changes it
@@ -77,7 +78,7 @@ def test_a_data_folder_is_the_datasets_source_without_a_warning(tmp_path):
         warnings.simplefilter("error")  # MLflow's "can be interpreted in multiple ways" on every run
         source = dataset_source(cfg)
     assert source.to_dict() == {"uri": str(tmp_path.resolve())}
-    assert dataset_source(load_config(None, [])).to_dict()["tags"]["fedray.dataset"] == "digits"
+    assert dataset_source(load_config(None, [])).to_dict()["tags"][Tags.SOURCE_DATASET] == "digits"
 
 
 def test_global_model_loads_from_mlflow_and_scores_what_the_run_logged(two_runs):
@@ -88,7 +89,7 @@ def test_global_model_loads_from_mlflow_and_scores_what_the_run_logged(two_runs)
     with torch.no_grad():
         pred = model(normalize(fed.global_test.x, fed.mean, fed.std)).argmax(1)
     accuracy = (pred == fed.global_test.y).float().mean().item()
-    assert accuracy == pytest.approx(fedavg.final["acc/global"], abs=1e-6)
+    assert accuracy == pytest.approx(fedavg.final[Metrics.ACC_GLOBAL], abs=1e-6)
 
 
 def test_personalised_client_models_are_mlflow_models(two_runs):
@@ -114,7 +115,7 @@ def test_system_metrics_and_description_are_on_the_run(two_runs):
     cpu = client.get_metric_history(fedavg.run_id, "system/cpu_utilization_percentage")
     assert len(cpu) >= 1 and all(0 <= m.value <= 100 for m in cpu)
     assert "system/system_memory_usage_megabytes" in run.data.metrics
-    note = run.data.tags["mlflow.note.content"]
+    note = run.data.tags[Tags.NOTE]
     for needle in ("fedavg", "synthetic", "4 clients", "Dirichlet(alpha=1)", "2 rounds", "cnn_small"):
         assert needle in note, (needle, note)
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from fedray.platform.runtime.evaluation import personalized_accuracy
+from fedray.platform.tracking.names import Metrics
 
 
 def test_plain_and_weighted_personal_means_by_hand():
@@ -14,14 +15,14 @@ def test_plain_and_weighted_personal_means_by_hand():
     # Execute
     out = personalized_accuracy(correct, total, loss)
     # Assert: plain mean (0.9 + 0.5 + 0.75) / 3 = 0.716666...; weighted 40 / 52 = 0.769230...
-    assert out["acc/personal_mean"] == pytest.approx(2.15 / 3)
-    assert out["acc/personal_weighted"] == pytest.approx(40 / 52)
+    assert out[Metrics.ACC_PERSONAL_MEAN] == pytest.approx(2.15 / 3)
+    assert out[Metrics.ACC_PERSONAL_WEIGHTED] == pytest.approx(40 / 52)
     # population std of (0.9, 0.5, 0.75) around 0.71667: sqrt((0.0336 + 0.0469 + 0.0011) / 3)
-    assert out["acc/personal_std"] == pytest.approx(np.std([0.9, 0.5, 0.75]))
-    assert out["loss/personal"] == pytest.approx(6 / 52)
+    assert out[Metrics.ACC_PERSONAL_STD] == pytest.approx(np.std([0.9, 0.5, 0.75]))
+    assert out[Metrics.LOSS_PERSONAL] == pytest.approx(6 / 52)
 
 
 def test_clients_without_test_data_are_left_out():
     out = personalized_accuracy(np.array([3.0, 0.0]), np.array([4.0, 0.0]), np.array([0.0, 0.0]))
-    assert out["acc/personal_mean"] == 0.75 and out["acc/personal_weighted"] == 0.75
+    assert out[Metrics.ACC_PERSONAL_MEAN] == 0.75 and out[Metrics.ACC_PERSONAL_WEIGHTED] == 0.75
     assert personalized_accuracy(np.zeros(2), np.zeros(2), np.zeros(2)) == {}

@@ -21,6 +21,7 @@ from fedray.platform.runtime.coordinator import sample_clients
 from fedray.platform.runtime.driver import federation_meta, prepare_federation
 from fedray.platform.runtime.state_store import ClientTask
 from fedray.platform.runtime.worker import ClientHost, make_client_model
+from fedray.platform.tracking.names import Metrics
 
 CONFIGS = sorted(Path(__file__).parents[1].glob("configs/paper_*.yaml"))
 SMALL_GROUP = {"fedssa_cnns": "fedssa_cnns", "htfe8": "small_hetero"}  # anything else: cnn_small
@@ -69,7 +70,7 @@ def one_round(cfg) -> None:
     results = results[0] if host.keeps_state else results
     assert [r.error for r in results] == [None] * len(selected)
     for r in results:  # every selected client trained: a finite training loss
-        assert math.isfinite(r.stats["loss/train"]), r.stats
+        assert math.isfinite(r.stats[Metrics.LOSS_TRAIN]), r.stats
     uplinks = {r.client: r.uplink for r in results}
     assert sorted(uplinks) == sorted(selected)
 

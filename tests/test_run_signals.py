@@ -27,6 +27,7 @@ from mlflow.tracking import MlflowClient
 
 from fedray.platform.catalog import load_config
 from fedray.platform.runtime.driver import resume_experiment, run_experiment
+from fedray.platform.tracking.names import Metrics, Tags
 
 TESTS = Path(__file__).parent
 # `fedray run` with the test algorithm registered first (an installed plugin would use an entry point)
@@ -91,7 +92,11 @@ def only_run(tmp_path):
 
 def round_metrics(client: MlflowClient, run_id: str) -> dict[str, list[tuple[int, float]]]:
     """Every logged value of every round metric, as (step, value) in step order; clocks left out."""
-    keys = [k for k in client.get_run(run_id).data.metrics if not k.startswith(("time/", "system/", "run/"))]
+    keys = [
+        k
+        for k in client.get_run(run_id).data.metrics
+        if not k.startswith((Metrics.TIME_PREFIX, Metrics.SYSTEM_PREFIX, Metrics.RUN_COORDINATOR_RESTARTS))
+    ]
     return {k: sorted((m.step, m.value) for m in client.get_metric_history(run_id, k)) for k in keys}
 
 
@@ -111,7 +116,7 @@ def undisturbed(ray_session, tmp_path_factory) -> dict[str, list[tuple[int, floa
         open_gate(tmp)
         result = run_experiment(load_config(None, gated_overrides(tmp / "gate", progress=False)))
     metrics = round_metrics(MlflowClient(uri), result.run_id)
-    assert [step for step, _ in metrics["comm/up_bytes"]] == list(range(1, ROUNDS + 1))
+    assert [step for step, _ in metrics[Metrics.COMM_UP_BYTES]] == list(range(1, ROUNDS + 1))
     return metrics
 
 
@@ -143,7 +148,7 @@ def test_sigterm_mid_round_stops_as_ctrl_c_and_the_resume_replays_to_the_same_nu
     assert "resume with  fedray run --resume" in out
     _, run = only_run(tmp_path)
     assert run.info.status == "KILLED"
-    first_wall = run.data.metrics["time/wall_s"]  # the interrupted command's time is recorded too
+    first_wall = run.data.metrics[Metrics.TIME_WALL_S]  # the interrupted command's time is recorded too
 
     run, resumed, segment = resume_and_compare(tmp_path, monkeypatch, undisturbed)
     # the wall time adds both commands' time (the resume's own clock is inside `segment`)
@@ -201,7 +206,7 @@ def test_a_dead_coordinator_restarts_from_its_checkpoint_to_the_same_numbers(tmp
     assert "restarted from round 3's checkpoint" in lines, out + err
 
     client, run = only_run(tmp_path)
-    assert run.info.status == "FINISHED" and run.data.tags["fedray.coordinator_restarts"] == "1"
+    assert run.info.status == "FINISHED" and run.data.tags[Tags.COORDINATOR_RESTARTS] == "1"
     assert round_metrics(client, run.info.run_id) == undisturbed  # round 4 recomputed, logged once
 
 

@@ -10,12 +10,14 @@ from mlflow.tracking import MlflowClient
 
 from fedray.platform.catalog import load_config
 from fedray.platform.runtime.driver import run_experiment
+from fedray.platform.tracking.names import Metrics
 
 
 def comparable(history):
     """Per-round metrics without wall times and the retry counter (the only things a fault changes)."""
     return [
-        {k: v for k, v in h.items() if not k.startswith("time/") and k != "clients/retried"} for h in history
+        {k: v for k, v in h.items() if not k.startswith(Metrics.TIME_PREFIX) and k != Metrics.CLIENTS_RETRIED}
+        for h in history
     ]
 
 
@@ -48,10 +50,10 @@ def test_a_lost_worker_mid_round_changes_no_number(undisturbed, mlflow_store, tm
     assert comparable(disturbed.history) == comparable(undisturbed.history)
     assert disturbed.client_acc == undisturbed.client_acc
     # the broken call's clients re-ran; so may those of the call queued behind it on that worker
-    retried = sum(h["clients/retried"] for h in disturbed.history)
-    assert 1 <= retried <= disturbed.history[0]["clients/selected"]
-    assert all(h["clients/failed"] == 0 for h in disturbed.history)
-    logged = MlflowClient(mlflow_store).get_metric_history(disturbed.run_id, "clients/retried")
+    retried = sum(h[Metrics.CLIENTS_RETRIED] for h in disturbed.history)
+    assert 1 <= retried <= disturbed.history[0][Metrics.CLIENTS_SELECTED]
+    assert all(h[Metrics.CLIENTS_FAILED] == 0 for h in disturbed.history)
+    logged = MlflowClient(mlflow_store).get_metric_history(disturbed.run_id, Metrics.CLIENTS_RETRIED)
     assert sum(m.value for m in logged) == retried
 
 
@@ -62,5 +64,5 @@ def test_out_of_memory_is_retried_in_place(undisturbed, mlflow_store, tmp_path):
     assert (tmp_path / "oom.killed").is_file()  # the error was raised
     assert comparable(disturbed.history) == comparable(undisturbed.history)
     assert disturbed.client_acc == undisturbed.client_acc
-    assert sum(h["clients/retried"] for h in disturbed.history) == 0  # no worker was replaced
-    assert all(h["clients/failed"] == 0 for h in disturbed.history)
+    assert sum(h[Metrics.CLIENTS_RETRIED] for h in disturbed.history) == 0  # no worker was replaced
+    assert all(h[Metrics.CLIENTS_FAILED] == 0 for h in disturbed.history)

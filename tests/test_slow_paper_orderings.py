@@ -18,6 +18,7 @@ from repro_script import repro
 
 from fedray.platform.apps.tables import print_table, summary_table
 from fedray.platform.catalog import load_config
+from fedray.platform.tracking.names import Metrics
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +78,7 @@ COMPARISONS = {
             "rounds": 25,
         },
         [("fedproto", {}), ("fedl2g", {"fedl2g.variant": "f", "fedl2g.warmup_rounds": 5})],
-        "acc/personal_weighted",
+        Metrics.ACC_PERSONAL_WEIGHTED,
     ),
     "fedsc_vs_fedavg_dir0.2": (
         {
@@ -95,7 +96,7 @@ COMPARISONS = {
             "rounds": 20,
         },
         [("fedavg", {}), ("fedsc", {"fedsc.tau": 0.05, "fedsc.neighbors": 2})],
-        "acc/global",
+        Metrics.ACC_GLOBAL,
     ),
 }
 

@@ -12,6 +12,7 @@ from ui_helpers import browser_or_skip, page_dom, ui_server
 
 from fedray.platform.config import load_yaml
 from fedray.platform.errors import ConfigError
+from fedray.platform.tracking.names import Metrics, RunKind, Tags, tag_filter
 from fedray.sweeps.space import SPACES_DIR, check_space, load_space, trial_config
 from fedray.sweeps.tune_sweep import prepare_base, run_sweep
 
@@ -97,7 +98,7 @@ def _tiny_space(tmp_path, mus=(0.0, 1.0)):
     space = {
         "search": "grid",
         "scheduler": "none",
-        "metric": "acc/global",
+        "metric": Metrics.ACC_GLOBAL,
         "params": {"fedprox.mu": list(mus)},
     }
     path.write_text(yaml.safe_dump(space))
@@ -114,33 +115,33 @@ def test_two_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store, mo
     assert len(result.trials) == 2 and set(result.trials["status"]) == {"ok"}
     client = MlflowClient(mlflow_store)
     parent = client.get_run(result.parent_run_id)
-    assert parent.data.tags["fedray.kind"] == "sweep" and parent.info.status == "FINISHED"
+    assert parent.data.tags[Tags.KIND] == RunKind.SWEEP and parent.info.status == "FINISHED"
     children = client.search_runs(
-        [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'"
+        [parent.info.experiment_id], filter_string=tag_filter(Tags.PARENT_RUN_ID, result.parent_run_id)
     )
     assert len(children) == 2
     assert sorted(float(c.data.params["fedprox.mu"]) for c in children) == [0.0, 1.0]
     for child in children:
-        assert child.data.tags["sweep_id"] == result.path.name
+        assert child.data.tags[Tags.SWEEP_ID] == result.path.name
         # ray.max_actors=2 reserves two ClientActor bundles, and the trial runs two workers in them
-        assert child.data.tags["fedray.workers"] == "2" and child.data.tags["device"] == "cpu"
-        assert [m.step for m in client.get_metric_history(child.info.run_id, "acc/global")] == [1, 2]
+        assert child.data.tags[Tags.WORKERS] == "2" and child.data.tags[Tags.DEVICE] == "cpu"
+        assert [m.step for m in client.get_metric_history(child.info.run_id, Metrics.ACC_GLOBAL)] == [1, 2]
     artifacts = {a.path for a in client.list_artifacts(result.parent_run_id)}
     assert {"best_config.yaml", "trials.csv", "search_space.yaml", "trial_curves.png"} <= artifacts
     best = result.trials.iloc[0]
-    assert best["acc/global"] == max(result.trials["acc/global"])
+    assert best[Metrics.ACC_GLOBAL] == max(result.trials[Metrics.ACC_GLOBAL])
     assert result.best_config["fedprox"]["mu"] == pytest.approx(best["fedprox.mu"])
 
     # the UI reads a sweep without opening files: trials named by their values, the parent's
     # description gives the space, the search and the best trial with its run
     assert sorted(c.info.run_name for c in children) == ["fedprox mu=0", "fedprox mu=1"]
     best_child = next(c for c in children if float(c.data.params["fedprox.mu"]) == best["fedprox.mu"])
-    note = parent.data.tags["mlflow.note.content"]
+    note = parent.data.tags[Tags.NOTE]
     assert "grid search over fedprox.mu grid [0.0, 1.0]" in note and "2 trials" in note
     assert f"Best trial: fedprox.mu={best['fedprox.mu']}" in note and best_child.info.run_id in note
     # a saved view of the runs page (experiment tag) that shows only this sweep, grouped by mu, and
     # the chart-view address that opens it
-    key = parent.data.tags["fedray.ui_view"]
+    key = parent.data.tags[Tags.UI_VIEW]
     view = json.loads(client.get_experiment(parent.info.experiment_id).tags[f"mlflow.sharedViewState.{key}"])
     state = json.loads(view["state"])
     assert state["searchFilter"] == f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
@@ -171,7 +172,7 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path, mlf
     client = MlflowClient(mlflow_store)
     children = client.search_runs(
         [client.get_run(first.parent_run_id).info.experiment_id],
-        filter_string=f"tags.mlflow.parentRunId = '{first.parent_run_id}'",
+        filter_string=tag_filter(Tags.PARENT_RUN_ID, first.parent_run_id),
     )
     mus = sorted(float(c.data.params["fedprox.mu"]) for c in children)
     assert mus == [0.0, 1.0]  # each trial ran exactly once: the finished one was not redone

@@ -23,6 +23,7 @@ from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, RESOURCE_DOES_NOT_EXIST
 from mlflow.tracking import MlflowClient
 
 from fedray.platform.tracking import outage as tracking_outage
+from fedray.platform.tracking.names import Metrics, Tags
 from fedray.platform.tracking.outage import PatientCalls, TrackingUnavailable, unreachable
 
 FEDRAY = str(Path(sys.executable).with_name("fedray"))
@@ -163,10 +164,10 @@ def test_a_server_down_for_30_seconds_mid_run_loses_nothing_and_logs_nothing_twi
         (experiment,) = [e for e in client.search_experiments() if e.name == "quickstart"]
         (logged,) = client.search_runs([experiment.experiment_id])
         assert logged.info.status == "FINISHED"
-        checkpoint = Path(logged.data.tags["fedray.checkpoint_dir"]) / "checkpoint.pt"
+        checkpoint = Path(logged.data.tags[Tags.CHECKPOINT_DIR]) / "checkpoint.pt"
         history = torch.load(checkpoint, weights_only=True)["history"]
         assert len(history) == 12
-        for key in {k for h in history for k in h if not k.startswith("time/")}:
+        for key in {k for h in history for k in h if not k.startswith(Metrics.TIME_PREFIX)}:
             got = sorted((m.step, m.value) for m in client.get_metric_history(logged.info.run_id, key))
             assert got == [(i + 1, h[key]) for i, h in enumerate(history) if key in h], key
         names = {a.path for a in client.list_artifacts(logged.info.run_id)}

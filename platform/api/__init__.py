@@ -5,8 +5,9 @@
 An algorithm is a :class:`Server` (in the Coordinator) and a :class:`ClientModule` (a LightningModule
 trained in a worker) that exchange payloads, plus an :class:`AlgorithmConfig` registered under its
 name. The helpers are the tensor functions several algorithms share, written once; an algorithm's own
-random draws come from streams it declares by name (:func:`stream`, :mod:`fedray.platform.seeds`). The
-rules of the contract are checked by the platform (:mod:`.contract`), each failure a one-line
+random draws come from streams it declares by name (:func:`stream`, :mod:`fedray.platform.seeds`), and
+:class:`Metrics` names what the platform records (an algorithm's training loss is ``Metrics.LOSS_TRAIN``).
+The rules of the contract are checked by the platform (:mod:`.contract`), each failure a one-line
 :class:`ContractError`.
 """
 
@@ -33,6 +34,7 @@ from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ConfigError, ContractError
 from fedray.platform.models import FedModel
 from fedray.platform.seeds import numpy_rng, seed_of, stream, torch_generator
+from fedray.platform.tracking.names import Metrics
 
 __all__ = [
     "AlgorithmConfig",
@@ -43,6 +45,7 @@ __all__ = [
     "ContractError",
     "ExperimentConfig",
     "FedModel",
+    "Metrics",
     "Payload",
     "Server",
     "ServerContext",

@@ -26,6 +26,7 @@ from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import CheckpointError, ContractError
 from fedray.platform.models import FedModel
 from fedray.platform.seeds import seed_of
+from fedray.platform.tracking.names import Metrics
 
 Payload = dict[str, Any]
 
@@ -255,7 +256,7 @@ class ClientModule(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = F.cross_entropy(self.model(x), y)
-        self.record("loss/train", loss)
+        self.record(Metrics.LOSS_TRAIN, loss)
         return loss
 
     def upload(self) -> Payload:

@@ -13,6 +13,7 @@ from pathlib import Path
 from fedray.platform.catalog import load_config
 from fedray.platform.config import scale
 from fedray.platform.errors import ConfigError
+from fedray.platform.tracking.names import Metrics
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"  # in a checkout
 
@@ -36,7 +37,7 @@ def _run(args: argparse.Namespace) -> int:
             cfg = scale(cfg, args.scale)
         result = run_experiment(cfg, stop_after_round=args.stop_after)
     row = result.summary_row()
-    best = result.best("acc/personal_mean")
+    best = result.best(Metrics.ACC_PERSONAL_MEAN)
     row["best personal %"] = None if best is None else round(100 * best, 2)
     print_table(
         summary_table(

@@ -30,6 +30,7 @@ from fedray.platform.errors import ConfigError
 from fedray.platform.runtime.driver import run_experiment
 from fedray.platform.runtime.processes import sharing_processes
 from fedray.platform.runtime.progress import mb
+from fedray.platform.tracking.names import Metrics, Tags
 
 
 @dataclass
@@ -86,7 +87,7 @@ def run_comparison(path: str | Path, overrides: list[str] | None = None) -> list
     with sharing_processes():  # each entry starts on the last one's Coordinator and ClientActors
         for entry in entries:
             print(f"== {entry.label} (seed {entry.config.seed})", flush=True)
-            result = run_experiment(entry.config, tags={"label": entry.label})
+            result = run_experiment(entry.config, tags={Tags.LABEL: entry.label})
             results.setdefault(entry.label, []).append(result)
     return [summarize(label, rs) for label, rs in results.items()]
 
@@ -106,13 +107,13 @@ def summarize(label: str, results: list) -> dict[str, Any]:
     if len(results) == 1:
         pers = results[0].summary_row()["personal acc %"]
     else:
-        pers = _mean_std([r.final["acc/personal_mean"] for r in results])
+        pers = _mean_std([r.final[Metrics.ACC_PERSONAL_MEAN] for r in results])
     return {
         "algorithm": label,
         "seeds": len(results),
         "personal acc %": pers,
-        "global acc %": _mean_std([r.final["acc/global"] for r in results]),
-        "MB up": round(float(np.mean([mb(r.last("comm/up_bytes_cum") or 0) for r in results])), 3),
-        "MB down": round(float(np.mean([mb(r.last("comm/down_bytes_cum") or 0) for r in results])), 3),
+        "global acc %": _mean_std([r.final[Metrics.ACC_GLOBAL] for r in results]),
+        "MB up": round(float(np.mean([mb(r.last(Metrics.COMM_UP_BYTES_CUM) or 0) for r in results])), 3),
+        "MB down": round(float(np.mean([mb(r.last(Metrics.COMM_DOWN_BYTES_CUM) or 0) for r in results])), 3),
         "wall s": round(float(np.mean([r.wall_time_s for r in results])), 1),
     }

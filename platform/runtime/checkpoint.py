@@ -21,6 +21,7 @@ from fedray.platform.errors import ConfigError
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.state_store import StateStore
 from fedray.platform.tracking.mlflow_run import recorded_checkpoint_dir, run_name
+from fedray.platform.tracking.names import Metrics
 
 CHECKPOINT_FILE = "checkpoint.pt"
 CONFIG_FILE = "config.yaml"
@@ -71,10 +72,10 @@ class LoopRecord:
         self.cum["up"] += up
         self.cum["down"] += down
         return {
-            "comm/up_bytes": up,
-            "comm/down_bytes": down,
-            "comm/up_bytes_cum": self.cum["up"],
-            "comm/down_bytes_cum": self.cum["down"],
+            Metrics.COMM_UP_BYTES: up,
+            Metrics.COMM_DOWN_BYTES: down,
+            Metrics.COMM_UP_BYTES_CUM: self.cum["up"],
+            Metrics.COMM_DOWN_BYTES_CUM: self.cum["down"],
         }
 
 

@@ -45,6 +45,7 @@ from fedray.platform.runtime.worker import (
     make_client_model,
 )
 from fedray.platform.seeds import numpy_rng, seed_of
+from fedray.platform.tracking.names import Metrics
 
 TRAIN_CLIENTS_PER_JOB = 8  # most clients one training call trains
 SAMPLES_PER_CALL = 256  # small clients share a call until it holds this many training samples
@@ -287,16 +288,16 @@ class RoundLoop:
         self.server.aggregate(rnd, uplinks)
         metrics = mean_stats([stats[cid] for cid in sorted(stats)])
         metrics.update(self.record.count_traffic(uplinks.values(), [downlinks[cid] for cid in selected]))
-        metrics["clients/selected"], metrics["clients/failed"] = len(selected), len(failed)
-        metrics["clients/retried"] = sum(len(clients) for clients in trained.retried)
+        metrics[Metrics.CLIENTS_SELECTED], metrics[Metrics.CLIENTS_FAILED] = len(selected), len(failed)
+        metrics[Metrics.CLIENTS_RETRIED] = sum(len(clients) for clients in trained.retried)
         if (rnd + 1) % self.cfg.eval_every == 0 or rnd + 1 == self.cfg.rounds:
             evaluation, retried = self.evaluation.run(
                 rnd, selected, self.server, self.retry_reporter(rnd), partial(self.report_failure, rnd)
             )
             self.record.client_acc = self.evaluation.client_acc
             metrics.update(evaluation)
-            metrics["clients/retried"] += retried
-        metrics["time/round_s"] = time.perf_counter() - start
+            metrics[Metrics.CLIENTS_RETRIED] += retried
+        metrics[Metrics.TIME_ROUND_S] = time.perf_counter() - start
         return metrics
 
     def train_jobs(self, rnd: int, selected: list[int], downlinks: dict[int, Payload]) -> list[Job]:

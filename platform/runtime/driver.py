@@ -52,11 +52,17 @@ from fedray.platform.runtime.progress import Progress, mb
 from fedray.platform.runtime.transport import use_fast_tensor_transport
 from fedray.platform.tracking.dataset import federation_dataset
 from fedray.platform.tracking.descriptions import run_description
-from fedray.platform.tracking.mlflow_run import TAG_CHECKPOINT, RunTracker
+from fedray.platform.tracking.mlflow_run import RunTracker
+from fedray.platform.tracking.names import Metrics, Tags, best_of, best_round_of, final_of
 from fedray.platform.tracking.outage import TrackingUnavailable
 
-FINAL_KEYS = ("acc/personal_mean", "acc/personal_std", "acc/personal_weighted", "acc/global")
-BEST_KEYS = ("acc/personal_mean", "acc/personal_weighted", "acc/global")
+FINAL_KEYS = (
+    Metrics.ACC_PERSONAL_MEAN,
+    Metrics.ACC_PERSONAL_STD,
+    Metrics.ACC_PERSONAL_WEIGHTED,
+    Metrics.ACC_GLOBAL,
+)
+BEST_KEYS = (Metrics.ACC_PERSONAL_MEAN, Metrics.ACC_PERSONAL_WEIGHTED, Metrics.ACC_GLOBAL)
 
 
 @dataclass
@@ -92,22 +98,19 @@ class Result:
 
     def summary_row(self) -> dict[str, Any]:
         f = self.final
-        std = f["acc/personal_std"]
-        pers = (
-            None
-            if f["acc/personal_mean"] is None
-            else f"{100 * f['acc/personal_mean']:.2f} ± {100 * (std or 0):.2f}"
-        )
-        baseline = self.extra.get("acc/majority_baseline")
+        mean, std = f[Metrics.ACC_PERSONAL_MEAN], f[Metrics.ACC_PERSONAL_STD]
+        acc_global = f[Metrics.ACC_GLOBAL]
+        pers = None if mean is None else f"{100 * mean:.2f} ± {100 * (std or 0):.2f}"
+        baseline = self.extra.get(Metrics.ACC_MAJORITY_BASELINE)
         return {
             "algorithm": self.config.algorithm,
             "personal acc %": pers,
             "majority baseline %": None
             if baseline is None or math.isnan(baseline)
             else round(100 * baseline, 2),
-            "global acc %": None if f["acc/global"] is None else round(100 * f["acc/global"], 2),
-            "MB up": round(mb(self.last("comm/up_bytes_cum") or 0), 3),
-            "MB down": round(mb(self.last("comm/down_bytes_cum") or 0), 3),
+            "global acc %": None if acc_global is None else round(100 * acc_global, 2),
+            "MB up": round(mb(self.last(Metrics.COMM_UP_BYTES_CUM) or 0), 3),
+            "MB down": round(mb(self.last(Metrics.COMM_DOWN_BYTES_CUM) or 0), 3),
             "wall s": round(self.wall_time_s, 1),
             "run id": self.run_id,
         }
@@ -198,7 +201,7 @@ def require_gpus(cfg: ExperimentConfig, before_ray: bool = False) -> None:
 
 def device_tags(devices: list[str]) -> dict[str, str]:
     """What the run's clients trained on (tag ``device``) and how many workers trained them."""
-    return {"device": "; ".join(sorted(set(devices))), "fedray.workers": str(len(devices))}
+    return {Tags.DEVICE: "; ".join(sorted(set(devices))), Tags.WORKERS: str(len(devices))}
 
 
 def restarted(cfg: ExperimentConfig) -> str:
@@ -225,7 +228,7 @@ def baseline_metrics(fed: Federation) -> dict[str, float]:
     """Each client predicting its most frequent training label: the reference every personalised
     accuracy is read against under label skew. NaN when no client has test data."""
     plain, weighted, _ = majority_baseline(fed)
-    return {"acc/majority_baseline": plain, "acc/majority_baseline_weighted": weighted}
+    return {Metrics.ACC_MAJORITY_BASELINE: plain, Metrics.ACC_MAJORITY_BASELINE_WEIGHTED: weighted}
 
 
 # --------------------------------------------------------------------------------------------- driver
@@ -265,7 +268,7 @@ def restart_from_checkpoint(runtime: Runtime, ckpt_dir: str) -> int:
 def log_unlogged_rounds(tracker: RunTracker, history: list[dict[str, float]]) -> None:
     """Rounds the checkpoint holds but MLflow missed (the driver was stopped while the Coordinator
     ran ahead of it): logged now, so a resumed run's curves have no holes."""
-    logged = tracker.last_step("comm/up_bytes")
+    logged = tracker.last_step(Metrics.COMM_UP_BYTES)
     for step, metrics in enumerate(history, start=1):
         if step > logged:
             tracker.log_metrics(metrics, step=step)
@@ -276,7 +279,7 @@ def record_new_run(tracker: RunTracker, cfg, fed, baseline, ckpt_dir: str) -> No
     directory it resumes from."""
 
     tracker.describe(run_description(cfg))
-    tracker.set_tags({TAG_CHECKPOINT: ckpt_dir})
+    tracker.set_tags({Tags.CHECKPOINT_DIR: ckpt_dir})
     tracker.log_params(cfg)
     tracker.log_config(cfg)
     split = federation_to_split(fed)  # built once: the split.json artifact and the dataset digest
@@ -327,7 +330,7 @@ def run_experiment(
             devices = ray.get(ready)["devices"]  # algorithm and client set-up errors surface here
             if resume_run_id is not None:
                 reopened = RunTracker(cfg, run_id=resume_run_id, parent_run_id=parent_run_id, extra_tags=tags)
-                earlier_s = reopened.latest("time/wall_s") or 0.0
+                earlier_s = reopened.latest(Metrics.TIME_WALL_S) or 0.0
                 tracker = reopened  # only now: an interrupt before this leaves the run as it was
                 ckpt_dir = checkpoint_dir_of(resume_run_id, tracker.uri)
                 history = ray.get(runtime.coordinator.load_checkpoint.remote(ckpt_dir))
@@ -342,7 +345,7 @@ def run_experiment(
                 record_new_run(tracker, cfg, fed, baseline, ckpt_dir)
             tracker.set_tags(device_tags(devices))  # again on a resume: it may run elsewhere
             monitor = tracker.system_metrics(cfg.tracking.system_metrics_s)
-            logged, restarts = [tracker.last_step("comm/up_bytes")], 0
+            logged, restarts = [tracker.last_step(Metrics.COMM_UP_BYTES)], 0
             with Progress(
                 cfg.rounds, f"{cfg.algorithm} on {cfg.data.dataset}", enabled=cfg.progress
             ) as progress:
@@ -358,8 +361,8 @@ def run_experiment(
                                 if resumed_at
                                 else "restarted from the start (no checkpoint yet)"
                             )
-                            tracker.set_tags({"fedray.coordinator_restarts": str(restarts)})
-                            tracker.log_metrics({"run/coordinator_restarts": restarts}, step=logged[0])
+                            tracker.set_tags({Tags.COORDINATOR_RESTARTS: str(restarts)})
+                            tracker.log_metrics({Metrics.RUN_COORDINATOR_RESTARTS: restarts}, step=logged[0])
                             run_ref = runtime.coordinator.run.remote(ckpt_dir, stop_after_round)
                         summary = stream_rounds(runtime, run_ref, progress, tracker, on_round, logged)
                         # the personalised models, fetched before the loop ends: a Coordinator that
@@ -489,13 +492,12 @@ def log_final(
     for cid, state in sorted(client_models.items()):
         tracker.log_model(model_of(cid, state), f"client_{cid}", example, step)
     if note:
-        tracker.set_tags({"fedray.client_models": note})
+        tracker.set_tags({Tags.CLIENT_MODELS: note})
     final = {}
     for key in BEST_KEYS:
-        name = key.split("/", 1)[1]
-        final[f"best/{name}"] = result.best(key)
-        final[f"best_round/{name}"] = result.best_round(key)
-        final[f"final/{name}"] = result.last(key)
+        final[best_of(key)] = result.best(key)
+        final[best_round_of(key)] = result.best_round(key)
+        final[final_of(key)] = result.last(key)
     tracker.log_metrics({k: v for k, v in final.items() if v is not None}, step=len(result.history))
 
 

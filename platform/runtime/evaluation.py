@@ -19,6 +19,7 @@ from fedray.platform.config import ExperimentConfig
 from fedray.platform.runtime.pool import Job, WorkerPool
 from fedray.platform.runtime.state_store import StateStore
 from fedray.platform.seeds import numpy_rng
+from fedray.platform.tracking.names import Metrics, personal_on
 
 EVAL_CLIENTS_PER_JOB = 32  # clients one evaluation call tests: amortises a call, still spreads the work
 
@@ -35,10 +36,10 @@ def personalized_accuracy(correct: np.ndarray, total: np.ndarray, loss_sum: np.n
         return {}
     acc = correct[tested] / total[tested]
     return {
-        "acc/personal_mean": float(acc.mean()),
-        "acc/personal_std": float(acc.std()),
-        "acc/personal_weighted": float(correct.sum() / total.sum()),
-        "loss/personal": float(loss_sum.sum() / total.sum()),
+        Metrics.ACC_PERSONAL_MEAN: float(acc.mean()),
+        Metrics.ACC_PERSONAL_STD: float(acc.std()),
+        Metrics.ACC_PERSONAL_WEIGHTED: float(correct.sum() / total.sum()),
+        Metrics.LOSS_PERSONAL: float(loss_sum.sum() / total.sum()),
     }
 
 
@@ -51,11 +52,6 @@ def eval_clients(cfg: ExperimentConfig, rnd: int, selected: list[int]) -> list[i
         rng = numpy_rng("coordinator/eval_sample", cfg.seed, rnd)
         return sorted(rng.choice(n, size=cfg.eval.sample_size, replace=False).tolist())
     return list(range(n))
-
-
-def policy_suffix(cfg: ExperimentConfig) -> str:
-    """Personalised metrics over a subset of the clients say so in their name."""
-    return "" if cfg.eval.clients == "all" else f"_{cfg.eval.clients}"
 
 
 def chunks(items: list, size: int) -> list[list]:
@@ -90,16 +86,16 @@ class Evaluation:
             row for (kind, _), (part, _, _) in done.results.items() if kind == "clients" for row in part
         )
         self.client_acc = {cid: c / t for cid, c, t, _ in rows if t > 0}
-        suffix = policy_suffix(self.cfg)
         columns = (np.array([r[i] for r in rows], dtype=np.float64) for i in (1, 2, 3))
-        out = {f"{k}{suffix}": v for k, v in personalized_accuracy(*columns).items()}
+        # over a subset of the clients (eval.clients), the personalised metrics say so in their name
+        out = {personal_on(k, self.cfg.eval.clients): v for k, v in personalized_accuracy(*columns).items()}
         parts = sorted(
             row for (kind, _), (part, _, _) in done.results.items() if kind == "global" for row in part
         )
         if parts:
             correct, total, loss = (sum(p[i] for p in parts) for i in (1, 2, 3))
-            out["acc/global"] = correct / max(total, 1)
-            out["loss/global"] = loss / max(total, 1)
+            out[Metrics.ACC_GLOBAL] = correct / max(total, 1)
+            out[Metrics.LOSS_GLOBAL] = loss / max(total, 1)
         return out, len(done.retried)
 
     def client_jobs(self, rnd: int, selected: list[int], server: Server) -> list[Job]:

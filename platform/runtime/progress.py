@@ -11,6 +11,8 @@ from typing import Any
 
 from rich.console import Console
 
+from fedray.platform.tracking.names import Metrics
+
 
 def mb(nbytes: float) -> float:
     return nbytes / 2**20
@@ -81,18 +83,20 @@ class Progress:
             self._round_end(event["round"], event["metrics"])
 
     def _round_end(self, rnd: int, m: dict[str, float]) -> None:
-        for key in ("acc/personal_mean", "acc/global"):
+        for key in (Metrics.ACC_PERSONAL_MEAN, Metrics.ACC_GLOBAL):
             if key in m:
                 self.last_acc[key] = m[key]
+        selected = int(m.get(Metrics.CLIENTS_SELECTED, 0))
+        trained = selected - int(m.get(Metrics.CLIENTS_FAILED, 0))
+        personal = fmt_acc(self.last_acc.get(Metrics.ACC_PERSONAL_MEAN))
         line = (
-            f"round {rnd:>4}/{self.total}  clients {int(m.get('clients/selected', 0)) - int(m.get('clients/failed', 0))}"
-            f"/{int(m.get('clients/selected', 0))}  acc personal {fmt_acc(self.last_acc.get('acc/personal_mean'))}"
-            f"  global {fmt_acc(self.last_acc.get('acc/global'))}"
-            f"  up {mb(m['comm/up_bytes']):.2f} MB  down {mb(m['comm/down_bytes']):.2f} MB"
-            f"  loss {m.get('loss/train', float('nan')):.3f}  {m['time/round_s']:.1f}s"
+            f"round {rnd:>4}/{self.total}  clients {trained}/{selected}  acc personal {personal}"
+            f"  global {fmt_acc(self.last_acc.get(Metrics.ACC_GLOBAL))}"
+            f"  up {mb(m[Metrics.COMM_UP_BYTES]):.2f} MB  down {mb(m[Metrics.COMM_DOWN_BYTES]):.2f} MB"
+            f"  loss {m.get(Metrics.LOSS_TRAIN, float('nan')):.3f}  {m[Metrics.TIME_ROUND_S]:.1f}s"
         )
-        if m.get("clients/retried"):
-            line += f"  retried {int(m['clients/retried'])}"
+        if m.get(Metrics.CLIENTS_RETRIED):
+            line += f"  retried {int(m[Metrics.CLIENTS_RETRIED])}"
         if self._bar is not None:
             self._bar.update(self._task, completed=rnd, status=line.split("  ", 1)[1])
             self._bar.console.print(line, highlight=False)

@@ -47,6 +47,7 @@ from fedray.platform.runtime.memory import retain_freed_memory
 from fedray.platform.runtime.state_store import ClientTask
 from fedray.platform.runtime.transport import use_fast_tensor_transport
 from fedray.platform.seeds import seed_of, torch_generator
+from fedray.platform.tracking.names import Metrics
 
 # the global test set is split across actors in chunks this size: its sums never depend on the pool size
 EVAL_CHUNK = 1024
@@ -362,7 +363,7 @@ class ClientHost:
         if first:
             check_held_tensors(self.spec.name, module)
             self.checked_client = True
-        stats["time/client_s"] = time.perf_counter() - start
+        stats[Metrics.TIME_CLIENT_S] = time.perf_counter() - start
         if self.keeps_state:
             self.cache(task.client, task.version + 1, module)
         return uplink, stats, module

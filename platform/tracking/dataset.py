@@ -22,6 +22,7 @@ from mlflow.types import Schema, TensorSpec
 
 from fedray.platform.data.split_file import federation_to_split
 from fedray.platform.tracking.mlflow_run import partition_label
+from fedray.platform.tracking.names import Tags
 
 if TYPE_CHECKING:
     from fedray.platform.config import ExperimentConfig
@@ -78,7 +79,9 @@ def dataset_source(cfg: ExperimentConfig) -> DatasetSource:
         with warnings.catch_warnings():  # MLflow registers its local-folder source twice, then warns that
             warnings.filterwarnings("ignore", "The specified dataset source can be interpreted")  # both match
             return resolve_dataset_source(str(Path(cfg.data.root).expanduser().resolve()))
-    return CodeDatasetSource({"fedray.dataset": cfg.data.dataset, "fedray.loader": "built in, no download"})
+    return CodeDatasetSource(
+        {Tags.SOURCE_DATASET: cfg.data.dataset, Tags.SOURCE_LOADER: "built in, no download"}
+    )
 
 
 def _spread(counts: np.ndarray) -> dict[str, float]:

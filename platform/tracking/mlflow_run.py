@@ -2,8 +2,8 @@
 
 Default store: ``sqlite:///<cwd>/mlflow.db`` with artifacts in ``<cwd>/mlartifacts``; overridden by
 ``MLFLOW_TRACKING_URI`` or ``tracking.uri``. One experiment per config name; per-round metrics are logged
-with ``step = rounds completed`` under fixed names that every algorithm shares (``acc/personal_mean``,
-``loss/train``, ``comm/*``, ...; README, "What a run records (MLflow)"), so MLflow compares runs.
+with ``step = rounds completed`` under fixed names that every algorithm shares
+(:mod:`fedray.platform.tracking.names`; README, "What a run records (MLflow)"), so MLflow compares runs.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from pathlib import Path
 from fedray.platform.config import ExperimentConfig, config_yaml, flatten
 from fedray.platform.errors import ConfigError, first_line
 from fedray.platform.tracking.descriptions import partition_names
+from fedray.platform.tracking.names import Metrics, Tags
 from fedray.platform.tracking.outage import PatientCalls, shorten_http_retries, unreachable
-
-TAG_CHECKPOINT = "fedray.checkpoint_dir"
 
 
 def quiet_mlflow() -> None:
@@ -66,11 +65,11 @@ def run_name(cfg: ExperimentConfig) -> str:
 
 def run_tags(cfg: ExperimentConfig) -> dict[str, str]:
     return {
-        "algorithm": cfg.algorithm,
-        "dataset": cfg.data.dataset,
-        "partition": partition_label(cfg),
-        "model_group": cfg.model.group,
-        "seed": str(cfg.seed),
+        Tags.ALGORITHM: cfg.algorithm,
+        Tags.DATASET: cfg.data.dataset,
+        Tags.PARTITION: partition_label(cfg),
+        Tags.MODEL_GROUP: cfg.model.group,
+        Tags.SEED: str(cfg.seed),
     }
 
 
@@ -102,9 +101,9 @@ class RunTracker:
             return
         self.experiment_id = experiment_id(self.client, cfg.tracking.experiment or cfg.name, self.uri)
         tags = {**run_tags(cfg), **(extra_tags or {})}
-        name = tags.pop("mlflow.runName", None) or run_name(cfg)  # a caller may name the run
+        name = tags.pop(Tags.RUN_NAME, None) or run_name(cfg)  # a caller may name the run
         if parent_run_id:
-            tags["mlflow.parentRunId"] = parent_run_id
+            tags[Tags.PARENT_RUN_ID] = parent_run_id
         start_ms = None if start_time is None else int(start_time * 1000)
         run = self.client.create_run(self.experiment_id, start_ms, tags, name)
         self.run_id = run.info.run_id
@@ -188,14 +187,14 @@ class RunTracker:
         """An ``mlflow.data`` dataset as the run's training input (the UI's Dataset column)."""
         from mlflow.entities import DatasetInput, InputTag
 
-        context = InputTag(key="mlflow.data.context", value="train")
+        context = InputTag(key=Tags.DATASET_CONTEXT, value="train")
         self.patient(
             self.client.log_inputs, self.run_id, [DatasetInput(dataset._to_mlflow_entity(), [context])]
         )
 
     def describe(self, text: str) -> None:
         """The run's description in the UI."""
-        self.patient(self.client.set_tag, self.run_id, "mlflow.note.content", text)
+        self.patient(self.client.set_tag, self.run_id, Tags.NOTE, text)
 
     def system_metrics(self, interval_s: float) -> SystemMetrics | None:
         """MLflow's own system metrics of this machine every ``interval_s`` seconds, until
@@ -205,7 +204,7 @@ class RunTracker:
     def end(self, status: str = "FINISHED", wall_s: float | None = None) -> None:
         """Close the run; ``wall_s`` is logged as ``time/wall_s`` (what the CLI prints)."""
         if wall_s is not None:
-            self.log_metrics({"time/wall_s": wall_s}, step=0)
+            self.log_metrics({Metrics.TIME_WALL_S: wall_s}, step=0)
         self.patient(self.client.set_terminated, self.run_id, status=status)
 
 
@@ -287,4 +286,4 @@ def recorded_checkpoint_dir(run_id: str, uri: str | None = None) -> str | None:
         run = MlflowClient(tracking_uri=uri).get_run(run_id)
     except MlflowException:
         raise ConfigError(f"--resume {run_id}: no such run in the MLflow store {uri}") from None
-    return run.data.tags.get(TAG_CHECKPOINT)
+    return run.data.tags.get(Tags.CHECKPOINT_DIR)

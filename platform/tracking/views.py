@@ -7,6 +7,8 @@ import json
 import re
 import time
 
+from fedray.platform.tracking.names import Tags, tag_filter
+
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 5000  # mlflow ui's own defaults
 DEFAULT_SERVER = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
 
@@ -30,15 +32,12 @@ def runs_table_url(experiment_id: str, server: str, **query: str) -> str:
     return f"{server.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning{params}"
 
 
-SHARED_VIEW_TAG = "mlflow.sharedViewState."  # experiment tag prefix the runs page loads a view from
-
-
 def save_sweep_view(client, experiment_id: str, sweep_id: str, parent_run_id: str, params: list[str]) -> str:
     """Save a view of the runs page on the experiment: the sweep's trials only, grouped by the swept
     params (the chart view then draws one curve per group). Returns the key that opens it
     (``viewStateShareKey``); the view is also listed by name under the page's Views."""
     state = {
-        "searchFilter": f"tags.mlflow.parentRunId = '{parent_run_id}'",  # the trials, not the parent
+        "searchFilter": tag_filter(Tags.PARENT_RUN_ID, parent_run_id),  # the trials, not the parent
         "groupBy": {
             "aggregateFunction": "average",
             "groupByKeys": [{"mode": "param", "groupByData": p} for p in params],
@@ -47,5 +46,5 @@ def save_sweep_view(client, experiment_id: str, sweep_id: str, parent_run_id: st
     view = {"name": f"{sweep_id} by {', '.join(params)}", "createdAt": int(time.time() * 1000)}
     view["state"] = json.dumps(state)
     key = re.sub(r"[^A-Za-z0-9_-]", "_", f"{sweep_id}-{parent_run_id[:8]}")  # a re-run gets its own
-    client.set_experiment_tag(experiment_id, SHARED_VIEW_TAG + key, json.dumps(view))
+    client.set_experiment_tag(experiment_id, Tags.SHARED_VIEW_PREFIX + key, json.dumps(view))
     return key
