@@ -25,7 +25,7 @@ from fedray.platform.catalog import build_config
 from fedray.platform.config import ExperimentConfig, load_yaml, merge, parse_overrides
 from fedray.platform.errors import ConfigError
 from fedray.platform.runtime import storage
-from fedray.platform.runtime.driver import ensure_ray, require_gpus, run_experiment
+from fedray.platform.runtime.driver import Trial, ensure_ray, require_gpus, run_experiment
 from fedray.platform.runtime.processes import KeptRuntime
 from fedray.platform.tracking.descriptions import sweep_description
 from fedray.platform.tracking.mlflow_run import RunTracker, tracking_uri
@@ -95,9 +95,7 @@ def run_trial(point: dict[str, Any], base: dict[str, Any], parent_run_id: str, s
     def report(rnd: int, metrics: dict[str, float]) -> None:
         tune.report({"round": rnd, **{tune_key(k): v for k, v in metrics.items()}})
 
-    run_experiment(
-        cfg, parent_run_id=parent_run_id, tags=tags, on_round=report, placement_group=pg, num_actors=actors
-    )
+    run_experiment(cfg, tags=tags, on_round=report, trial=Trial(parent_run_id, pg, actors))
 
 
 # --------------------------------------------------------------------------------------------- sweep

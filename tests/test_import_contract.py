@@ -41,6 +41,7 @@ LAZY_IMPORTS = {
     # Ray and MLflow, so the CLI imports each one when its command runs.
     ("fedray.platform.apps.cli", "fedray.platform.apps.tables"),
     ("fedray.platform.apps.cli", "fedray.platform.runtime.driver"),
+    ("fedray.platform.apps.cli", "fedray.platform.runtime.session"),  # RunAborted, for a failed run's line
     ("fedray.platform.apps.cli", "fedray.platform.apps.compare"),
     ("fedray.platform.apps.cli", "fedray.sweeps.tune_sweep"),
     ("fedray.platform.apps.cli", "fedray.dashboards.report"),

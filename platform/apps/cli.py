@@ -10,7 +10,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from fedray.platform.catalog import load_config
 from fedray.platform.config import scale
 from fedray.platform.errors import ConfigError
 from fedray.platform.tracking.names import Metrics
@@ -19,23 +18,28 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.y
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fedray.platform.apps.tables import print_table, summary_table
-    from fedray.platform.runtime.driver import resume_experiment, run_experiment
+    from fedray.platform.catalog import load_config
 
     if args.stop_after is not None and args.stop_after < 1:
         raise ConfigError(f"--stop-after {args.stop_after}: must be >= 1 round")
     if args.resume:
         if args.config or args.overrides:
             raise ConfigError("--resume RUN_ID takes no config or overrides: the run's own config is used")
+        from fedray.platform.runtime.driver import resume_experiment
+
         result = resume_experiment(args.resume, stop_after_round=args.stop_after)
     else:
         config, overrides = args.config, list(args.overrides)
         if config and "=" in config:  # `fedray run rounds=5`: overrides only, default config
             config, overrides = None, [config, *overrides]
-        cfg = load_config(config, overrides)
+        cfg = load_config(config, overrides)  # a config error's line comes before Ray and Lightning load
         if args.scale is not None:
             cfg = scale(cfg, args.scale)
+        from fedray.platform.runtime.driver import run_experiment
+
         result = run_experiment(cfg, stop_after_round=args.stop_after)
+    from fedray.platform.apps.tables import print_table, summary_table
+
     row = result.summary_row()
     best = result.best(Metrics.ACC_PERSONAL_MEAN)
     row["best personal %"] = None if best is None else round(100 * best, 2)
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedray: error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:
-        from fedray.platform.runtime.driver import RunAborted
+        from fedray.platform.runtime.session import RunAborted
 
         if not isinstance(err, RunAborted):
             raise

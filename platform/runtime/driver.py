@@ -8,20 +8,17 @@ last checkpoint, logging into the same MLflow run.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
-import signal
 import tempfile
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import ray
 import torch
 import yaml
 
@@ -49,12 +46,12 @@ from fedray.platform.runtime.checkpoint import (
 )
 from fedray.platform.runtime.processes import KeptRuntime, Runtime, start_runtime
 from fedray.platform.runtime.progress import Progress, mb
+from fedray.platform.runtime.session import RunSession
 from fedray.platform.runtime.transport import use_fast_tensor_transport
 from fedray.platform.tracking.dataset import federation_dataset
 from fedray.platform.tracking.descriptions import run_description
 from fedray.platform.tracking.mlflow_run import RunTracker
 from fedray.platform.tracking.names import Metrics, Tags, best_of, best_round_of, final_of
-from fedray.platform.tracking.outage import TrackingUnavailable
 
 FINAL_KEYS = (
     Metrics.ACC_PERSONAL_MEAN,
@@ -148,16 +145,12 @@ LOCAL_RAY_CONFIG = {"preload_python_modules": ["fedray.platform.runtime.worker"]
 
 def start_local_ray(num_cpus: int, **kwargs: Any) -> None:
     """A Ray of this machine only, owned by this process (its processes end with it)."""
-    import ray
-
     ray.init(num_cpus=num_cpus, _system_config=LOCAL_RAY_CONFIG, **kwargs)
 
 
 def ensure_ray(cfg: ExperimentConfig) -> None:
     """Join ``RAY_ADDRESS`` / ``ray.address`` if given; otherwise start a local Ray with this machine's CPUs
     (Ray prestarts one worker process per CPU for the ClientActors)."""
-    import ray
-
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS") or cfg.ray.address
         kwargs: dict[str, Any] = {
@@ -181,15 +174,11 @@ def require_gpus(cfg: ExperimentConfig, before_ray: bool = False) -> None:
     if need <= 0:
         return
     if before_ray:
-        import ray
-
         if ray.is_initialized() or os.environ.get("RAY_ADDRESS") or cfg.ray.address:
             return  # a running Ray or a cluster: asked after joining it
         have = float(torch.cuda.device_count())
         where = "this machine has"
     else:
-        import ray
-
         have = ray.cluster_resources().get("GPU", 0)
         where = "the Ray cluster has"
     if have < need:
@@ -197,20 +186,6 @@ def require_gpus(cfg: ExperimentConfig, before_ray: bool = False) -> None:
             f"ray.num_gpus_per_client={need:g}: {where} {have:g} GPUs; set ray.num_gpus_per_client=0 "
             "to train on CPUs, or join a cluster with GPUs (RAY_ADDRESS)"
         )
-
-
-def device_tags(devices: list[str]) -> dict[str, str]:
-    """What the run's clients trained on (tag ``device``) and how many workers trained them."""
-    return {Tags.DEVICE: "; ".join(sorted(set(devices))), Tags.WORKERS: str(len(devices))}
-
-
-def restarted(cfg: ExperimentConfig) -> str:
-    limit = cfg.ray.max_coordinator_restarts
-    return f" after {limit} restart{'s' * (limit != 1)}" if limit else ""
-
-
-class RunAborted(RuntimeError):
-    """The run cannot go on (its Coordinator died); the message says how to resume. One line."""
 
 
 def log_partition(tracker: RunTracker, fed: Federation, baseline: dict[str, float], split: dict) -> None:
@@ -240,8 +215,6 @@ def stream_rounds(
     """Show and log the Coordinator's events until its ``run`` returns; returns its summary.
     ``logged[0]`` is the last round logged: a restarted Coordinator's recomputed rounds are shown
     again but logged (and reported to ``on_round``) once."""
-    import ray
-
     done = False
     while not done:
         done = bool(ray.wait([run_ref], timeout=0)[0])
@@ -255,16 +228,6 @@ def stream_rounds(
     return ray.get(run_ref)
 
 
-def restart_from_checkpoint(runtime: Runtime, ckpt_dir: str) -> int:
-    """A fresh Coordinator at the run's last checkpoint (or at the start, before the first one);
-    returns the round it goes on from. The rounds after it are recomputed to the same numbers."""
-    import ray
-
-    if not has_checkpoint(ckpt_dir):
-        return 0
-    return len(ray.get(runtime.coordinator.load_checkpoint.remote(ckpt_dir)))
-
-
 def log_unlogged_rounds(tracker: RunTracker, history: list[dict[str, float]]) -> None:
     """Rounds the checkpoint holds but MLflow missed (the driver was stopped while the Coordinator
     ran ahead of it): logged now, so a resumed run's curves have no holes."""
@@ -274,10 +237,9 @@ def log_unlogged_rounds(tracker: RunTracker, history: list[dict[str, float]]) ->
             tracker.log_metrics(metrics, step=step)
 
 
-def record_new_run(tracker: RunTracker, cfg, fed, baseline, ckpt_dir: str) -> None:
+def record_new_run(tracker: RunTracker, cfg, fed, baseline, ckpt_dir: str) -> RunTracker:
     """A new MLflow run's description, config, dataset input, partition and the checkpoint
     directory it resumes from."""
-
     tracker.describe(run_description(cfg))
     tracker.set_tags({Tags.CHECKPOINT_DIR: ckpt_dir})
     tracker.log_params(cfg)
@@ -285,6 +247,124 @@ def record_new_run(tracker: RunTracker, cfg, fed, baseline, ckpt_dir: str) -> No
     split = federation_to_split(fed)  # built once: the split.json artifact and the dataset digest
     tracker.log_dataset(federation_dataset(fed, cfg, split))
     log_partition(tracker, fed, baseline, split)
+    return tracker
+
+
+@dataclass
+class Trial:
+    """What a Ray Tune trial adds to a run: the sweep's MLflow run it is filed under, the placement
+    group its processes must stay in, and how many workers that reservation holds."""
+
+    parent_run_id: str | None = None
+    placement_group: Any = None
+    num_actors: int | None = None
+
+
+class CoordinatorHandle:
+    """The run's processes (a Coordinator and its ClientActors) and the Coordinator's ``run`` call;
+    a Coordinator that died is replaced by a fresh one at the run's last checkpoint."""
+
+    def __init__(self, cfg: ExperimentConfig, fed: Federation, trial: Trial) -> None:
+        self.cfg, self.fed, self.trial = cfg, fed, trial
+        self.shard_refs = [ray.put(shard) for shard in fed.shards]  # the driver's: they outlive a Coordinator
+        self.runtime, self.ready = self.launch()
+        self.run_ref: Any = None
+
+    def launch(self) -> tuple[Runtime, Any]:
+        runtime = start_runtime(self.cfg, self.trial.placement_group, self.trial.num_actors)
+        ready = runtime.coordinator.setup.remote(
+            self.cfg, federation_meta(self.fed), self.shard_refs, self.fed.global_test, runtime.workers,
+            runtime.worker_options,
+        )  # fmt: skip
+        return runtime, ready
+
+    def devices(self) -> list[str]:
+        """What each worker trains on, once the Coordinator is set up (its errors surface here)."""
+        return ray.get(self.ready)["devices"]
+
+    def load_checkpoint(self, ckpt_dir: str) -> list[dict[str, float]]:
+        return ray.get(self.runtime.coordinator.load_checkpoint.remote(ckpt_dir))
+
+    def start(self, ckpt_dir: str, stop_after_round: int | None) -> None:
+        self.run_ref = self.runtime.coordinator.run.remote(ckpt_dir, stop_after_round)
+
+    def restart(self, ckpt_dir: str) -> int:
+        """A fresh Coordinator at the last checkpoint (or at the start, before the first one);
+        returns the round it goes on from. The rounds after it are recomputed to the same numbers."""
+        self.runtime.stop()
+        self.runtime, self.ready = self.launch()
+        ray.get(self.ready)
+        return len(self.load_checkpoint(ckpt_dir)) if has_checkpoint(ckpt_dir) else 0
+
+    def client_models(self) -> tuple[dict[int, dict[str, torch.Tensor]], str]:
+        return ray.get(self.runtime.coordinator.client_models.remote(self.cfg.tracking.log_client_models))
+
+    def release(self, done: bool) -> None:
+        """The run's processes end, or wait for the driver's next run when this one went well."""
+        if done:
+            KeptRuntime.put(self.runtime, self.trial.placement_group)
+        else:
+            self.runtime.stop()
+
+
+def preflight(cfg: ExperimentConfig) -> tuple[Federation, dict[str, float]]:
+    """What can fail without Ray fails before it starts (GPUs this machine lacks, the config, the
+    data: the partition is built here); then Ray is started or joined, and asked for the GPUs."""
+    require_gpus(cfg, before_ray=True)
+    fed = prepare_federation(cfg)
+    baseline = baseline_metrics(fed)
+    ensure_ray(cfg)
+    require_gpus(cfg)  # GPUs asked for that the cluster lacks: one line now, not a wait forever
+    return fed, baseline
+
+
+def reopen_run(session: RunSession, handle: CoordinatorHandle, run_id: str) -> str:
+    """A resumed run: its MLflow run reopened, the Coordinator at its checkpoint, the rounds MLflow
+    missed logged. Returns the checkpoint folder."""
+    tracker = session.reopen(run_id)
+    ckpt_dir = checkpoint_dir_of(run_id, tracker.uri)
+    log_unlogged_rounds(tracker, handle.load_checkpoint(ckpt_dir))
+    return ckpt_dir
+
+
+def drive(
+    handle: CoordinatorHandle,
+    tracker: RunTracker,
+    ckpt_dir: str,
+    stop_after_round: int | None,
+    on_round: Callable[[int, dict[str, float]], None] | None,
+) -> tuple[dict, Any]:
+    """Show and log the rounds until the Coordinator's ``run`` returns, restarting a Coordinator that
+    died (``ray.max_coordinator_restarts`` times). Returns its summary and, for a finished run, the
+    personalised models worth logging."""
+    cfg = handle.cfg
+    logged, restarts = [tracker.last_step(Metrics.COMM_UP_BYTES)], 0
+    with Progress(cfg.rounds, f"{cfg.algorithm} on {cfg.data.dataset}", enabled=cfg.progress) as progress:
+        while True:
+            try:
+                if handle.run_ref is None:  # the Coordinator died: a fresh one, at the last checkpoint
+                    resumed_at = handle.restart(ckpt_dir)
+                    progress.warn(
+                        f"restarted from round {resumed_at}'s checkpoint"
+                        if resumed_at
+                        else "restarted from the start (no checkpoint yet)"
+                    )
+                    tracker.set_tags({Tags.COORDINATOR_RESTARTS: str(restarts)})
+                    tracker.log_metrics({Metrics.RUN_COORDINATOR_RESTARTS: restarts}, step=logged[0])
+                    handle.start(ckpt_dir, stop_after_round)
+                summary = stream_rounds(handle.runtime, handle.run_ref, progress, tracker, on_round, logged)
+                # the personalised models, fetched before the loop ends: a Coordinator that dies now
+                # restarts at the last round's checkpoint and hands them over
+                return summary, handle.client_models() if summary["finished"] else None
+            except ray.exceptions.RayActorError as err:
+                if restarts >= cfg.ray.max_coordinator_restarts:
+                    raise
+                restarts += 1
+                progress.warn(
+                    f"the Coordinator died ({first_line(err)}); restarting it, "
+                    f"restart {restarts} of {cfg.ray.max_coordinator_restarts}"
+                )
+                handle.run_ref = None
 
 
 def run_experiment(
@@ -292,179 +372,40 @@ def run_experiment(
     *,
     resume_run_id: str | None = None,
     stop_after_round: int | None = None,
-    parent_run_id: str | None = None,
     tags: dict[str, str] | None = None,
     on_round: Callable[[int, dict[str, float]], None] | None = None,
-    placement_group=None,
-    num_actors: int | None = None,
+    trial: Trial | None = None,
 ) -> Result:
     """Run (or resume) one federated experiment end to end and return its numbers.
 
     ``stop_after_round`` stops after that many rounds as an interruption would (the MLflow run is
     left KILLED, the checkpoint stays); ``on_round`` sees every round's metrics (Ray Tune reporting);
-    ``placement_group`` and ``num_actors`` place a Tune trial's processes in its reservation.
+    ``trial`` places a Tune trial's processes in its reservation.
     """
-    import ray
-
-    started = time.time()  # the MLflow run's start: its Duration is this call's wall time
-    require_gpus(cfg, before_ray=True)
-    fed = prepare_federation(cfg)  # config and data errors surface here, before Ray
-    baseline = baseline_metrics(fed)
-    ensure_ray(cfg)
-    require_gpus(cfg)  # GPUs asked for that the cluster lacks: one line now, not a wait forever
-    shard_refs = [ray.put(shard) for shard in fed.shards]  # the driver's: they outlive a Coordinator
-
-    def launch() -> tuple[Runtime, Any]:
-        runtime = start_runtime(cfg, placement_group, num_actors)
-        ready = runtime.coordinator.setup.remote(
-            cfg, federation_meta(fed), shard_refs, fed.global_test, runtime.workers, runtime.worker_options
-        )
-        return runtime, ready
-
-    runtime, ready = launch()
-    status, tracker, monitor, wall_s = "FAILED", None, None, None
-    outage = False  # the tracking server stayed down past tracking.max_outage_s
-    earlier_s = 0.0  # wall time of the segments before a resume
-    try:
-        with sigterm_as_interrupt():
-            devices = ray.get(ready)["devices"]  # algorithm and client set-up errors surface here
-            if resume_run_id is not None:
-                reopened = RunTracker(cfg, run_id=resume_run_id, parent_run_id=parent_run_id, extra_tags=tags)
-                earlier_s = reopened.latest(Metrics.TIME_WALL_S) or 0.0
-                tracker = reopened  # only now: an interrupt before this leaves the run as it was
-                ckpt_dir = checkpoint_dir_of(resume_run_id, tracker.uri)
-                history = ray.get(runtime.coordinator.load_checkpoint.remote(ckpt_dir))
-                log_unlogged_rounds(tracker, history)
-            else:
-                ckpt_dir = new_checkpoint_dir(cfg)  # before the MLflow run: its tag points here
-            # the rounds start now; a new MLflow run is set up while the first one trains, and the
-            # events wait in the Coordinator's queue until the driver streams them
-            run_ref = runtime.coordinator.run.remote(ckpt_dir, stop_after_round)
-            if tracker is None:
-                tracker = RunTracker(cfg, parent_run_id=parent_run_id, extra_tags=tags, start_time=started)
-                record_new_run(tracker, cfg, fed, baseline, ckpt_dir)
-            tracker.set_tags(device_tags(devices))  # again on a resume: it may run elsewhere
-            monitor = tracker.system_metrics(cfg.tracking.system_metrics_s)
-            logged, restarts = [tracker.last_step(Metrics.COMM_UP_BYTES)], 0
-            with Progress(
-                cfg.rounds, f"{cfg.algorithm} on {cfg.data.dataset}", enabled=cfg.progress
-            ) as progress:
-                while True:
-                    try:
-                        if run_ref is None:  # the Coordinator died: a fresh one, at the last checkpoint
-                            runtime.stop()
-                            runtime, ready = launch()
-                            ray.get(ready)
-                            resumed_at = restart_from_checkpoint(runtime, ckpt_dir)
-                            progress.warn(
-                                f"restarted from round {resumed_at}'s checkpoint"
-                                if resumed_at
-                                else "restarted from the start (no checkpoint yet)"
-                            )
-                            tracker.set_tags({Tags.COORDINATOR_RESTARTS: str(restarts)})
-                            tracker.log_metrics({Metrics.RUN_COORDINATOR_RESTARTS: restarts}, step=logged[0])
-                            run_ref = runtime.coordinator.run.remote(ckpt_dir, stop_after_round)
-                        summary = stream_rounds(runtime, run_ref, progress, tracker, on_round, logged)
-                        # the personalised models, fetched before the loop ends: a Coordinator that
-                        # dies now restarts at the last round's checkpoint and hands them over
-                        finals = None
-                        if summary["finished"]:
-                            finals = ray.get(
-                                runtime.coordinator.client_models.remote(cfg.tracking.log_client_models)
-                            )
-                        break
-                    except ray.exceptions.RayActorError as err:
-                        if restarts >= cfg.ray.max_coordinator_restarts:
-                            raise
-                        restarts += 1
-                        progress.warn(
-                            f"the Coordinator died ({first_line(err)}); restarting it, "
-                            f"restart {restarts} of {cfg.ray.max_coordinator_restarts}"
-                        )
-                        run_ref = None
-            result = Result(
-                tracker.run_id,
-                tracker.experiment_id,
-                cfg,
-                summary["history"],
-                summary["client_acc"],
-                summary["finished"],
-                0.0,
-                extra=baseline,
-            )
-            if finals is not None:
-                models, note = finals
-                log_final(tracker, result, fed, summary["global_model"], models, note)
-            status = "FINISHED" if summary["finished"] else "KILLED"
-            closing, monitor = monitor, None  # closed here, not again by the finally below
-            if closing is not None:  # a failure to close it is this run's error
-                closing.finish()
-            wall_s = earlier_s + time.time() - started  # printed by the CLI, logged as time/wall_s
-            result.wall_time_s = wall_s
-            return result
-    except ray.exceptions.RayTaskError as err:
-        if isinstance(err.cause, ConfigError):  # an algorithm that breaks the contract: its one line
-            raise err.cause from None
-        raise
-    except ray.exceptions.RayActorError as err:
-        if tracker is None:
-            raise
-        status = "FAILED"
-        raise RunAborted(
-            f"the Coordinator process died ({first_line(err)}){restarted(cfg)}; "
-            f"resume from the last checkpoint with  fedray run --resume {tracker.run_id}"
-        ) from None
-    except TrackingUnavailable as err:
-        status, outage = "KILLED", True
-        if tracker is None:  # only the tracker's writes wait out an outage: it exists
-            raise
-        raise RunAborted(
-            f"{err}: the run stopped as Ctrl-C stops it; resume with  fedray run --resume {tracker.run_id}"
-        ) from None
-    except KeyboardInterrupt:
-        status = "KILLED"
-        if tracker is not None:
-            print(f"\ninterrupted: resume with  fedray run --resume {tracker.run_id}", flush=True)
-        raise
-    finally:
-        try:
-            if monitor is not None:  # a failed run: its last sample is best effort
-                with contextlib.suppress(Exception):
-                    monitor.finish()
-            if tracker is not None:
-                try:
-                    tracker.end(
-                        status, wall_s=earlier_s + time.time() - started if wall_s is None else wall_s
-                    )
-                except TrackingUnavailable as err:
-                    if not outage:  # down only at the end: the rounds are done and checkpointed
-                        raise RunAborted(
-                            f"{err}: the run could not be closed; resume with  fedray run --resume "
-                            f"{tracker.run_id} to log what is missing"
-                        ) from None
-        finally:  # whatever MLflow did, the run's processes end, or wait for the next if it went well
-            if wall_s is None:
-                runtime.stop()
-            else:
-                KeptRuntime.put(runtime, placement_group)
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    """SIGTERM (a scheduler preempting the job) stops the run as Ctrl-C does: marked KILLED, with
-    the resume line. Only the main thread can take signals (a Tune trial runs in another)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    trial = trial or Trial()
+    session = RunSession(cfg, tags, trial.parent_run_id)  # its clock starts: the MLflow run's Duration
+    fed, baseline = preflight(cfg)
+    handle = CoordinatorHandle(cfg, fed, trial)
+    with session.guard(handle.release):
+        devices = handle.devices()  # algorithm and client set-up errors surface here
+        if resume_run_id is not None:
+            ckpt_dir = reopen_run(session, handle, resume_run_id)
+        else:
+            ckpt_dir = new_checkpoint_dir(cfg)  # before the MLflow run: its tag points here
+        # the rounds start now; a new MLflow run is set up while the first one trains, and the events
+        # wait in the Coordinator's queue until the driver streams them
+        handle.start(ckpt_dir, stop_after_round)
+        tracker = session.tracker or record_new_run(session.open(), cfg, fed, baseline, ckpt_dir)
+        session.watch(devices)
+        summary, finals = drive(handle, tracker, ckpt_dir, stop_after_round, on_round)
+        result = Result(
+            tracker.run_id, tracker.experiment_id, cfg, summary["history"], summary["client_acc"],
+            summary["finished"], 0.0, extra=baseline,
+        )  # fmt: skip
+        if finals is not None:
+            log_final(tracker, result, fed, summary["global_model"], *finals)
+        result.wall_time_s = session.finish(summary["finished"])
+    return result
 
 
 def log_final(

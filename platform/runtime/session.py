@@ -1,0 +1,152 @@
+"""One run's record while it runs: its MLflow run (new, or reopened to resume), the system-metrics
+monitor, the status it ends with and its wall clock.
+
+:meth:`RunSession.guard` wraps the run: whatever stops it (a Ctrl-C or SIGTERM, a dead Coordinator,
+a tracking server down too long, an algorithm that breaks the contract) reaches the user as one
+line saying how to resume, and the record is closed with the right status in every case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import ray
+
+from fedray.platform.config import ExperimentConfig
+from fedray.platform.errors import ConfigError, first_line
+from fedray.platform.tracking.mlflow_run import RunTracker
+from fedray.platform.tracking.names import Metrics, Tags
+from fedray.platform.tracking.outage import TrackingUnavailable
+
+
+class RunAborted(RuntimeError):
+    """The run cannot go on (its Coordinator died); the message says how to resume. One line."""
+
+
+def restarted(cfg: ExperimentConfig) -> str:
+    limit = cfg.ray.max_coordinator_restarts
+    return f" after {limit} restart{'s' * (limit != 1)}" if limit else ""
+
+
+def device_tags(devices: list[str]) -> dict[str, str]:
+    """What the run's clients trained on (tag ``device``) and how many workers trained them."""
+    return {Tags.DEVICE: "; ".join(sorted(set(devices))), Tags.WORKERS: str(len(devices))}
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM (a scheduler preempting the job) stops the run as Ctrl-C does: marked KILLED, with
+    the resume line. Only the main thread can take signals (a Tune trial runs in another)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class RunSession:
+    """The MLflow side of one run: opened late (a new run while the first round trains), closed once."""
+
+    def __init__(self, cfg: ExperimentConfig, tags: dict[str, str] | None, parent_run_id: str | None) -> None:
+        self.cfg, self.tags, self.parent_run_id = cfg, tags, parent_run_id
+        self.started = time.time()  # the MLflow run's start: its Duration is the run's wall time
+        self.tracker: RunTracker | None = None
+        self.monitor: Any = None
+        self.status = "FAILED"
+        self.earlier_s = 0.0  # wall time of the segments before a resume
+        self.wall_s: float | None = None  # set when the run is done; None: it failed or was stopped
+        self.outage = False  # the tracking server stayed down past tracking.max_outage_s
+
+    def open(self) -> RunTracker:
+        self.tracker = RunTracker(
+            self.cfg, parent_run_id=self.parent_run_id, extra_tags=self.tags, start_time=self.started
+        )
+        return self.tracker
+
+    def reopen(self, run_id: str) -> RunTracker:
+        """The interrupted run's MLflow run, to log into again; its earlier segments' wall time counts."""
+        tracker = RunTracker(self.cfg, run_id=run_id, parent_run_id=self.parent_run_id, extra_tags=self.tags)
+        self.earlier_s = tracker.latest(Metrics.TIME_WALL_S) or 0.0
+        self.tracker = tracker  # only now: an interrupt before this leaves the run as it was
+        return tracker
+
+    def watch(self, devices: list[str]) -> None:
+        """Tag where the clients train (again on a resume: it may run elsewhere) and start the monitor."""
+        assert self.tracker is not None
+        self.tracker.set_tags(device_tags(devices))
+        self.monitor = self.tracker.system_metrics(self.cfg.tracking.system_metrics_s)
+
+    def elapsed(self) -> float:
+        return self.earlier_s + time.time() - self.started
+
+    def finish(self, finished: bool) -> float:
+        """The run is done (or stopped where it was told to): its status and wall time."""
+        self.status = "FINISHED" if finished else "KILLED"
+        closing, self.monitor = self.monitor, None  # closed here, not again by close()
+        if closing is not None:  # a failure to close it is this run's error
+            closing.finish()
+        self.wall_s = self.elapsed()  # printed by the CLI, logged as time/wall_s
+        return self.wall_s
+
+    @contextlib.contextmanager
+    def guard(self, release: Callable[[bool], None]) -> Iterator[RunSession]:
+        """Run the body; map what stops it to its one line; close the record; then ``release(done)``
+        the run's processes (stopped, or kept for the driver's next run when it went well)."""
+        try:
+            with sigterm_as_interrupt():
+                yield self
+        except ray.exceptions.RayTaskError as err:
+            if isinstance(err.cause, ConfigError):  # an algorithm that breaks the contract: its one line
+                raise err.cause from None
+            raise
+        except ray.exceptions.RayActorError as err:
+            if self.tracker is None:
+                raise
+            raise RunAborted(
+                f"the Coordinator process died ({first_line(err)}){restarted(self.cfg)}; "
+                f"resume from the last checkpoint with  fedray run --resume {self.tracker.run_id}"
+            ) from None
+        except TrackingUnavailable as err:
+            self.status, self.outage = "KILLED", True
+            if self.tracker is None:  # only the tracker's writes wait out an outage: it exists
+                raise
+            raise RunAborted(
+                f"{err}: the run stopped as Ctrl-C stops it; resume with  fedray run --resume {self.tracker.run_id}"
+            ) from None
+        except KeyboardInterrupt:
+            self.status = "KILLED"
+            if self.tracker is not None:
+                print(f"\ninterrupted: resume with  fedray run --resume {self.tracker.run_id}", flush=True)
+            raise
+        finally:
+            try:
+                self.close()
+            finally:  # whatever MLflow did, the run's processes end, or wait for the next if it went well
+                release(self.wall_s is not None)
+
+    def close(self) -> None:
+        if self.monitor is not None:  # a failed run: its last sample is best effort
+            with contextlib.suppress(Exception):
+                self.monitor.finish()
+        if self.tracker is None:
+            return
+        try:
+            self.tracker.end(self.status, wall_s=self.elapsed() if self.wall_s is None else self.wall_s)
+        except TrackingUnavailable as err:
+            if not self.outage:  # down only at the end: the rounds are done and checkpointed
+                raise RunAborted(
+                    f"{err}: the run could not be closed; resume with  fedray run --resume "
+                    f"{self.tracker.run_id} to log what is missing"
+                ) from None
