@@ -124,3 +124,23 @@ def test_resume_refuses_an_altered_checkpoint_before_anything_runs(tmp_path, mlf
     assert "Ray" not in resumed.stdout + resumed.stderr.replace(
         lines[-1], ""
     )  # it stopped before Ray started
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_resume_refuses_a_server_state_saved_under_other_names_before_anything_runs(tmp_path, mlflow_store):
+    # FedAvg's server keeps "model"; a checkpoint whose server holds another name (an attribute renamed
+    # since it was written) would resume with a fresh value: refused in one line, before Ray
+    cfg = load_config(None, tiny_overrides(rounds=3, checkpoint_every=1))
+    stopped = run_experiment(cfg, stop_after_round=1)
+    (checkpoint,) = (tmp_path / ".fedray").rglob("checkpoint.pt")
+    state = torch.load(checkpoint, weights_only=True)
+    state["server"] = {"global_model": state["server"]["model"]}
+    torch.save(state, checkpoint)
+
+    resumed = run_cli(tmp_path, "--resume", stopped.run_id)
+    assert resumed.returncode == 2
+    assert resumed.stderr.strip().splitlines()[-1] == (
+        "fedray: error: the checkpoint's server state has no 'model', which FedAvgServer.STATE declares (it "
+        "was saved by another version of the algorithm)"
+    )
+    assert MlflowClient(mlflow_store).get_run(stopped.run_id).info.status == "KILLED"  # not reopened

@@ -184,15 +184,21 @@ class Server:
         state = {k: getattr(self, k) for k in self.STATE}
         return {k: v.state_dict() if isinstance(v, STATEFUL) else v for k, v in state.items()}
 
+    @classmethod
+    def check_saved(cls, state: Mapping[str, Any]) -> None:
+        """A saved server state has exactly the ``STATE`` keys: an attribute renamed or added since
+        would otherwise resume with a fresh value (checked before Ray starts on ``--resume``)."""
+        if set(state) == set(cls.STATE):
+            return
+        missing, extra = sorted(set(cls.STATE) - set(state)), sorted(set(state) - set(cls.STATE))
+        what = f"has no {missing[0]!r}, which" if missing else f"holds {extra[0]!r}, which"
+        raise CheckpointError(
+            f"the checkpoint's server state {what} {cls.__name__}.STATE {'declares' if missing else 'does not declare'} "
+            "(it was saved by another version of the algorithm)"
+        )
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        who = type(self).__name__
-        if set(state) != set(self.STATE):  # an attribute renamed since: never resume with a fresh value
-            missing, extra = sorted(set(self.STATE) - set(state)), sorted(set(state) - set(self.STATE))
-            what = f"has no {missing[0]!r}, which" if missing else f"holds {extra[0]!r}, which"
-            raise CheckpointError(
-                f"the checkpoint's server state {what} {who}.STATE {'declares' if missing else 'does not declare'} "
-                "(it was saved by another version of the algorithm)"
-            )
+        self.check_saved(state)
         for k, v in state.items():
             current = getattr(self, k, None)
             if isinstance(current, STATEFUL):

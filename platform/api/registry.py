@@ -20,6 +20,7 @@ import pkgutil
 from dataclasses import dataclass
 from importlib import metadata
 
+from fedray.platform.api.algorithm import ClientModule, Server
 from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.errors import ConfigError, ContractError
 
@@ -27,8 +28,8 @@ from fedray.platform.errors import ConfigError, ContractError
 @dataclass(frozen=True)
 class AlgorithmSpec:
     name: str
-    server_cls: type
-    client_cls: type
+    server_cls: type[Server]
+    client_cls: type[ClientModule]
     config_cls: type
     module: str
 

@@ -291,10 +291,9 @@ class RoundLoop:
         metrics[Metrics.CLIENTS_SELECTED], metrics[Metrics.CLIENTS_FAILED] = len(selected), len(failed)
         metrics[Metrics.CLIENTS_RETRIED] = sum(len(clients) for clients in trained.retried)
         if (rnd + 1) % self.cfg.eval_every == 0 or rnd + 1 == self.cfg.rounds:
-            evaluation, retried = self.evaluation.run(
+            evaluation, self.record.client_acc, retried = self.evaluation.run(
                 rnd, selected, self.server, self.retry_reporter(rnd), partial(self.report_failure, rnd)
             )
-            self.record.client_acc = self.evaluation.client_acc
             metrics.update(evaluation)
             metrics[Metrics.CLIENTS_RETRIED] += retried
         metrics[Metrics.TIME_ROUND_S] = time.perf_counter() - start
@@ -342,7 +341,6 @@ class RoundLoop:
     def load_checkpoint(self, checkpoint_dir: str) -> list[dict[str, float]]:
         """Restore the run as the checkpoint left it; returns the rounds' metrics so far."""
         self.start_round, self.record = load_checkpoint(checkpoint_dir, self.server, self.store)
-        self.evaluation.client_acc = self.record.client_acc
         return self.record.history
 
     def summary(self, finished: bool) -> dict[str, Any]:

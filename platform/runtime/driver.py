@@ -22,6 +22,7 @@ import ray
 import torch
 import yaml
 
+from fedray.platform.api.registry import get as get_algorithm
 from fedray.platform.catalog import build_config
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.data import (
@@ -445,8 +446,10 @@ def log_final(
 def resume_experiment(run_id: str, **kwargs: Any) -> Result:
     """Continue an interrupted run from its last checkpoint, to the same final numbers."""
     directory = checkpoint_dir_of(run_id)
-    storage.load_torch(checkpoint_file(directory))  # an altered checkpoint stops here, before Ray
+    saved = storage.load_torch(checkpoint_file(directory))  # an altered checkpoint stops here, before Ray
     raw = yaml.safe_load(saved_config_text(directory))
     # a run saved before model.init existed gave every client its own initial draw
     raw.setdefault("model", {}).setdefault("init", "per_client")
-    return run_experiment(build_config(raw), resume_run_id=run_id, **kwargs)
+    cfg = build_config(raw)
+    get_algorithm(cfg.algorithm).server_cls.check_saved(saved["server"])  # before Ray and the MLflow run
+    return run_experiment(cfg, resume_run_id=run_id, **kwargs)

@@ -59,7 +59,7 @@ def chunks(items: list, size: int) -> list[list]:
 
 
 class Evaluation:
-    """Evaluates a round over the pool; ``client_acc`` keeps each tested client's last accuracy."""
+    """Evaluates a round over the pool."""
 
     def __init__(
         self,
@@ -73,19 +73,18 @@ class Evaluation:
         self.cfg, self.pool, self.store, self.shards = cfg, pool, store, shards
         self.global_chunks = global_chunks
         self.affinity = affinity  # client -> the worker that caches it (None: any)
-        self.client_acc: dict[int, float] = {}
 
     def run(
         self, rnd: int, selected: list[int], server: Server, on_retry, on_failed: Callable[[Any, str], None]
-    ) -> tuple[dict[str, float], int]:
-        """The round's evaluation metrics, and the number of jobs retried on the way."""
+    ) -> tuple[dict[str, float], dict[int, float], int]:
+        """The round's evaluation metrics, each tested client's accuracy, and the jobs retried on the way."""
         done = self.pool.run(self.client_jobs(rnd, selected, server) + self.global_jobs(server), on_retry)
         for key, error in done.failed.items():
             on_failed(key, f"evaluation: {error}")
         rows = sorted(
             row for (kind, _), (part, _, _) in done.results.items() if kind == "clients" for row in part
         )
-        self.client_acc = {cid: c / t for cid, c, t, _ in rows if t > 0}
+        client_acc = {cid: c / t for cid, c, t, _ in rows if t > 0}
         columns = (np.array([r[i] for r in rows], dtype=np.float64) for i in (1, 2, 3))
         # over a subset of the clients (eval.clients), the personalised metrics say so in their name
         out = {personal_on(k, self.cfg.eval.clients): v for k, v in personalized_accuracy(*columns).items()}
@@ -96,7 +95,7 @@ class Evaluation:
             correct, total, loss = (sum(p[i] for p in parts) for i in (1, 2, 3))
             out[Metrics.ACC_GLOBAL] = correct / max(total, 1)
             out[Metrics.LOSS_GLOBAL] = loss / max(total, 1)
-        return out, len(done.retried)
+        return out, client_acc, len(done.retried)
 
     def client_jobs(self, rnd: int, selected: list[int], server: Server) -> list[Job]:
         """Clients grouped by the worker that caches them, a few dozen per call."""

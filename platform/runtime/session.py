@@ -112,6 +112,7 @@ class RunSession:
                 raise err.cause from None
             raise
         except ray.exceptions.RayActorError as err:
+            self.status = "FAILED"
             if self.tracker is None:
                 raise
             raise RunAborted(

@@ -213,7 +213,8 @@ class ClientHost:
         self.payloads: dict[Any, Payload] = {}  # this round's downlinks, read once per worker
         self.payload_round = -1
         self.meta: dict[str, Any] = {}
-        self.checked_client = False  # the contract's checks of a running client, on its first one
+        # the contract's checks of a running client, once per worker for each set of downlink keys
+        self.checked_downlinks: set[frozenset] = set()
 
     def setup(self, meta: dict[str, Any], cfg: ExperimentConfig | None = None) -> dict[str, Any]:
         """What the data says (classes, channels, normalisation), known once the driver has loaded it;
@@ -342,7 +343,8 @@ class ClientHost:
         # seeded before receive: every draw a client makes depends on (seed, round, client) only,
         # never on which worker runs it or what that worker ran before
         seed_torch(seed_of("client/train", self.cfg.seed, rnd, task.client), self.device)
-        first = not self.checked_client
+        keys = frozenset(payload)
+        first = keys not in self.checked_downlinks
         if first:
             payload = ReadKeys(payload)
         module.begin_round(rnd, payload)
@@ -362,7 +364,7 @@ class ClientHost:
         stats = module.pop_stats()
         if first:
             check_held_tensors(self.spec.name, module)
-            self.checked_client = True
+            self.checked_downlinks.add(keys)
         stats[Metrics.TIME_CLIENT_S] = time.perf_counter() - start
         if self.keeps_state:
             self.cache(task.client, task.version + 1, module)
@@ -377,7 +379,7 @@ class ClientHost:
     def evaluate(self, tasks: list[ClientTask], payload: Payload | None) -> list[tuple[int, int, int, float]]:
         """(client, correct, total, summed loss) of each client on its own test split.
 
-        With a server payload and the default ``load_for_eval`` (a global model), the one model is
+        With a server payload and ``eval_mode == "global"``, the server's one model is
         evaluated on each client's data and no client module is built; otherwise each client's
         module is evaluated, after ``load_for_eval`` when there is a payload, and restored after.
         """
