@@ -57,6 +57,7 @@ from fedray.platform.api import (
     Payload,
     Server,
     ServerContext,
+    class_prototypes,
     register,
     round_count,
     stream,
@@ -140,11 +141,9 @@ def average_rows(uploads: list[tuple[Tensor, Tensor]], num_classes: int) -> tupl
     Shape: ``uploads = [(classes [k_i], rows [k_i, M])]`` -> ``mean [C, M]`` (zero rows for classes
     nobody sent), ``count [C]`` int64 senders per class.
     """
-    classes = torch.cat([c for c, _ in uploads])
-    rows = torch.cat([r for _, r in uploads])
-    count = torch.bincount(classes, minlength=num_classes)
-    total = rows.new_zeros(num_classes, rows.shape[1]).index_add_(0, classes, rows)
-    return total / count.clamp(min=1).unsqueeze(1).to(rows.dtype), count
+    return class_prototypes(
+        torch.cat([r for _, r in uploads]), torch.cat([c for c, _ in uploads]), num_classes
+    )
 
 
 # ------------------------------------------------------------------------------------------- server half

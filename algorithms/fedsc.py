@@ -66,6 +66,7 @@ from fedray.platform.api import (
     Payload,
     class_prototypes,
     cpu_state,
+    masked_mean,
     register,
 )
 
@@ -83,8 +84,7 @@ def relational_prototypes(protos: Tensor, mask: Tensor, neighbors: int) -> Tenso
     """
     k, c, _ = protos.shape
     protos = torch.where(mask.unsqueeze(-1), protos, 0.0)  # garbage (even NaN) in absent slots -> 0
-    held = mask.sum(0)  # K_j  [C]
-    g = protos.sum(0) / held.clamp_min(1).unsqueeze(1).to(protos.dtype)  # Eq. 5  [C, d]
+    g, held = masked_mean(protos, mask)  # Eq. 5: g^j [C, d] over the K_j = held[j] holders
     phi = F.cosine_similarity(protos, g.unsqueeze(0), dim=-1).T  # Eq. 7  [C, K]
     holders = mask.T  # [C, K]
     eye = torch.eye(k, dtype=torch.bool, device=mask.device)

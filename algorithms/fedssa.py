@@ -55,6 +55,7 @@ from fedray.platform.api import (
     Server,
     header_rows,
     load_header_rows,
+    masked_mean,
     register,
     round_count,
     scatter_rows,
@@ -83,9 +84,8 @@ def classwise_mean(headers: Tensor, seen: Tensor, previous: Tensor) -> Tensor:
     Shape: ``headers [K, C, d+1]``, ``seen [K, C]`` bool, ``previous [C, d+1]`` -> ``[C, d+1]``. Values
     of ``headers`` where ``seen`` is False are ignored.
     """
-    count = seen.sum(0)[:, None]  # [C, 1]
-    total = torch.where(seen[..., None], headers, 0).sum(0)
-    return torch.where(count > 0, total / count.clamp(min=1), previous)
+    mean, count = masked_mean(headers, seen)
+    return torch.where(count[:, None] > 0, mean, previous)
 
 
 def seen_rows_of(uplink: Payload) -> Payload:

@@ -15,7 +15,7 @@ from fedray.algorithms.fedproto import (
     prototype_loss,
 )
 from fedray.platform.api.algorithm import ClientContext, ServerContext
-from fedray.platform.api.prototypes import scatter_rows
+from fedray.platform.api.prototypes import masked_mean, scatter_rows
 from fedray.platform.catalog import load_config
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ConfigError, ContractError
@@ -105,6 +105,17 @@ def test_scatter_rows_makes_dense_tensors_of_per_client_class_rows():
     assert held.tolist() == (COUNTS > 0).tolist()
     assert_close(protos[0], PROTOS[0])
     assert_close(protos[1, :2], PROTOS[1, :2])
+
+
+def test_masked_mean_averages_over_the_clients_that_hold_each_class():
+    # 3 clients, 3 classes, m = 1; class 0 held by clients 0 and 2: (2 + 6) / 2; class 1 by client 1
+    # only; class 2 by nobody. Absent slots hold garbage (NaN) that must not leak.
+    nan = float("nan")
+    values = torch.tensor([[[2.0], [nan], [nan]], [[nan], [5.0], [nan]], [[6.0], [nan], [nan]]])
+    mask = torch.tensor([[True, False, False], [False, True, False], [True, False, False]])
+    mean, count = masked_mean(values, mask)
+    assert_close(mean, torch.tensor([[4.0], [5.0], [0.0]]))
+    assert count.tolist() == [2, 1, 0]
 
 
 def test_server_aggregates_uploads_and_sends_prototypes():

@@ -21,7 +21,7 @@ from fedray.platform.api.algorithm import (
     cpu_state,
 )
 from fedray.platform.api.header import header_rows, load_header_rows
-from fedray.platform.api.prototypes import class_prototypes, scatter_rows
+from fedray.platform.api.prototypes import class_prototypes, masked_mean, scatter_rows
 from fedray.platform.api.registry import register
 from fedray.platform.config import (
     AlgorithmConfig,
@@ -56,6 +56,7 @@ __all__ = [
     "cpu_state",
     "header_rows",
     "load_header_rows",
+    "masked_mean",
     "numpy_rng",
     "register",
     "round_count",

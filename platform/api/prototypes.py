@@ -1,6 +1,7 @@
 """Per-class tensors that several algorithms exchange: class means of representations (FedProto's,
-FD's and FedSC's prototypes) and the dense ``[K, C, ...]`` view of per-client class-indexed rows
-(FedProto's prototypes, FedSSA's header rows)."""
+FD's and FedSC's prototypes, FedL2G's averaged rows), the dense ``[K, C, ...]`` view of per-client
+class-indexed rows (FedProto's prototypes, FedSSA's header rows) and its mean over the clients that
+hold each class (FedSSA's Eq. 3, FedSC's Eq. 5)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,17 @@ def class_prototypes(z: Tensor, y: Tensor, num_classes: int) -> tuple[Tensor, Te
     counts = torch.bincount(y, minlength=num_classes)
     sums = z.new_zeros(num_classes, z.shape[1]).index_add_(0, y, z)
     return sums / counts.clamp(min=1).unsqueeze(1).to(z.dtype), counts
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-class mean over the clients whose ``mask`` holds the class, and how many do.
+
+    Shape: ``values [K, C, m]``, ``mask [K, C]`` bool -> ``mean [C, m]`` (zero rows where no client
+    holds the class), ``count [C]`` int64. Values where ``mask`` is False are ignored (even NaN).
+    """
+    count = mask.sum(0)
+    total = torch.where(mask.unsqueeze(-1), values, 0).sum(0)
+    return total / count.clamp(min=1).unsqueeze(1).to(values.dtype), count
 
 
 def scatter_rows(rows: list[Tensor], classes: list[Tensor], num_classes: int) -> tuple[Tensor, Tensor]:

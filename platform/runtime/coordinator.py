@@ -33,6 +33,14 @@ from fedray.platform.models import arch_for_client
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.checkpoint import LoopRecord, load_checkpoint, save_checkpoint
 from fedray.platform.runtime.evaluation import Evaluation
+from fedray.platform.runtime.events import (
+    CheckpointSaved,
+    ClientFailed,
+    Event,
+    JobRetried,
+    RoundEnded,
+    RoundStarted,
+)
 from fedray.platform.runtime.memory import retain_freed_memory
 from fedray.platform.runtime.pool import Job, Outcome, WorkerPool
 from fedray.platform.runtime.state_store import StateStore
@@ -245,10 +253,10 @@ class RoundLoop:
         return {"devices": devices}
 
     # ------------------------------------------------------------------------------------ events
-    def emit(self, kind: str, **data: Any) -> None:
-        self.events.put({"type": kind, **data})
+    def emit(self, event: Event) -> None:
+        self.events.put(event)
 
-    def poll(self, timeout: float = 0.5) -> list[dict[str, Any]]:
+    def poll(self, timeout: float = 0.5) -> list[Event]:
         """Events since the last poll; waits up to ``timeout`` for the first one."""
         out = []
         try:
@@ -271,19 +279,19 @@ class RoundLoop:
             done = rnd + 1
             if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.rounds):
                 self.save_checkpoint(done)
-            self.emit("round_end", round=done, metrics=metrics)
+            self.emit(RoundEnded(done, metrics))
             if stop_after_round is not None and done >= stop_after_round and done < cfg.rounds:
                 return self.summary(finished=False)
         return self.summary(finished=True)
 
     def run_round(self, rnd: int, selected: list[int]) -> dict[str, float]:
         start = time.perf_counter()
-        self.emit("round_start", round=rnd + 1, selected=selected)
+        self.emit(RoundStarted(rnd + 1, selected))
         downlinks = self.server.configure(rnd, selected)
         trained = self.pool.run(self.train_jobs(rnd, selected, downlinks), self.retry_reporter(rnd))
         uplinks, stats, failed = accept_uplinks(trained, self.store)
         for cid, error in sorted(failed.items()):
-            self.emit("client_failed", round=rnd + 1, client=cid, error=error)
+            self.emit(ClientFailed(rnd + 1, cid, error))
         check_uplinks(self.spec.name, self.server, uplinks)
         self.server.aggregate(rnd, uplinks)
         metrics = mean_stats([stats[cid] for cid in sorted(stats)])
@@ -325,18 +333,18 @@ class RoundLoop:
         return self.pool.identity(cid) if self.pool.pinned else self.store.holder.get(cid)
 
     def report_failure(self, rnd: int, key: Any, error: str) -> None:
-        self.emit("client_failed", round=rnd + 1, client=key[1], error=error)
+        self.emit(ClientFailed(rnd + 1, key[1], error))
 
     def retry_reporter(self, rnd: int):
         def report(key: Any, error: str) -> None:
-            self.emit("client_retried", round=rnd + 1, client=job_label(key), error=error)
+            self.emit(JobRetried(rnd + 1, job_label(key), error))
 
         return report
 
     # ------------------------------------------------------------------------------------ state
     def save_checkpoint(self, done: int) -> None:
         path = save_checkpoint(self.checkpoint_dir, done, self.server, self.store, self.record)
-        self.emit("checkpoint", round=done, path=path)
+        self.emit(CheckpointSaved(done, path))
 
     def load_checkpoint(self, checkpoint_dir: str) -> list[dict[str, float]]:
         """Restore the run as the checkpoint left it; returns the rounds' metrics so far."""

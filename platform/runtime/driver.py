@@ -45,6 +45,7 @@ from fedray.platform.runtime.checkpoint import (
     new_checkpoint_dir,
     saved_config_text,
 )
+from fedray.platform.runtime.events import RoundEnded
 from fedray.platform.runtime.processes import KeptRuntime, Runtime, start_runtime
 from fedray.platform.runtime.progress import Progress, mb
 from fedray.platform.runtime.session import RunSession
@@ -221,11 +222,11 @@ def stream_rounds(
         done = bool(ray.wait([run_ref], timeout=0)[0])
         for event in ray.get(runtime.coordinator.poll.remote(0.0 if done else 0.5)):
             progress.handle(event)
-            if event["type"] == "round_end" and event["round"] > logged[0]:
-                tracker.log_metrics(event["metrics"], step=event["round"])
-                logged[0] = event["round"]
+            if isinstance(event, RoundEnded) and event.round > logged[0]:
+                tracker.log_metrics(event.metrics, step=event.round)
+                logged[0] = event.round
                 if on_round is not None:
-                    on_round(event["round"], event["metrics"])
+                    on_round(event.round, event.metrics)
     return ray.get(run_ref)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from rich.console import Console
 
+from fedray.platform.runtime.events import ClientFailed, Event, JobRetried, RoundEnded
 from fedray.platform.tracking.names import Metrics
 
 
@@ -20,6 +21,10 @@ def mb(nbytes: float) -> float:
 
 def fmt_acc(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.2f}"
+
+
+def fmt_loss(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"  # none: no client trained (FedL2G's warm-up)
 
 
 class Progress:
@@ -62,25 +67,18 @@ class Progress:
         else:
             print(text, file=sys.stderr, flush=True)
 
-    def handle(self, event: dict[str, Any]) -> None:
+    def handle(self, event: Event) -> None:
         if not self.enabled:
             return
-        kind = event["type"]
-        if kind == "client_done" and self._bar is not None:
-            self._bar.update(
-                self._task, status=f"round {event['round']}: clients {event['done']}/{event['total']}"
-            )
-        elif kind == "client_failed":
+        if isinstance(event, ClientFailed):
+            self.console.print(f"[red]round {event.round}: client {event.client} failed: {event.error}")
+        elif isinstance(event, JobRetried):
             self.console.print(
-                f"[red]round {event['round']}: client {event['client']} failed: {event['error']}"
+                f"[yellow]round {event.round}: worker lost running {event.job}, re-running "
+                f"from the committed state ({event.error})"
             )
-        elif kind == "client_retried":
-            self.console.print(
-                f"[yellow]round {event['round']}: worker lost running {event['client']}, re-running "
-                f"from the committed state ({event['error']})"
-            )
-        elif kind == "round_end":
-            self._round_end(event["round"], event["metrics"])
+        elif isinstance(event, RoundEnded):
+            self._round_end(event.round, event.metrics)
 
     def _round_end(self, rnd: int, m: dict[str, float]) -> None:
         for key in (Metrics.ACC_PERSONAL_MEAN, Metrics.ACC_GLOBAL):
@@ -93,7 +91,7 @@ class Progress:
             f"round {rnd:>4}/{self.total}  clients {trained}/{selected}  acc personal {personal}"
             f"  global {fmt_acc(self.last_acc.get(Metrics.ACC_GLOBAL))}"
             f"  up {mb(m[Metrics.COMM_UP_BYTES]):.2f} MB  down {mb(m[Metrics.COMM_DOWN_BYTES]):.2f} MB"
-            f"  loss {m.get(Metrics.LOSS_TRAIN, float('nan')):.3f}  {m[Metrics.TIME_ROUND_S]:.1f}s"
+            f"  loss {fmt_loss(m.get(Metrics.LOSS_TRAIN))}  {m[Metrics.TIME_ROUND_S]:.1f}s"
         )
         if m.get(Metrics.CLIENTS_RETRIED):
             line += f"  retried {int(m[Metrics.CLIENTS_RETRIED])}"
