@@ -21,7 +21,7 @@ from fedray.platform.api.algorithm import tests_with_global_model as global_mode
 from fedray.platform.api.contract import check_uplinks
 from fedray.platform.api.registry import available, get
 from fedray.platform.catalog import load_config
-from fedray.platform.errors import CheckpointError
+from fedray.platform.errors import CheckpointError, ConfigError
 from fedray.platform.runtime.driver import run_experiment
 from fedray.platform.runtime.state_store import ClientTask
 
@@ -85,6 +85,27 @@ def test_the_cli_refuses_it_before_anything_starts(capsys):
         "fedray: error: algorithm 'round_probe': RoundClient overrides ClientModule.begin_round"
     )
     assert "\n" not in err
+
+
+@register("averaging_probe", server=FedAvgServer, client=FedAvgClient)
+@dataclass
+class AveragingConfig(AlgorithmConfig):
+    WHOLE_MODEL = True  # averages whole models: one architecture for every client
+
+
+def test_model_needs_are_checked_when_the_config_is_built_before_ray():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["algorithm=averaging_probe", "model.group=fedssa_cnns"])
+    assert "averaging_probe" in one_line(err) and "heterogeneous" in str(err.value)
+
+    class FeatureServer(Server):  # reads the feature size without declaring SHARED_FEATURES
+        def __init__(self, ctx):
+            super().__init__(ctx)
+            self.dim = ctx.feature_dim
+
+    with pytest.raises(ContractError) as err:
+        FeatureServer(server_ctx(algorithm="averaging_probe"))
+    assert "reads ServerContext.feature_dim without declaring it" in one_line(err)
 
 
 def test_scaled_fields_listed_by_name_are_refused_at_definition():
