@@ -41,10 +41,9 @@ from fedray.platform.runtime.events import (
     RoundEnded,
     RoundStarted,
 )
-from fedray.platform.runtime.memory import retain_freed_memory
 from fedray.platform.runtime.pool import Job, Outcome, WorkerPool
+from fedray.platform.runtime.process_roles import set_up_coordinator
 from fedray.platform.runtime.state_store import StateStore
-from fedray.platform.runtime.transport import use_fast_tensor_transport
 from fedray.platform.runtime.worker import (
     EVAL_CHUNK,
     ClientActor,
@@ -192,7 +191,6 @@ class RoundLoop:
     """The coordinator's body. Free of the ``@ray.remote`` decorator so its logic reads plainly."""
 
     def __init__(self) -> None:
-        torch.set_num_threads(1)
         self.events: queue.Queue = queue.Queue()
 
     def setup(
@@ -407,6 +405,5 @@ class Coordinator(RoundLoop):
     """RoundLoop as a Ray actor."""
 
     def __init__(self) -> None:
-        use_fast_tensor_transport()  # downlinks leave as raw bytes
-        retain_freed_memory()  # a round's uplinks reuse the last round's memory instead of fresh pages
+        set_up_coordinator()
         super().__init__()

@@ -46,10 +46,10 @@ from fedray.platform.runtime.checkpoint import (
     saved_config_text,
 )
 from fedray.platform.runtime.events import RoundEnded
+from fedray.platform.runtime.process_roles import set_up_driver
 from fedray.platform.runtime.processes import KeptRuntime, Runtime, start_runtime
 from fedray.platform.runtime.progress import Progress, mb
 from fedray.platform.runtime.session import RunSession
-from fedray.platform.runtime.transport import use_fast_tensor_transport
 from fedray.platform.tracking.dataset import federation_dataset
 from fedray.platform.tracking.descriptions import run_description
 from fedray.platform.tracking.mlflow_run import RunTracker
@@ -164,7 +164,7 @@ def ensure_ray(cfg: ExperimentConfig) -> None:
             ray.init(address=address, **kwargs)
         else:
             start_local_ray(cfg.ray.num_cpus or os.cpu_count() or 1, **kwargs)
-    use_fast_tensor_transport()  # the shards and the global test set leave as raw bytes
+    set_up_driver()  # the shards and the global test set leave as raw bytes
 
 
 def require_gpus(cfg: ExperimentConfig, before_ray: bool = False) -> None:

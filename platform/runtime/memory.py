@@ -6,9 +6,9 @@ activations and im2col buffers and allocates them again in the next step, so eac
 back in page by page, and the kernel zeroes every page first. For the FedAvg CNN at batch 50 that
 is about 3,500 page faults per step in a fresh process, 16 % of a 1-thread step spent in the kernel.
 
-:func:`retain_freed_memory` sets both thresholds once per process (the ClientActors call it when
-they start): blocks up to 32 MB (glibc's largest allowed setting) come from the heap, and the heap
-keeps up to 1 GiB of freed memory for the next step. A process's peak memory does not grow; its
+:func:`retain_freed_memory` sets both thresholds once per process (the ClientActors and the
+Coordinator call it when they start, :mod:`.process_roles`): blocks up to 32 MB (glibc's largest
+allowed setting) come from the heap, and the heap keeps up to 1 GiB of freed memory for the next step. A process's peak memory does not grow; its
 resident memory just no longer shrinks between steps. Larger blocks are still mapped fresh.
 """
 

@@ -43,9 +43,8 @@ from fedray.platform.runtime.devices import (
     worker_device,
 )
 from fedray.platform.runtime.local_training import LocalTraining
-from fedray.platform.runtime.memory import retain_freed_memory
+from fedray.platform.runtime.process_roles import set_up_worker, set_worker_threads
 from fedray.platform.runtime.state_store import ClientTask
-from fedray.platform.runtime.transport import use_fast_tensor_transport
 from fedray.platform.seeds import seed_of, torch_generator
 from fedray.platform.tracking.names import Metrics
 
@@ -193,7 +192,7 @@ class ClientHost:
     """
 
     def __init__(self, cfg: ExperimentConfig, num_threads: int) -> None:
-        torch.set_num_threads(max(1, num_threads))
+        set_worker_threads(num_threads)
         self.configure(cfg)
 
     def configure(self, cfg: ExperimentConfig) -> None:
@@ -464,8 +463,7 @@ class ClientActor(ClientHost):
     """ClientHost as a Ray actor: a worker process of the pool."""
 
     def __init__(self, cfg: ExperimentConfig, num_threads: int) -> None:
-        use_fast_tensor_transport()  # uplinks and states leave as raw bytes
-        retain_freed_memory()  # a training step reuses the last step's buffers instead of faulting in new pages
+        set_up_worker()
         super().__init__(cfg, num_threads)
 
 
