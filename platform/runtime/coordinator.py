@@ -20,6 +20,7 @@ import torch
 
 from fedray.platform.api.algorithm import (
     Payload,
+    Server,
     ServerContext,
     commits_state,
     tests_with_global_model,
@@ -187,6 +188,23 @@ def job_label(key: Any) -> str:
     return f"client{'s' if len(key) > 1 else ''} {', '.join(map(str, key))}"
 
 
+def build_server(cfg: ExperimentConfig, meta: dict[str, Any]) -> Server:
+    """The algorithm's server half, its initial draws seeded, its state checked to be checkpointable."""
+    n = cfg.data.num_clients
+    ctx = ServerContext(
+        cfg,
+        n,
+        meta["num_classes"],
+        [arch_for_client(cfg.model.group, cid) for cid in range(n)],
+        make_model=lambda cid: make_client_model(cfg, cid, meta),
+        make_distinct_model=lambda i: make_client_model(cfg, i, meta, init="per_client"),
+    )
+    torch.manual_seed(seed_of("coordinator/server_init", cfg.seed))
+    server = get_algorithm(cfg.algorithm).server_cls(ctx)
+    storage.check_plain(server.state_dict(), f"{cfg.algorithm}'s server state")  # checkpointable
+    return server
+
+
 class RoundLoop:
     """The coordinator's body. Free of the ``@ray.remote`` decorator so its logic reads plainly."""
 
@@ -206,20 +224,8 @@ class RoundLoop:
         train on (``devices``: one description per worker)."""
         self.cfg, self.meta, self.shards = cfg, meta, shard_refs
         self.events = queue.Queue()  # a Coordinator kept from the driver's last run starts empty
-        n = cfg.data.num_clients
-        archs = [arch_for_client(cfg.model.group, cid) for cid in range(n)]
-        ctx = ServerContext(
-            cfg,
-            n,
-            meta["num_classes"],
-            archs,
-            make_model=lambda cid: make_client_model(cfg, cid, meta),
-            make_distinct_model=lambda i: make_client_model(cfg, i, meta, init="per_client"),
-        )
-        torch.manual_seed(seed_of("coordinator/server_init", cfg.seed))
         self.spec = get_algorithm(cfg.algorithm)
-        self.server = self.spec.server_cls(ctx)
-        storage.check_plain(self.server.state_dict(), f"{cfg.algorithm}'s server state")  # checkpointable
+        self.server = build_server(cfg, meta)
         self.commits = commits_state(self.spec.client_cls, cfg)
         if not self.commits and self.server.eval_payload() is None:
             raise ContractError(
@@ -235,13 +241,12 @@ class RoundLoop:
         devices = [info["device"] for info in ray.get([w.setup.remote(meta, cfg) for w in workers])]
         node = ray.get_runtime_context().get_node_id()  # where this process holds client states
         # a worker per client keeps each client's module for the run, when clients keep state
-        self.pool = WorkerPool(
-            workers, spawn, pinned=self.commits and len(workers) >= n, hold=partial(hold_here, here=node)
-        )
+        pinned = self.commits and len(workers) >= cfg.data.num_clients
+        self.pool = WorkerPool(workers, spawn, pinned=pinned, hold=partial(hold_here, here=node))
         # fixed-size chunks summed in chunk order: the same numbers whatever the pool size
+        n = len(global_test)
         self.global_chunks = [
-            ray.put(global_test.subset(np.arange(s, min(s + EVAL_CHUNK, len(global_test)))))
-            for s in range(0, len(global_test), EVAL_CHUNK)
+            ray.put(global_test.subset(np.arange(s, min(s + EVAL_CHUNK, n)))) for s in range(0, n, EVAL_CHUNK)
         ]
         self.evaluation = Evaluation(
             cfg, self.pool, self.store, shard_refs, self.global_chunks, self.affinity
