@@ -20,7 +20,6 @@ import pandas as pd
 import yaml
 from ray.tune import Callback
 
-from fedray.dashboards.figures import save_png, trial_curves
 from fedray.platform.catalog import build_config
 from fedray.platform.config import ExperimentConfig, load_yaml, merge, parse_overrides
 from fedray.platform.errors import ConfigError
@@ -343,6 +342,8 @@ def log_trial_curves(parent, children: list, space: SearchSpace, algorithm: str)
     """``trial_curves.png`` on the parent run: every trial's metric against the round, labelled by its
     swept values, the view MLflow's chart tab gives only after grouping by hand."""
     import tempfile
+
+    from fedray.dashboards.figures import save_png, trial_curves
 
     newest = {}  # one run per trial: a resumed sweep re-runs an interrupted trial under its id
     for run in sorted(children, key=lambda r: r.info.start_time):

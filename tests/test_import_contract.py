@@ -51,6 +51,9 @@ LAZY_IMPORTS = {
     # plotting stack load when `fedray ui` or `fedray report` runs
     ("fedray.platform.apps.ui", "fedray.platform.tracking.mlflow_run"),
     ("fedray.dashboards.report", "fedray.dashboards.build"),
+    # every Tune trial process imports the sweep module (its trial function): matplotlib loads only
+    # on the sweep's driver, when it draws the trials' curves at the end
+    ("fedray.sweeps.tune_sweep", "fedray.dashboards.figures"),
     # the registry imports the algorithm modules on first use, by name (it cannot name them statically)
 }
 

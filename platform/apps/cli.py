@@ -57,10 +57,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from fedray.platform.apps.compare import load_comparison, run_comparison
+    from fedray.platform.apps.compare import run_comparison
     from fedray.platform.apps.tables import print_table, summary_table
 
-    load_comparison(args.config, args.overrides)  # every entry validated before the first run starts
     rows = run_comparison(args.config, args.overrides)
     print_table(summary_table(rows, title=f"compare: {args.config}"))
     return 0

@@ -80,8 +80,8 @@ def load_comparison(
 
 
 def run_comparison(path: str | Path, overrides: list[str] | None = None) -> list[dict[str, Any]]:
-    """Run every entry and return one summary row per label (mean ± std over seeds)."""
-
+    """Run every entry and return one summary row per label (mean ± std over seeds). Every entry's
+    config is validated before the first run starts."""
     entries = load_comparison(path, overrides)
     results: dict[str, list] = {}
     with sharing_processes():  # each entry starts on the last one's Coordinator and ClientActors

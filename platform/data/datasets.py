@@ -255,10 +255,10 @@ def check_source_and_partition(cfg: DataConfig) -> None:
     """Cheap pre-flight of the dataset and fedray's own partitioners (no image is decoded); a split
     file is checked by :func:`fedray.platform.data.federation.check_data`."""
     _check_source(cfg)
-    num_classes = dataset_info(cfg)[0]
     p = cfg.partition
     if p.kind == "file":
         return
+    num_classes = dataset_info(cfg)[0]
     if p.kind in ("shards", "shamsian") and p.classes_per_client > num_classes:
         raise ConfigError(
             f"data.partition.classes_per_client={p.classes_per_client}: more than the "
