@@ -12,8 +12,8 @@ from pathlib import Path
 from fedray.platform.api import registry
 from fedray.platform.config import Catalog, ExperimentConfig, loading
 from fedray.platform.data import known_datasets, split_file_num_clients
-from fedray.platform.data.datasets import dataset_info, unknown_dataset
 from fedray.platform.data.federation import parse_normalize
+from fedray.platform.data.sources import dataset_info, unknown_dataset
 from fedray.platform.errors import ConfigError
 from fedray.platform.models import is_known_model, model_group
 from fedray.platform.models.checks import require_homogeneous, shared_feature_dim
@@ -41,10 +41,12 @@ def check_model_needs(cfg: ExperimentConfig) -> None:
         require_homogeneous(cfg.algorithm, cfg.model.group)
     if algo.needs_shared_features() and len(set(model_group(cfg.model.group))) > 1:
         try:
-            num_classes, in_channels, image_size = dataset_info(cfg.data)
+            info = dataset_info(cfg.data)
         except ConfigError:  # data not there yet: the data section's own check names what is missing
             return
-        shared_feature_dim(cfg.algorithm, cfg.model.group, in_channels, image_size, num_classes)
+        shared_feature_dim(
+            cfg.algorithm, cfg.model.group, info.in_channels, info.image_size, info.num_classes
+        )
 
 
 CATALOG = Catalog(

@@ -178,3 +178,4 @@ stream("data/long_tail", tag=2, seed_sequence=True)  # which samples the long-ta
 stream("data/split", "client", tag=3, seed_sequence=True)  # a client's train/val/test split
 stream("data/subset", tag=4, seed_sequence=True)  # data.train_subset's stratified subset
 stream("data/official_test", tag=5, seed_sequence=True)  # the official test set's shares (official_test)
+stream("data/natural_users", tag=6, seed_sequence=True)  # partition.kind=natural: the users kept

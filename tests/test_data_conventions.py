@@ -19,7 +19,7 @@ from fedray.platform.data import (
     load_dataset,
     majority_baseline,
 )
-from fedray.platform.data.datasets import ArrayDataset
+from fedray.platform.data.bundle import ArrayDataset
 from fedray.platform.errors import ConfigError
 
 

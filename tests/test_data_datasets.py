@@ -16,15 +16,11 @@ import torchvision
 from PIL import Image
 
 from fedray.platform.config import DataConfig, PartitionConfig
-from fedray.platform.data import check_data, datasets
-from fedray.platform.data.datasets import (
-    ArrayDataset,
-    channel_stats,
-    dataset_info,
-    known_datasets,
-    load_dataset,
-    normalize,
-)
+from fedray.platform.data import check_data, image_files
+from fedray.platform.data.bundle import ArrayDataset, channel_stats, normalize
+from fedray.platform.data.sources import SourceInfo, dataset_info, known_datasets, load_dataset
+from fedray.platform.data.sources import digits as digits_source
+from fedray.platform.data.sources.torchvision_sets import TorchvisionSet
 from fedray.platform.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("isolated_home")  # from conftest
@@ -92,19 +88,19 @@ def make_imagefolder(root: Path, n_train: int = 3, n_test: int = 2, size: int = 
 
 def test_known_datasets():
     assert known_datasets() == [
-        "digits",
-        "synthetic",
-        "mnist",
-        "fashion_mnist",
         "cifar10",
         "cifar100",
+        "digits",
+        "fashion_mnist",
         "imagefolder",
+        "mnist",
+        "synthetic",
     ]
 
 
 def test_digits_reader_gives_scikit_learns_digits():
     """Checked against values of ``sklearn.datasets.load_digits()`` (importing it here costs seconds)."""
-    images, labels = datasets._digits_arrays()
+    images, labels = digits_source.digits_arrays()
     assert images.shape == (1797, 8, 8) and images.min() == 0 and images.max() == 16
     assert images.sum() == 561718
     assert np.bincount(labels).tolist() == [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
@@ -118,7 +114,8 @@ def test_digits_shapes_and_fixed_stratified_split():
     assert a.train.y.dtype == torch.int64
     assert len(a.train) + len(a.test) == 1797
     assert len(a.test) == round(1797 * 0.2)
-    assert (a.num_classes, a.in_channels, a.image_size) == (10, 1, 8) == dataset_info(DataConfig())
+    assert (a.num_classes, a.in_channels, a.image_size) == (10, 1, 8)
+    assert dataset_info(DataConfig()) == SourceInfo(10, in_channels=1, image_size=8)
     assert int(a.train.x.max()) == 255
     torch.testing.assert_close(a.test.x, b.test.x)  # the global test set never moves
     torch.testing.assert_close(a.train.y, b.train.y)
@@ -130,7 +127,8 @@ def test_synthetic_is_deterministic_and_learnable():
     cfg = DataConfig(dataset="synthetic", synthetic_samples=300, synthetic_classes=3, synthetic_image_size=5)
     a, b = load_dataset(cfg), load_dataset(cfg)
     assert a.train.x.shape == (240, 1, 5, 5) and a.test.x.shape == (60, 1, 5, 5)
-    assert (a.num_classes, a.in_channels, a.image_size) == dataset_info(cfg) == (3, 1, 5)
+    assert (a.num_classes, a.in_channels, a.image_size) == (3, 1, 5)
+    assert dataset_info(cfg) == SourceInfo(3, in_channels=1, image_size=5)
     torch.testing.assert_close(a.train.x, b.train.x)
     torch.testing.assert_close(a.test.y, b.test.y)
     # nearest class mean already separates the classes: a small CNN will
@@ -200,10 +198,10 @@ def test_cifar10_from_pickled_batches_and_cached(tmp_path, skip_cifar_md5, monke
     np.testing.assert_array_equal(bundle.train.x[0].numpy().ravel(), first["data"][0])  # CHW order kept
     assert len(list((tmp_path / ".fedray_cache").glob("cifar10-*.pt"))) == 1
 
-    def no_decode(_cfg):
+    def no_decode(*_args):
         raise AssertionError("decoded again instead of reading the cache")
 
-    monkeypatch.setattr(datasets, "_torchvision_decode", no_decode)
+    monkeypatch.setattr(TorchvisionSet, "decode", no_decode)
     again = load_dataset(cfg)
     torch.testing.assert_close(again.train.x, bundle.train.x)
     assert again.class_names == bundle.class_names
@@ -228,7 +226,7 @@ def test_corrupt_torchvision_files_give_a_config_error(tmp_path):
 def test_imagefolder_decodes_sorted_rgb_and_hits_the_cache(tmp_path, monkeypatch):
     make_imagefolder(tmp_path)
     cfg = DataConfig(dataset="imagefolder", root=str(tmp_path))
-    assert dataset_info(cfg) == (3, 3, 6)
+    assert dataset_info(cfg) == SourceInfo(3, in_channels=3, image_size=6)
     bundle = load_dataset(cfg)
     assert bundle.class_names == ["ant", "bee", "cow"]
     assert bundle.train.x.shape == (11, 3, 6, 6) and bundle.test.x.shape == (7, 3, 6, 6)
@@ -241,10 +239,10 @@ def test_imagefolder_decodes_sorted_rgb_and_hits_the_cache(tmp_path, monkeypatch
     cache = list((tmp_path / ".fedray_cache").glob("imagefolder-*.pt"))
     assert len(cache) == 1
 
-    def no_decode(paths, size):
+    def no_decode(*_args):
         raise AssertionError("decoded again instead of reading the cache")
 
-    monkeypatch.setattr(datasets, "_decode_files", no_decode)
+    monkeypatch.setattr(image_files, "decode_files", no_decode)
     again = load_dataset(cfg)
     torch.testing.assert_close(again.train.x, bundle.train.x)
     torch.testing.assert_close(again.test.y, bundle.test.y)
@@ -258,10 +256,10 @@ def test_imagefolder_decodes_sorted_rgb_and_hits_the_cache(tmp_path, monkeypatch
 def test_imagefolder_parallel_decode_matches_serial(tmp_path, monkeypatch):
     make_imagefolder(tmp_path, n_train=4)
     paths = sorted(str(p) for p in (tmp_path / "train").rglob("*.png"))
-    serial = datasets._decode_files(paths, 6)
-    monkeypatch.setattr(datasets, "_PARALLEL_MIN_FILES", 0)
-    monkeypatch.setattr(datasets.os, "cpu_count", lambda: 2)
-    np.testing.assert_array_equal(datasets._decode_parallel(paths, 6), serial)
+    serial = image_files.decode_files(paths, 6)
+    monkeypatch.setattr(image_files, "PARALLEL_MIN_FILES", 0)
+    monkeypatch.setattr(image_files.os, "cpu_count", lambda: 2)
+    np.testing.assert_array_equal(image_files.decode_parallel(paths, 6), serial)
 
 
 def noise_images(folder: Path, n: int, size: int = 6) -> list[str]:
@@ -276,9 +274,9 @@ def noise_images(folder: Path, n: int, size: int = 6) -> list[str]:
 def test_parallel_decode_forks_nothing_and_finishes_beside_busy_threads(tmp_path, monkeypatch):
     # a forked pool in a process that runs threads can deadlock on a lock a thread held at the fork
     paths = noise_images(tmp_path / "imgs", 37)
-    serial = datasets._decode_files(paths, 6)
-    monkeypatch.setattr(datasets, "_PARALLEL_MIN_FILES", 0)
-    monkeypatch.setattr(datasets.os, "cpu_count", lambda: 4)
+    serial = image_files.decode_files(paths, 6)
+    monkeypatch.setattr(image_files, "PARALLEL_MIN_FILES", 0)
+    monkeypatch.setattr(image_files.os, "cpu_count", lambda: 4)
 
     def no_fork():
         raise AssertionError("image decoding forked a process")
@@ -298,7 +296,7 @@ def test_parallel_decode_forks_nothing_and_finishes_beside_busy_threads(tmp_path
         t.start()
     try:
         with ThreadPoolExecutor(1) as runner:  # a hang fails the test instead of stopping the suite
-            decoded = runner.submit(datasets._decode_parallel, paths, 6).result(timeout=120)
+            decoded = runner.submit(image_files.decode_parallel, paths, 6).result(timeout=120)
     finally:
         stop.set()
         for t in threads:
@@ -309,9 +307,9 @@ def test_parallel_decode_forks_nothing_and_finishes_beside_busy_threads(tmp_path
 def test_an_unreadable_image_is_named(tmp_path, monkeypatch):
     paths = noise_images(tmp_path / "imgs", 12)
     Path(paths[7]).write_bytes(Path(paths[7]).read_bytes()[:40])  # truncated
-    monkeypatch.setattr(datasets, "_PARALLEL_MIN_FILES", 0)
-    monkeypatch.setattr(datasets.os, "cpu_count", lambda: 2)
-    for decode in (datasets._decode_files, datasets._decode_parallel):
+    monkeypatch.setattr(image_files, "PARALLEL_MIN_FILES", 0)
+    monkeypatch.setattr(image_files.os, "cpu_count", lambda: 2)
+    for decode in (image_files.decode_files, image_files.decode_parallel):
         with pytest.raises(ConfigError, match=r"007\.png: not a readable image") as info:
             decode(paths, 6)
         assert "\n" not in str(info.value)
@@ -350,8 +348,8 @@ def test_check_data_passes_on_present_files_without_decoding(tmp_path, monkeypat
     def no_decode(*args, **kwargs):
         raise AssertionError("check_data must not decode images")
 
-    monkeypatch.setattr(datasets, "_decode_files", no_decode)
-    monkeypatch.setattr(datasets, "_torchvision_decode", no_decode)
+    monkeypatch.setattr(image_files, "decode_files", no_decode)
+    monkeypatch.setattr(TorchvisionSet, "decode", no_decode)
     check_data(DataConfig(dataset="mnist", root=str(tmp_path), num_clients=5))
     iid = PartitionConfig(kind="iid")
     folder = str(tmp_path / "folder")

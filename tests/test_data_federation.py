@@ -8,7 +8,7 @@ import torch
 
 from fedray.platform.config import DataConfig, PartitionConfig, SplitConfig
 from fedray.platform.data import build_federation, histogram_heatmap, load_dataset
-from fedray.platform.data.datasets import ArrayDataset, DatasetBundle
+from fedray.platform.data.bundle import ArrayDataset, DatasetBundle
 from fedray.platform.errors import ConfigError
 
 

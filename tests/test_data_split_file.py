@@ -22,7 +22,7 @@ from fedray.platform.data import (
     split_file_num_clients,
     write_split,
 )
-from fedray.platform.data.datasets import _read_cache
+from fedray.platform.data.cache import read_cache
 from fedray.platform.errors import ConfigError
 
 PARTS = ("train", "val", "test")
@@ -133,7 +133,7 @@ def test_imagefolder_bundle_knows_paths_and_caches_them(tmp_path):
     assert bundle.paths[len(bundle.train)] == "test/ant/000.png"
     assert len(bundle.paths) == bundle.num_samples == 18
     (cache,) = (tmp_path / "img" / ".fedray_cache").glob("imagefolder-*.pt")
-    payload = _read_cache([cache])
+    payload = read_cache([cache])
     assert payload["train_paths"] + payload["test_paths"] == bundle.paths
     assert load_dataset(cfg).paths == bundle.paths  # restored from the cache
 

@@ -136,7 +136,7 @@ def test_a_stream_that_would_draw_like_another_raises_naming_both(scratch, decla
 
 
 def test_a_stream_on_another_derivation_or_another_length_does_not_collide(scratch):
-    stream("test/numpy", tag=6, seed_sequence=True)
+    stream("test/numpy", tag=16, seed_sequence=True)
     stream("test/four", "rnd", "client", tag=5)  # (seed, rnd, client, 5) never has coordinator's length
 
 

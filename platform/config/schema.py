@@ -28,7 +28,8 @@ from fedray.platform.errors import ConfigError
 
 @dataclass
 class PartitionConfig:
-    kind: Literal["iid", "dirichlet", "shards", "shamsian", "file"] = "dirichlet"
+    # natural: the dataset's own clients (LEAF's writers, roles, users); the others split the pooled samples
+    kind: Literal["iid", "dirichlet", "shards", "shamsian", "file", "natural"] = "dirichlet"
     alpha: float = 0.5  # Dirichlet concentration
     classes_per_client: int = 2  # shards / shamsian
     min_samples: int = 10  # Dirichlet: re-draw until every client has this many samples
@@ -36,6 +37,22 @@ class PartitionConfig:
     # kind=file: a split JSON (fedray-split-1, see fedray.platform.data.split_file) made elsewhere or
     # written by another run; it defines the clients, their samples and the global test set
     path: str | None = None
+
+
+@dataclass
+class LeafConfig:
+    """LEAF's options (its ``preprocess.sh``) for ``femnist``, ``shakespeare`` and ``sent140``.
+
+    With ``data.partition.kind=natural`` the run keeps ``data.num_clients`` of the dataset's users,
+    drawn from the seed among those with at least ``min_samples`` samples (LEAF's ``-k``).
+    """
+
+    min_samples: int = 0  # LEAF -k: users with fewer samples are left out
+    # LEAF -t sample --tf: each user's train share when the files are LEAF's unsplit all_data/
+    # (fixed seed, so every run tests on the same held-out samples); ignored for train/ + test/ files
+    train_fraction: float = 0.9
+    glove: str | None = None  # sent140: a GloVe text file (LEAF: glove.6B.300d.txt); None = learned
+    vocab_size: int = 10000  # sent140 without GloVe: the most frequent training words kept (others: unknown)
 
 
 @dataclass
@@ -66,6 +83,8 @@ class DataConfig:
     augment: Literal["none", "crop_flip"] = "none"  # on clients' training batches: 4-px crop + flip
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     split: SplitConfig = field(default_factory=SplitConfig)
+    leaf: LeafConfig = field(default_factory=LeafConfig)
+    image_size: int | None = None  # resize every image to this side (Flowers102 / Tiny-ImageNet: 64)
     # synthetic set only: how big and how hard
     synthetic_samples: int = 2000
     synthetic_classes: int = 10
@@ -303,6 +322,14 @@ def validate(cfg: ExperimentConfig, checks: Sequence[Callable[[ExperimentConfig]
         f"data.split.test={s.test}: data.split.convention=official_test draws client tests from the "
         "official test set, so the ratios split train/val only; set data.split.test=0 (e.g. 0.8/0.2/0)",
     )
+    leaf = d.leaf
+    _check(leaf.min_samples >= 0, f"data.leaf.min_samples={leaf.min_samples}: must be >= 0")
+    _check(
+        0 < leaf.train_fraction < 1,
+        f"data.leaf.train_fraction={leaf.train_fraction}: each user's train share must be in (0, 1)",
+    )
+    _check(leaf.vocab_size >= 2, f"data.leaf.vocab_size={leaf.vocab_size}: must be >= 2")
+    _check(d.image_size is None or d.image_size >= 1, f"data.image_size={d.image_size}: must be >= 1 or null")
     _check(0 < t.fraction <= 1, f"train.fraction={t.fraction}: the participation fraction must be in (0, 1]")
     _check(t.local_epochs >= 0, f"train.local_epochs={t.local_epochs}: must be >= 0")
     _check(t.batch_size >= 1, f"train.batch_size={t.batch_size}: must be >= 1")

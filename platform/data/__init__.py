@@ -1,15 +1,13 @@
-"""Data layer: datasets, partitioners, per-client splits, split files and partition statistics.
+"""Data layer: dataset sources (one module each), partitioners, per-client splits, split files and partition statistics.
 
 Pure functions of (dataset, config, seed); no Ray and no Lightning here.
 """
 
-from fedray.platform.data.datasets import (
+from fedray.platform.data.bundle import (
     ArrayDataset,
     DatasetBundle,
+    NaturalClient,
     channel_stats,
-    dataset_info,
-    known_datasets,
-    load_dataset,
     normalize,
 )
 from fedray.platform.data.federation import (
@@ -31,6 +29,7 @@ from fedray.platform.data.partition import (
     shards,
     stratified_split,
 )
+from fedray.platform.data.sources import dataset_info, known_datasets, load_dataset
 from fedray.platform.data.split_file import (
     federation_to_split,
     read_split_file,
@@ -44,6 +43,7 @@ __all__ = [
     "ClientShard",
     "DatasetBundle",
     "Federation",
+    "NaturalClient",
     "apply_plan",
     "build_federation",
     "channel_stats",

@@ -1,6 +1,6 @@
 """From one dataset to N client shards: the federation a run trains on.
 
-Every sample has an id (:mod:`fedray.platform.data.datasets`: official train ``0..n_train-1``, then
+Every sample has an id (:mod:`fedray.platform.data.bundle`: official train ``0..n_train-1``, then
 official test); each shard keeps the ids of its samples, so :func:`~.split_file.write_split` can save
 the partition and ``data.partition.kind=file`` can rebuild it anywhere.
 
@@ -35,6 +35,12 @@ Convention (``data.split.convention``; the same for every algorithm, so results 
     never exceed the class, so the client test sets are always disjoint. The global test set is the
     whole official test set (it therefore overlaps the client tests).
 
+``data.partition.kind=natural`` (LEAF's datasets: one client per writer, speaking role or user)
+    The dataset's own clients, ``data.num_clients`` of them (see :func:`natural`); the convention says
+    whether a client tests on its own held-out samples (``official_test``) or on a split of its share.
+    ``data.train_subset`` and ``long_tail_rho`` do not apply. Any other partitioner on such a dataset
+    splits the pooled samples of all users as usual.
+
 ``data.partition.kind=file``
     The split file (:mod:`fedray.platform.data.split_file`) defines the clients, each one's train /
     val / test samples in the file's order, and the global test set (default: the official test). The
@@ -53,13 +59,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedray.platform.config import DataConfig
-from fedray.platform.data.datasets import ArrayDataset, DatasetBundle, check_source_and_partition
+from fedray.platform.data.bundle import ArrayDataset, DatasetBundle, Modality, NaturalClient
 from fedray.platform.data.partition import (
     _assign_by_counts,
     apportion,
     partition,
     stratified_split,
 )
+from fedray.platform.data.sources import check_source, dataset_info, official_sizes
 from fedray.platform.data.split_file import (
     SampleSpace,
     check_num_clients,
@@ -83,7 +90,7 @@ class ClientShard:
     train: ArrayDataset
     val: ArrayDataset
     test: ArrayDataset
-    # sample ids (see fedray.platform.data.datasets) of each split, in the same order; None when the
+    # sample ids (see fedray.platform.data.bundle) of each split, in the same order; None when the
     # shard was made by hand
     train_ids: np.ndarray | None = None
     val_ids: np.ndarray | None = None
@@ -97,11 +104,15 @@ class Federation:
     shards: list[ClientShard]
     global_test: ArrayDataset  # for global models: the official test split (see the conventions)
     num_classes: int
-    in_channels: int
-    image_size: int
-    mean: tuple[float, ...]
+    in_channels: int  # images; 0 for text
+    image_size: int  # images; 0 for text
+    mean: tuple[float, ...]  # images; () for text
     std: tuple[float, ...]
     class_names: list[str]
+    modality: Modality = "image"
+    seq_len: int = 0  # text
+    vocab_size: int = 0  # text
+    embeddings: Any = None  # text: pretrained word vectors [vocab_size, dim] (a tensor), or None
     # where the samples come from, for split files: the id space and the global test's ids
     dataset: str = ""
     num_train: int = 0  # official train size: ids below it are train samples, the rest test
@@ -135,15 +146,48 @@ class Federation:
 
 
 def check_data(cfg: DataConfig) -> None:
-    """Cheap pre-flight of the data section (no image is decoded); raises a one-line ConfigError.
+    """Cheap pre-flight of the data section (no sample is decoded); raises a one-line ConfigError.
 
     With ``data.partition.kind=file`` the split file is checked here from metadata alone: its JSON
     shape, the client count, and every entry against the official sizes (or the image folder's
     listing); :func:`build_federation` checks again on the loaded data.
     """
-    check_source_and_partition(cfg)
-    if cfg.partition.kind == "file":
+    source = check_source(cfg)
+    p = cfg.partition
+    if p.kind == "file":
         check_split_file(cfg)
+        return
+    if p.kind == "natural":
+        if not source.natural:
+            raise ConfigError(
+                f"data.partition.kind=natural: {cfg.dataset} has no clients of its own (LEAF's femnist, "
+                "shakespeare and sent140 do); use iid, dirichlet, shards or shamsian"
+            )
+        return  # how many users qualify is known once the files are read (build_federation)
+    num_classes = dataset_info(cfg).num_classes
+    if p.kind in ("shards", "shamsian") and p.classes_per_client > num_classes:
+        raise ConfigError(
+            f"data.partition.classes_per_client={p.classes_per_client}: more than the "
+            f"{num_classes} classes of {cfg.dataset}"
+        )
+    if p.kind == "shards" and p.classes_per_client * cfg.num_clients < num_classes:
+        raise ConfigError(
+            f"data.partition.classes_per_client={p.classes_per_client}: shards needs "
+            f"classes_per_client * data.num_clients >= {num_classes} classes (got "
+            f"{p.classes_per_client * cfg.num_clients}); use kind=shamsian to leave classes out"
+        )
+    n_train, n_test = official_sizes(cfg)
+    n_pool = n_train + n_test if cfg.split.convention == "merged" else n_train
+    pool = "train + test samples" if cfg.split.convention == "merged" else "training samples"
+    if cfg.num_clients > n_pool:
+        raise ConfigError(
+            f"data.num_clients={cfg.num_clients}: more clients than the {n_pool} {pool} of {cfg.dataset}"
+        )
+    if p.kind == "dirichlet" and p.min_samples * cfg.num_clients > n_pool:
+        raise ConfigError(
+            f"data.partition.min_samples={p.min_samples}: {cfg.num_clients} clients x {p.min_samples} "
+            f"exceeds the {n_pool} {pool} of {cfg.dataset}"
+        )
 
 
 def _empty() -> np.ndarray:
@@ -183,6 +227,10 @@ def _assemble(
         mean=bundle.mean,
         std=bundle.std,
         class_names=list(bundle.class_names),
+        modality=bundle.modality,
+        seq_len=bundle.seq_len,
+        vocab_size=bundle.vocab_size,
+        embeddings=bundle.embeddings,
         dataset=bundle.name,
         num_train=len(bundle.train),
         num_test=len(bundle.test),
@@ -234,9 +282,12 @@ def parse_normalize(spec: str) -> tuple[float, float] | None:
 def build_federation(bundle: DatasetBundle, cfg: DataConfig, seed: int) -> Federation:
     """Partition the pool among clients and split each share (see the module docstring), and set
     the input normalisation ``data.normalize`` asks for (recorded in the split file's provenance)."""
-    fed = (
-        federation_from_file(bundle, cfg) if cfg.partition.kind == "file" else partitioned(bundle, cfg, seed)
-    )
+    if cfg.partition.kind == "file":
+        fed = federation_from_file(bundle, cfg)
+    elif cfg.partition.kind == "natural":
+        fed = natural(bundle, cfg, seed)
+    else:
+        fed = partitioned(bundle, cfg, seed)
     fixed = parse_normalize(cfg.normalize)
     if fixed is not None:
         fed.mean, fed.std = (fixed[0],) * fed.in_channels, (fixed[1],) * fed.in_channels
@@ -282,6 +333,58 @@ def partitioned(bundle: DatasetBundle, cfg: DataConfig, seed: int) -> Federation
     global_test = np.sort(np.concatenate([te for *_, te in client_ids])) if merged else None
     provenance = {
         "partition": cfg.partition.kind,
+        "convention": s.convention,
+        "split": [s.train, s.val, s.test],
+        "seed": seed,
+    }
+    return _assemble(bundle, client_ids, global_test, provenance)
+
+
+def kept_users(bundle: DatasetBundle, cfg: DataConfig, seed: int) -> list[NaturalClient]:
+    """The dataset's users a ``natural`` federation keeps: those with at least ``data.leaf.min_samples``
+    samples (and one to train on), ``data.num_clients`` of them drawn from the seed, in the dataset's order."""
+    users = [
+        u
+        for u in bundle.clients or []
+        if len(u.train_ids) > 0 and len(u.train_ids) + len(u.test_ids) >= cfg.leaf.min_samples
+    ]
+    if cfg.num_clients > len(users):
+        raise ConfigError(
+            f"data.num_clients={cfg.num_clients}: {bundle.name} has {len(users)} users with at least "
+            f"data.leaf.min_samples={cfg.leaf.min_samples} samples; ask for at most {len(users)}"
+        )
+    if cfg.num_clients < len(users):
+        picked = numpy_rng("data/natural_users", seed).choice(len(users), cfg.num_clients, replace=False)
+        users = [users[i] for i in np.sort(picked)]
+    return users
+
+
+def natural(bundle: DatasetBundle, cfg: DataConfig, seed: int) -> Federation:
+    """``data.partition.kind=natural``: one client per kept user of the dataset (:func:`kept_users`).
+
+    ``data.split.convention`` says what each client's share is: ``official_test`` keeps the user's own
+    held-out samples as its test set and splits its train samples train/val by the ratios; ``per_client``
+    splits the user's train samples by the ratios; ``merged`` splits its train and held-out samples
+    together. The global test set is the union of the kept users' held-out samples (``merged``: of the
+    clients' test splits), so users left out do not test the model.
+    """
+    s = cfg.split
+    labels = bundle.labels()
+    ratios = (s.train, s.val) if s.convention == "official_test" else (s.train, s.val, s.test)
+    client_ids, held_out = [], []
+    for k, user in enumerate(kept_users(bundle, cfg, seed)):
+        own_test = np.asarray(user.test_ids, dtype=np.int64)
+        pool = np.asarray(user.train_ids, dtype=np.int64)
+        if s.convention == "merged":
+            pool = np.concatenate([pool, own_test])
+        pieces = stratified_split(labels[pool], ratios, numpy_rng("data/split", seed, k))
+        train, val, *rest = (pool[p] for p in pieces)
+        test = rest[0] if rest else own_test
+        client_ids.append((train, val, test))
+        held_out.append(test if s.convention == "merged" else own_test)
+    global_test = np.sort(np.concatenate(held_out))
+    provenance = {
+        "partition": "natural",
         "convention": s.convention,
         "split": [s.train, s.val, s.test],
         "seed": seed,

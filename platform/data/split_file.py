@@ -1,6 +1,6 @@
 """Split files: a federation's partition as JSON, to re-run any run elsewhere on the identical split.
 
-Sample ids (the order :func:`~fedray.platform.data.datasets.load_dataset` produces, deterministic):
+Sample ids (the order :func:`~fedray.platform.data.sources.load_dataset` produces, deterministic):
 id ``i < len(train)`` is official-train sample ``i``; id ``len(train) + j`` is official-test sample
 ``j``. For ``digits`` and ``synthetic`` the "official" splits are their fixed 80/20 splits; an image
 folder lists ``train/`` then ``test/``, class folders and file names sorted.
@@ -49,7 +49,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedray.platform.config import DataConfig
-from fedray.platform.data.datasets import DatasetBundle, imagefolder_paths, official_sizes
+from fedray.platform.data.bundle import DatasetBundle
+from fedray.platform.data.sources import source_of
 from fedray.platform.errors import ConfigError
 
 if TYPE_CHECKING:  # the federation is built from this module's splits; here it is an annotation
@@ -249,9 +250,9 @@ class SampleSpace:
     @classmethod
     def of_config(cls, cfg: DataConfig) -> SampleSpace:
         """From metadata only: official sizes, and the folder listing for image folders (no decode)."""
-        n_train, n_test = official_sizes(cfg)
-        paths = imagefolder_paths(cfg) if cfg.dataset == "imagefolder" else None
-        return cls(cfg.dataset, n_train, n_test, paths, cfg.root)
+        source = source_of(cfg)
+        n_train, n_test = source.sizes(cfg)
+        return cls(cfg.dataset, n_train, n_test, source.sample_paths(cfg), cfg.root)
 
 
 @dataclass

@@ -1,0 +1,68 @@
+"""Dataset sources: one module per dataset (or per family read by one code), behind a registry.
+
+``data.dataset`` names a source; :func:`load_dataset` reads it into a
+:class:`~fedray.platform.data.bundle.DatasetBundle`. Adding a dataset is a module here that registers a
+:class:`~fedray.platform.data.sources.base.Source`, imported below, and a test.
+"""
+
+from fedray.platform.config import DataConfig
+from fedray.platform.data.bundle import DatasetBundle
+from fedray.platform.data.sources import digits, imagefolder, synthetic, torchvision_sets  # noqa: F401
+from fedray.platform.data.sources.base import (
+    Source,
+    SourceInfo,
+    default_root,
+    known_datasets,
+    register_source,
+    source_of,
+    unknown_dataset,
+)
+from fedray.platform.errors import ConfigError
+
+
+def check_source(cfg: DataConfig) -> Source:
+    """The dataset is known, its files are where the config says, and the options fit its modality."""
+    source = source_of(cfg)
+    source.check(cfg)
+    if source.modality != "image":
+        if cfg.augment != "none":
+            raise ConfigError(
+                f"data.augment={cfg.augment}: {cfg.dataset} is {source.modality}, and augmentation crops "
+                "and flips images; use data.augment=none"
+            )
+        if cfg.normalize != "dataset":
+            raise ConfigError(
+                f"data.normalize={cfg.normalize!r}: {cfg.dataset} is {source.modality} (token ids), "
+                "which are not normalised; use data.normalize=dataset"
+            )
+    return source
+
+
+def load_dataset(cfg: DataConfig) -> DatasetBundle:
+    """Load (or read from cache) the dataset named by ``cfg.dataset``."""
+    return check_source(cfg).load(cfg)
+
+
+def dataset_info(cfg: DataConfig) -> SourceInfo:
+    """The dataset's classes, modality and shape, without loading any data."""
+    return source_of(cfg).info(cfg)
+
+
+def official_sizes(cfg: DataConfig) -> tuple[int, int]:
+    """``(train, test)`` sizes from metadata only."""
+    return source_of(cfg).sizes(cfg)
+
+
+__all__ = [
+    "Source",
+    "SourceInfo",
+    "check_source",
+    "dataset_info",
+    "default_root",
+    "known_datasets",
+    "load_dataset",
+    "official_sizes",
+    "register_source",
+    "source_of",
+    "unknown_dataset",
+]
