@@ -59,8 +59,8 @@ bench-scale: install  ## FedSSA on CIFAR-10 at 100/1,000/10,000 clients, e.g. ma
 gpu-check: install  ## on a GPU node: nine checks, one table, < 10 min (no GPU: one line, exit 0), e.g. ARGS="--only 1,4"
 	@$(BIN)/python benchmarks/gpu_check.py $(ARGS)
 
-reproduce: install  ## a paper's comparison on the CIFAR-10 JPEGs: make reproduce PAPER=fedssa [ARGS="--scale full"]
-	@test -n "$(PAPER)" || { echo 'usage: make reproduce PAPER=fedcross|fedssa|fedl2g|fedsc [ARGS="--seeds 0,1,2 --scale full"]' >&2; exit 2; }
+reproduce: install  ## a paper's comparison (CIFAR-10 JPEGs, or LEAF's files by --data): make reproduce PAPER=fedssa [ARGS="--scale full"]
+	@test -n "$(PAPER)" || { echo 'usage: make reproduce PAPER=fedcross|fedssa|fedl2g|fedsc|fedcross_femnist|fedcross_shakespeare [ARGS="--seeds 0,1,2 --scale full"]' >&2; exit 2; }
 	$(BIN)/python benchmarks/reproduce_papers.py $(PAPER) $(ARGS)
 
 ui: install  ## the MLflow UI on the project's store; prints the runs table's address (EXP=name for another)

@@ -1,9 +1,14 @@
-"""Re-run a paper's headline comparison on the CIFAR-10 JPEGs and write its table and report page.
+"""Re-run a paper's headline comparison and write its table and report page.
 
     python benchmarks/reproduce_papers.py fedssa                  # CPU scale, seeds 0 and 1
     python benchmarks/reproduce_papers.py fedcross --scale full   # the paper's settings (GPU hours)
     make reproduce PAPER=fedl2g ARGS="--seeds 0,1,2"
     make reproduce PAPER=fedcross ARGS="--only fedcross rounds=400"   # one entry, longer
+    make reproduce PAPER=fedcross_femnist ARGS="--data ~/leaf/data/femnist/data"   # LEAF's files
+
+The CIFAR-10 comparisons read the CIFAR-10 JPEGs (``--data``, else the archive); the LEAF ones
+(``fedcross_femnist``, ``fedcross_shakespeare``) need LEAF's files given by ``--data``: without them the
+script says where to get them and how to lay them out, and exits 2.
 
 Each paper is a compare file in ``benchmarks/papers/`` (the paper's settings from
 ``configs/paper_*.yaml``, one entry per algorithm, same partition per seed). ``--scale cpu`` adds the
@@ -40,6 +45,18 @@ class Paper:
     metric: str  # what the paper's table reports
     paper_numbers: dict[str, str]  # label -> the paper's number (its setting named in the compare file)
     cpu: dict[str, object] = field(default_factory=dict)  # overrides for --scale cpu
+    leaf_task: str | None = None  # a LEAF dataset: its files come from --data only
+
+
+LEAF_HELP = """{paper} needs LEAF's {task} files: --data <LEAF's data/{task}/data folder>.
+Get them with LEAF (https://github.com/TalwalkarLab/leaf):
+  git clone https://github.com/TalwalkarLab/leaf && cd leaf/data/{task}
+  ./preprocess.sh {flags}
+then pass --data leaf/data/{task}/data (it holds train/ and test/, or all_data/). README, "LEAF datasets"."""
+LEAF_FLAGS = {  # LEAF's preprocessing for the paper's setting: full-size, non-IID, per-user 90/10 sample split
+    "femnist": "-s niid --sf 1.0 -k 100 -t sample --tf 0.9",
+    "shakespeare": "-s niid --sf 1.0 -k 0 -t sample --tf 0.9",
+}
 
 
 PAPERS = {
@@ -52,7 +69,11 @@ PAPERS = {
     ),
     "fedssa": Paper(
         "acc/personal_mean",
-        {"standalone": "96.53 (N=10) / 91.97 (N=100)", "lg-fedavg": "96.30 / 91.27", "fedssa": "96.54 / 92.92"},
+        {
+            "standalone": "96.53 (N=10) / 91.97 (N=100)",
+            "lg-fedavg": "96.30 / 91.27",
+            "fedssa": "96.54 / 92.92",
+        },
         # 20 clients, 10 per round (paper: 10 at 100 % and 100 at 10 %), 500 images per client,
         # 1 local epoch instead of 10, 30 rounds instead of 500
         {
@@ -77,6 +98,34 @@ PAPERS = {
             "fedl2g.warmup_rounds": 5,
             "eval_every": 5,
         },
+    ),
+    "fedcross_femnist": Paper(
+        "acc/global",
+        {"fedavg": "81.67 ± 0.36", "fedcross": "83.49 ± 0.18"},
+        # 36 writers of more than 100 samples, 9 per round (paper: 180, 18), 1 local epoch instead of 5,
+        # 60 rounds instead of 2,000; the FedAvg CNN, batch 50, lr 0.01 and alpha 0.99 kept
+        {
+            "data.num_clients": 36,
+            "train.fraction": 0.25,
+            "train.local_epochs": 1,
+            "rounds": 60,
+            "eval_every": 10,
+        },
+        leaf_task="femnist",
+    ),
+    "fedcross_shakespeare": Paper(
+        "acc/global",
+        {"fedavg": "52.08 ± 0.29", "fedcross": "54.81 ± 0.07"},
+        # 10 speaking roles of more than 5,700 samples, 3 per round (paper: 128, 13), 1 local epoch
+        # instead of 5, 20 rounds instead of 1,000; LEAF's 2-layer LSTM, batch 50, lr 0.01, alpha 0.99 kept
+        {
+            "data.num_clients": 10,
+            "train.fraction": 0.3,
+            "train.local_epochs": 1,
+            "rounds": 20,
+            "eval_every": 5,
+        },
+        leaf_task="shakespeare",
     ),
     "fedsc": Paper(
         "acc/global",
@@ -119,7 +168,12 @@ def results_table(paper: Paper, results: dict[str, list]) -> str:
     head += ["paper %", "wall s (mean)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, runs in results.items():
-        row = [label, str(len(runs)), mean_std([r.last(m) for r in runs]), mean_std([r.best(m) for r in runs])]
+        row = [
+            label,
+            str(len(runs)),
+            mean_std([r.last(m) for r in runs]),
+            mean_std([r.best(m) for r in runs]),
+        ]
         if personal:  # the floor in the metric's own averaging (plain or sample-weighted mean)
             floor = "acc/majority_baseline" + ("_weighted" if m.endswith("weighted") else "")
             row.append(mean_std([r.extra[floor] for r in runs]))
@@ -145,7 +199,8 @@ def paper_entries(
     from fedray.platform.apps.compare import load_comparison
     from fedray.platform.errors import ConfigError
 
-    data = ["data.dataset=imagefolder", f"data.root={data_root}"]
+    leaf = PAPERS[name].leaf_task is not None
+    data = [f"data.root={data_root}"] if leaf else ["data.dataset=imagefolder", f"data.root={data_root}"]
     entries = load_comparison(
         ROOT / "benchmarks" / "papers" / f"{name}.yaml",
         [*data, "checkpoint_every=0", *overrides],
@@ -164,10 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("paper", choices=sorted(PAPERS))
     parser.add_argument("--scale", choices=["cpu", "full"], default="cpu")
     parser.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
-    parser.add_argument("--data", help="CIFAR-10 JPEG folder with train/ and test/ (default: $FEDRAY_CIFAR10_ARCHIVE or .data/cifar10-jpeg.tar.gz, unpacked once)")
+    parser.add_argument(
+        "--data",
+        help="CIFAR-10 JPEG folder with train/ and test/ (default: $FEDRAY_CIFAR10_ARCHIVE or "
+        ".data/cifar10-jpeg.tar.gz, unpacked once); for a LEAF paper, LEAF's data/<task>/data folder (required)",
+    )
     parser.add_argument("--experiment", help="MLflow experiment (default: repro_<paper>_<scale>)")
     parser.add_argument(
-        "--only", type=lambda s: s.split(","), help="comma-separated labels of the compare file to run (default: all)"
+        "--only",
+        type=lambda s: s.split(","),
+        help="comma-separated labels of the compare file to run (default: all)",
     )
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_intermixed_args(argv)  # overrides may follow --options (make's ARGS)
@@ -179,8 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     paper = PAPERS[args.paper]
     experiment = args.experiment or f"repro_{args.paper}_{args.scale}"
     overrides = [*scale_overrides(paper, args.scale), *args.overrides]  # what runs is what results.md lists
+    if paper.leaf_task and not args.data:
+        task = paper.leaf_task
+        print(LEAF_HELP.format(paper=args.paper, task=task, flags=LEAF_FLAGS[task]), file=sys.stderr)
+        return 2
+    root = str(Path(args.data).expanduser()) if paper.leaf_task else cifar_root(args.data)
     try:  # every config is checked before the first run starts
-        entries = paper_entries(args.paper, overrides, cifar_root(args.data), args.seeds, experiment, args.only)
+        entries = paper_entries(args.paper, overrides, root, args.seeds, experiment, args.only)
     except ConfigError as err:
         parser.error(str(err))
     results: dict[str, list] = {}

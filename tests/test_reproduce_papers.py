@@ -59,3 +59,12 @@ def test_results_table_is_mean_and_population_std_over_seeds():
         repro.PAPERS["fedcross"], {"fedavg": [run(0.40, 0.50, 10), run(0.50, 0.52, 20)]}
     )
     assert "| fedavg | 2 | 45.00 ± 5.00 | 51.00 ± 1.00 | 46.12 ± 2.35 | 15 |" in table.splitlines()
+
+
+@pytest.mark.parametrize("paper", ["fedcross_femnist", "fedcross_shakespeare"])
+def test_a_leaf_comparison_without_its_files_says_where_to_get_them(paper, capsys):
+    assert repro.main([paper]) == 2
+    err = capsys.readouterr().err
+    task = repro.PAPERS[paper].leaf_task
+    assert f"--data <LEAF's data/{task}/data folder>" in err
+    assert "github.com/TalwalkarLab/leaf" in err and "./preprocess.sh -s niid" in err

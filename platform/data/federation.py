@@ -125,6 +125,13 @@ class Federation:
     def num_clients(self) -> int:
         return len(self.shards)
 
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """One sample's shape: ``(C, H, W)`` for images, ``(L,)`` for token ids."""
+        if self.modality == "text":
+            return (self.seq_len,)
+        return (self.in_channels, self.image_size, self.image_size)
+
     def train_histogram(self) -> np.ndarray:
         """``[num_clients, num_classes]`` counts of each class in each client's train split."""
         return np.stack([np.bincount(s.train.y.numpy(), minlength=self.num_classes) for s in self.shards])

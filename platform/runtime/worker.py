@@ -34,7 +34,7 @@ from fedray.platform.api.registry import get as get_algorithm
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.data import ArrayDataset, ClientShard, normalize
 from fedray.platform.errors import ContractError, first_line
-from fedray.platform.models import FedModel, arch_for_client, build_model, first_client_of_arch
+from fedray.platform.models import FedModel, arch_for_client, build_for, first_client_of_arch
 from fedray.platform.runtime.devices import (
     DeviceError,
     configure_device,
@@ -64,8 +64,12 @@ def make_client_model(
     init = init or cfg.model.init
     draw = first_client_of_arch(cfg.model.group, client_id) if init == "shared" else client_id
     seed_torch(seed_of("model/init", cfg.seed, draw))  # initial weights are drawn on the CPU
-    arch = arch_for_client(cfg.model.group, client_id)
-    return build_model(arch, meta["in_channels"], meta["image_size"], meta["num_classes"])
+    return model_of_arch(arch_for_client(cfg.model.group, client_id), meta)
+
+
+def model_of_arch(arch: str, meta: dict[str, Any]) -> FedModel:
+    """A fresh zoo model of ``arch`` for the federation ``meta`` describes (its inputs and classes)."""
+    return build_for(arch, meta["inputs"], meta["num_classes"], embeddings=meta["embeddings"])
 
 
 @torch.no_grad()
@@ -249,8 +253,7 @@ class ClientHost:
         evaluation's): built once, overwritten by whatever is loaded into it next."""
         model = self.arch_models.get(arch)
         if model is None:
-            meta = self.meta
-            model = build_model(arch, meta["in_channels"], meta["image_size"], meta["num_classes"])
+            model = model_of_arch(arch, self.meta)
             self.arch_models[arch] = model.to(self.device)
         return model
 

@@ -99,7 +99,7 @@ def federation_profile(fed: Federation, cfg: ExperimentConfig) -> dict[str, Any]
         **({"classes_per_client": p.classes_per_client} if p.kind in ("shards", "shamsian") else {}),
         "clients": fed.num_clients,
         "classes": fed.num_classes,
-        "image": [fed.in_channels, fed.image_size, fed.image_size],
+        fed.modality: list(fed.sample_shape),  # "image": [C, H, W], or "text": [tokens]
         "train_samples": int(train.sum()),
         "train_per_client": _spread(train),
         "test_per_client": _spread(test),
@@ -114,9 +114,12 @@ def federation_profile(fed: Federation, cfg: ExperimentConfig) -> dict[str, Any]
 def federation_dataset(
     fed: Federation, cfg: ExperimentConfig, split: dict[str, Any] | None = None
 ) -> FederationDataset:
-    image = (-1, fed.in_channels, fed.image_size, fed.image_size)
+    dtype = np.dtype(np.int64) if fed.modality == "text" else np.dtype(np.uint8)
     schema = Schema(
-        [TensorSpec(np.dtype(np.uint8), image, "image"), TensorSpec(np.dtype(np.int64), (-1,), "label")]
+        [
+            TensorSpec(dtype, (-1, *fed.sample_shape), fed.modality),
+            TensorSpec(np.dtype(np.int64), (-1,), "label"),
+        ]
     )
     name = f"{cfg.data.dataset}-{partition_label(cfg)}-{fed.num_clients}c"
     return FederationDataset(
