@@ -15,7 +15,7 @@ from fedray.platform.data import known_datasets, split_file_num_clients
 from fedray.platform.data.datasets import dataset_info, unknown_dataset
 from fedray.platform.data.federation import parse_normalize
 from fedray.platform.errors import ConfigError
-from fedray.platform.models import is_known_model, model_group
+from fedray.platform.models import InputShape, is_known_model, model_group
 from fedray.platform.models.checks import require_homogeneous, shared_feature_dim
 
 
@@ -44,7 +44,9 @@ def check_model_needs(cfg: ExperimentConfig) -> None:
             num_classes, in_channels, image_size = dataset_info(cfg.data)
         except ConfigError:  # data not there yet: the data section's own check names what is missing
             return
-        shared_feature_dim(cfg.algorithm, cfg.model.group, in_channels, image_size, num_classes)
+        shared_feature_dim(
+            cfg.algorithm, cfg.model.group, InputShape.image(in_channels, image_size), num_classes
+        )
 
 
 CATALOG = Catalog(
