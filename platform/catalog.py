@@ -13,9 +13,9 @@ from fedray.platform.api import registry
 from fedray.platform.config import Catalog, ExperimentConfig, loading
 from fedray.platform.data import known_datasets, split_file_num_clients
 from fedray.platform.data.federation import parse_normalize
-from fedray.platform.data.sources import dataset_info, unknown_dataset
+from fedray.platform.data.sources import SourceInfo, dataset_info, source_of, unknown_dataset
 from fedray.platform.errors import ConfigError
-from fedray.platform.models import is_known_model, model_group
+from fedray.platform.models import InputShape, is_known_model, model_group, model_modality, models_reading
 from fedray.platform.models.checks import require_homogeneous, shared_feature_dim
 
 
@@ -32,6 +32,25 @@ def check_model(cfg: ExperimentConfig) -> None:
         )
 
 
+def check_model_reads_the_data(cfg: ExperimentConfig) -> None:
+    """Image models on image data, sequence models on token ids: one line naming the models that fit."""
+    data = source_of(cfg.data).modality
+    model = model_modality(cfg.model.group)
+    if model != data:
+        kind = "text (token ids)" if data == "text" else "images"
+        raise ConfigError(
+            f"model.group={cfg.model.group!r} reads {model}, data.dataset={cfg.data.dataset} is {kind}; "
+            f"{data} models: {', '.join(models_reading(data))}"
+        )
+
+
+def model_inputs(info: SourceInfo) -> InputShape:
+    """What the zoo's models read on a dataset of this shape."""
+    if info.modality == "text":
+        return InputShape.text(info.vocab_size, info.seq_len)
+    return InputShape.image(info.in_channels, info.image_size)
+
+
 def check_model_needs(cfg: ExperimentConfig) -> None:
     """What the algorithm declares it needs of the model group (``WHOLE_MODEL``, shared features)."""
     algo = cfg.algo
@@ -44,16 +63,14 @@ def check_model_needs(cfg: ExperimentConfig) -> None:
             info = dataset_info(cfg.data)
         except ConfigError:  # data not there yet: the data section's own check names what is missing
             return
-        shared_feature_dim(
-            cfg.algorithm, cfg.model.group, info.in_channels, info.image_size, info.num_classes
-        )
+        shared_feature_dim(cfg.algorithm, cfg.model.group, model_inputs(info), info.num_classes)
 
 
 CATALOG = Catalog(
     algorithm_config=lambda name: registry.get(name).config_cls,
     algorithm_names=registry.available,
     split_file_clients=split_file_num_clients,
-    checks=(check_dataset, check_model, check_model_needs),
+    checks=(check_dataset, check_model, check_model_reads_the_data, check_model_needs),
 )
 
 

@@ -66,7 +66,7 @@ from fedray.platform.data.partition import (
     partition,
     stratified_split,
 )
-from fedray.platform.data.sources import check_source, dataset_info, official_sizes
+from fedray.platform.data.sources import SourceInfo, check_source, dataset_info, official_sizes
 from fedray.platform.data.split_file import (
     SampleSpace,
     check_num_clients,
@@ -124,6 +124,12 @@ class Federation:
     @property
     def num_clients(self) -> int:
         return len(self.shards)
+
+    def info(self) -> SourceInfo:
+        """The federation's classes, modality and sample shape."""
+        return SourceInfo(
+            self.num_classes, self.modality, self.in_channels, self.image_size, self.seq_len, self.vocab_size
+        )
 
     @property
     def sample_shape(self) -> tuple[int, ...]:

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedray.platform.models.inputs import InputShape
+
 
 class FeaturePool(nn.Module):
     """``nn.AdaptiveAvgPool1d(k)`` over a flat ``[B, D]`` feature vector -> ``[B, k]``.
@@ -46,7 +48,8 @@ class FedModel(nn.Module):
     """A zoo model: ``features`` (x -> ``[B, feature_dim]``) followed by ``head = Linear(feature_dim, C)``.
 
     ``arch`` is the zoo name it was built from (e.g. ``"fedssa_cnn1"`` or ``"resnet50:imagenet@512"``);
-    ``in_channels``, ``image_size`` and ``num_classes`` are kept so a peer model can be rebuilt.
+    ``inputs`` (what it reads) and ``num_classes`` are kept so a peer model can be rebuilt. Image models
+    also answer ``in_channels`` and ``image_size``; pass either ``inputs`` or those two.
     """
 
     def __init__(
@@ -56,17 +59,41 @@ class FedModel(nn.Module):
         num_classes: int,
         *,
         arch: str,
-        in_channels: int,
-        image_size: int,
+        inputs: InputShape | None = None,
+        in_channels: int | None = None,
+        image_size: int | None = None,
     ) -> None:
         super().__init__()
+        if inputs is None:
+            if in_channels is None or image_size is None:
+                raise TypeError("FedModel needs inputs=InputShape(...), or in_channels and image_size")
+            inputs = InputShape.image(in_channels, image_size)
+        elif in_channels is not None or image_size is not None:
+            raise TypeError("FedModel takes inputs= or in_channels/image_size, not both")
         self.features = features
         self.head = nn.Linear(feature_dim, num_classes)
         self.feature_dim = feature_dim
         self.num_classes = num_classes
         self.arch = arch
-        self.in_channels = in_channels
-        self.image_size = image_size
+        self.inputs = inputs
+
+    @property
+    def in_channels(self) -> int:
+        return self._image_field("channels")
+
+    @property
+    def image_size(self) -> int:
+        return self._image_field("size")
+
+    def _image_field(self, name: str) -> int:
+        if self.inputs.modality != "image":
+            raise AttributeError(f"model {self.arch!r} reads {self.inputs}, not images")
+        return getattr(self.inputs, name)
+
+    def example_input(self, batch: int = 2) -> Tensor:
+        """A zero batch the model reads (:meth:`InputShape.example`), on the device of its parameters."""
+        param = next(self.parameters(), None)
+        return self.inputs.example(batch, device=param.device if param is not None else None)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.features(x))
@@ -80,7 +107,10 @@ class FedModel(nn.Module):
         return self.head(z), z
 
     def extra_repr(self) -> str:
-        return f"arch={self.arch!r}, feature_dim={self.feature_dim}, num_classes={self.num_classes}"
+        return (
+            f"arch={self.arch!r}, inputs={self.inputs}, feature_dim={self.feature_dim}, "
+            f"num_classes={self.num_classes}"
+        )
 
 
 def head_param_names(model: FedModel) -> list[str]:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from fedray.platform.errors import ConfigError
-from fedray.platform.models.registry import build_model, model_group
+from fedray.platform.models.inputs import InputShape
+from fedray.platform.models.registry import build_for, model_group
 
 
 def require_homogeneous(algorithm: str, group: str) -> None:
@@ -19,16 +20,14 @@ def require_homogeneous(algorithm: str, group: str) -> None:
         )
 
 
-def shared_feature_dim(
-    algorithm: str, group: str, in_channels: int, image_size: int, num_classes: int
-) -> int:
+def shared_feature_dim(algorithm: str, group: str, shape: InputShape, num_classes: int) -> int:
     """The representation size ``d`` every architecture of ``group`` shares; ConfigError when they differ.
 
     Models are built on the meta device (no memory, no init cost), one per distinct architecture.
     """
     with torch.device("meta"):
         dims = {
-            arch: build_model(arch, in_channels, image_size, num_classes).feature_dim
+            arch: build_for(arch, shape, num_classes).feature_dim
             for arch in dict.fromkeys(model_group(group))
         }
     if len(set(dims.values())) > 1:

@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from fedray.platform.api.registry import get as get_algorithm
-from fedray.platform.catalog import build_config
+from fedray.platform.catalog import build_config, model_inputs
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.data import (
     Federation,
@@ -36,7 +36,7 @@ from fedray.platform.data import (
 )
 from fedray.platform.data.split_file import dumps_split, federation_to_split
 from fedray.platform.errors import ConfigError, first_line
-from fedray.platform.models import InputShape, arch_for_client, build_for
+from fedray.platform.models import arch_for_client, build_for
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.checkpoint import (
     checkpoint_dir_of,
@@ -124,18 +124,11 @@ def prepare_federation(cfg: ExperimentConfig) -> Federation:
     return build_federation(load_dataset(cfg.data), cfg.data, cfg.seed)
 
 
-def model_inputs(fed: Federation) -> InputShape:
-    """What the zoo's models read on this federation's data."""
-    if fed.modality == "text":
-        return InputShape.text(fed.vocab_size, fed.seq_len)
-    return InputShape.image(fed.in_channels, fed.image_size)
-
-
 def federation_meta(fed: Federation) -> dict[str, Any]:
     """What workers and the Coordinator need to know of the data to build models and read samples."""
     return {
         "num_classes": fed.num_classes,
-        "inputs": model_inputs(fed),
+        "inputs": model_inputs(fed.info()),
         "embeddings": fed.embeddings,  # pretrained word vectors (Sent140 with GloVe) or None
         "mean": fed.mean,
         "std": fed.std,
@@ -433,7 +426,7 @@ def log_final(
 
     def model_of(client: int, state: dict) -> torch.nn.Module:
         arch = arch_for_client(cfg.model.group, client)
-        model = build_for(arch, model_inputs(fed), fed.num_classes, embeddings=fed.embeddings)
+        model = build_for(arch, model_inputs(fed.info()), fed.num_classes, embeddings=fed.embeddings)
         model.load_state_dict(state)
         return model
 
