@@ -92,9 +92,11 @@ def test_known_datasets():
         "cifar100",
         "digits",
         "fashion_mnist",
+        "flowers102",
         "imagefolder",
         "mnist",
         "synthetic",
+        "tiny_imagenet",
     ]
 
 

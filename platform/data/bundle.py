@@ -16,11 +16,12 @@ Two modalities:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from fedray.platform.data.partition import stratified_split
 
@@ -176,6 +177,35 @@ def channel_stats(x: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]
         means.append(mean)
         stds.append(float(np.sqrt(var)) if var > 0 else 1.0)  # a constant channel: leave it unscaled
     return tuple(means), tuple(stds)
+
+
+RESIZE_CHUNK = 2048  # images resized per step: bounds the float copy (CIFAR at 64x64: 100 MB a step)
+
+
+def resize_images(x: torch.Tensor, size: int) -> torch.Tensor:
+    """uint8 images ``[N, C, H, W]`` -> uint8 ``[N, C, size, size]``: bilinear (``align_corners=False``,
+    antialiased when shrinking, as PIL's resize of the file sources), rounded to the nearest integer.
+    The input comes back as it is when it already has that side."""
+    if tuple(x.shape[-2:]) == (size, size):
+        return x
+    out = torch.empty((len(x), x.shape[1], size, size), dtype=torch.uint8)
+    for start in range(0, len(x), RESIZE_CHUNK):
+        part = x[start : start + RESIZE_CHUNK].to(torch.float32)
+        part = F.interpolate(part, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
+        out[start : start + RESIZE_CHUNK] = part.round_().clamp_(0, 255).to(torch.uint8)
+    return out
+
+
+def at_image_size(bundle: DatasetBundle, size: int | None) -> DatasetBundle:
+    """The bundle with its images resized to ``size`` (``data.image_size``) and its per-channel
+    statistics recomputed; the bundle itself when ``size`` is None, it already has that side, or it is
+    text. Sources that decode files decode straight to the size; this serves the array sources."""
+    if size is None or bundle.modality != "image" or tuple(bundle.train.x.shape[-2:]) == (size, size):
+        return bundle
+    train = ArrayDataset(resize_images(bundle.train.x, size), bundle.train.y)
+    test = ArrayDataset(resize_images(bundle.test.x, size), bundle.test.y)
+    mean, std = channel_stats(train.x)
+    return replace(bundle, train=train, test=test, image_size=size, mean=mean, std=std)
 
 
 def split_size(n: int, fraction: float) -> int:

@@ -3,11 +3,25 @@
 ``data.dataset`` names a source; :func:`load_dataset` reads it into a
 :class:`~fedray.platform.data.bundle.DatasetBundle`. Adding a dataset is a module here that registers a
 :class:`~fedray.platform.data.sources.base.Source`, imported below, and a test.
+
+``data.image_size`` (images only) is the side every image of the run has: sources that decode files
+(image folders, Flowers102, Tiny-ImageNet) decode straight to it, under a cache key that names it;
+:func:`load_dataset` resizes the others' arrays after loading
+(:func:`~fedray.platform.data.bundle.at_image_size`), and :func:`dataset_info` reports it.
 """
 
+from dataclasses import replace
+
 from fedray.platform.config import DataConfig
-from fedray.platform.data.bundle import DatasetBundle
-from fedray.platform.data.sources import digits, imagefolder, synthetic, torchvision_sets  # noqa: F401
+from fedray.platform.data.bundle import DatasetBundle, at_image_size
+from fedray.platform.data.sources import (  # noqa: F401
+    digits,
+    flowers102,
+    imagefolder,
+    synthetic,
+    tiny_imagenet,
+    torchvision_sets,
+)
 from fedray.platform.data.sources.base import (
     Source,
     SourceInfo,
@@ -25,6 +39,11 @@ def check_source(cfg: DataConfig) -> Source:
     source = source_of(cfg)
     source.check(cfg)
     if source.modality != "image":
+        if cfg.image_size is not None:
+            raise ConfigError(
+                f"data.image_size={cfg.image_size}: {cfg.dataset} is {source.modality} (token ids), and "
+                "data.image_size resizes images; leave it unset (null)"
+            )
         if cfg.augment != "none":
             raise ConfigError(
                 f"data.augment={cfg.augment}: {cfg.dataset} is {source.modality}, and augmentation crops "
@@ -39,13 +58,18 @@ def check_source(cfg: DataConfig) -> Source:
 
 
 def load_dataset(cfg: DataConfig) -> DatasetBundle:
-    """Load (or read from cache) the dataset named by ``cfg.dataset``."""
-    return check_source(cfg).load(cfg)
+    """Load (or read from cache) the dataset named by ``cfg.dataset``, its images at ``data.image_size``
+    when that is set."""
+    return at_image_size(check_source(cfg).load(cfg), cfg.image_size)
 
 
 def dataset_info(cfg: DataConfig) -> SourceInfo:
-    """The dataset's classes, modality and shape, without loading any data."""
-    return source_of(cfg).info(cfg)
+    """The dataset's classes, modality and shape (the image side the run will see), without loading
+    any data."""
+    info = source_of(cfg).info(cfg)
+    if cfg.image_size is not None and info.modality == "image":
+        return replace(info, image_size=cfg.image_size)
+    return info
 
 
 def official_sizes(cfg: DataConfig) -> tuple[int, int]:

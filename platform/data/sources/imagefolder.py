@@ -2,8 +2,10 @@
 
 Classes are the sorted folder names of ``train/``; each split is listed class by class (file names
 sorted), which is the sample-id order, and the bundle carries every sample's relative path
-(``train/<class>/<file>``) so split files can name samples by file. Every image is resized to the size of
-the first training image when it differs.
+(``train/<class>/<file>``) so split files can name samples by file. Every image is resized (bilinear)
+to ``data.image_size`` when that is set, else to the size of the first training image when it differs.
+The cache key is ``imagefolder`` when ``data.image_size`` is unset (the files of earlier versions stay
+valid), ``imagefolder-<side>`` when it is set.
 """
 
 from __future__ import annotations
@@ -94,7 +96,14 @@ class ImageFolder(Source):
     def info(self, cfg: DataConfig) -> SourceInfo:
         train_dir = split_dirs(cfg)[0]
         classes = class_dirs(train_dir)
-        return SourceInfo(len(classes), in_channels=3, image_size=first_image_side(train_dir, classes))
+        return SourceInfo(len(classes), in_channels=3, image_size=self.side(cfg, train_dir, classes))
+
+    def side(self, cfg: DataConfig, train_dir: Path, classes: list[str]) -> int:
+        """``data.image_size``, else the first training image's side (read from its header)."""
+        return cfg.image_size or first_image_side(train_dir, classes)
+
+    def cache_key(self, cfg: DataConfig) -> str:
+        return self.name if cfg.image_size is None else f"{self.name}-{cfg.image_size}"
 
     def sizes(self, cfg: DataConfig) -> tuple[int, int]:
         train_dir, test_dir = split_dirs(cfg)
@@ -121,7 +130,7 @@ class ImageFolder(Source):
                 f"data.root={cfg.root!r}: train/ holds no images ({', '.join(IMAGE_EXTENSIONS)})"
             )
         root = Path(cfg.root or "").expanduser()
-        size = first_image_side(root / "train", classes)
+        size = self.side(cfg, root / "train", classes)
         files = listings["train"][0] + listings["test"][0]
         payload = cached(
             root, self.cache_key(cfg), files, lambda: decode_listings(listings, classes, size, root)
