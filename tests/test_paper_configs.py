@@ -1,8 +1,10 @@
 """Every ``configs/paper_*.yaml`` shrunk with ``--scale`` still makes a valid run: one real round of it
 (server configure, the selected clients' Lightning training on a ClientHost, aggregation), no Ray.
 
-The data is the synthetic set at the papers' 32x32 (no download); the model group is swapped for a
-small one of the same kind (homogeneous stays homogeneous) so a round takes seconds on a CPU.
+The CIFAR-10 configs run on the synthetic set at the papers' 32x32 (no download); the others on small
+files of their own dataset's on-disk format, written by the test (LEAF JSON, Flowers102's .mat layout,
+the Tiny-ImageNet tree), read by the real loading code. Model groups too large for a CPU round are
+swapped for a small one of the same kind (homogeneous stays homogeneous).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from image_source_files import write_flowers102, write_tiny_imagenet
 
 from fedray.platform.api.algorithm import ServerContext
 from fedray.platform.catalog import load_config
@@ -24,17 +27,46 @@ from fedray.platform.runtime.worker import ClientHost, make_client_model
 from fedray.platform.tracking.names import Metrics
 
 CONFIGS = sorted(Path(__file__).parents[1].glob("configs/paper_*.yaml"))
+CIFAR_CONFIGS = [p for p in CONFIGS if p.stem.endswith("_cifar10")]
 SMALL_GROUP = {"fedssa_cnns": "fedssa_cnns", "htfe8": "small_hetero"}  # anything else: cnn_small
 
 
+def flowers102(root: Path) -> Path:
+    return write_flowers102(root, classes=6, per_class=12)
+
+
+def tiny_imagenet(root: Path) -> Path:
+    return write_tiny_imagenet(root, classes=6, train_per_class=20, val_per_class=2)
+
+
+# each other config's dataset, written in its on-disk format: (writer of data.root, overrides)
+FORMATS: dict[str, tuple] = {
+    "paper_fedl2g_flowers102": (flowers102, ["model.group=small_hetero"]),
+    "paper_fedl2g_tinyimagenet": (tiny_imagenet, ["model.group=small_hetero"]),
+    "paper_fedsc_tinyimagenet": (tiny_imagenet, []),  # its own MobileNetV2 with the 512-d projection
+}
+
+
 def test_every_paper_config_is_covered():
-    assert {p.stem for p in CONFIGS} >= {
+    assert {p.stem for p in CIFAR_CONFIGS} == {
         f"paper_{a}_cifar10" for a in ("fedcross", "fedl2g", "fedsc", "fedssa")
     }
+    assert {p.stem for p in CONFIGS} == {p.stem for p in CIFAR_CONFIGS} | set(FORMATS)
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if p.stem in FORMATS], ids=lambda p: p.stem)
+def test_a_paper_config_at_scale_005_runs_a_round_on_its_own_format(path, tmp_path):
+    write, overrides = FORMATS[path.stem]
+    root = write(tmp_path)
+    paper = load_config(path, [f"data.root={root}", *overrides])
+    cfg = scale(paper, 0.05)
+    assert cfg.data.dataset == paper.data.dataset and cfg.data.num_clients < paper.data.num_clients
+    cfg.train = replace(cfg.train, local_epochs=1)
+    one_round(cfg)
 
 
 @pytest.mark.parametrize("factor", [0.05, 0.1, 0.5])
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", CIFAR_CONFIGS, ids=lambda p: p.stem)
 def test_a_scaled_paper_config_runs_a_round(path, factor):
     paper = load_config(path, ["data.root=/nonexistent"])
     cfg = scale(paper, factor)
