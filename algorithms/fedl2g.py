@@ -233,7 +233,9 @@ class FedL2GClient(ClientModule):
         self.model.train()
         pi = meta_gradient(
             self.model,
-            dict(self.model.named_parameters()),
+            {
+                k: p for k, p in self.model.named_parameters() if p.requires_grad
+            },  # what SGD steps (not frozen embeddings)
             self.guide,
             study,
             quiz,
