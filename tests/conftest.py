@@ -35,12 +35,13 @@ def ray_session():
 def client_actor(ray_session):
     """One real ClientActor for a tiny 1-channel 8x8 federation, killed after the test."""
     from fedray.platform.catalog import load_config
+    from fedray.platform.models import InputShape
     from fedray.platform.runtime.coordinator import start_worker
 
     meta = {
         "num_classes": 4,
-        "in_channels": 1,
-        "image_size": 8,
+        "inputs": InputShape.image(1, 8),
+        "embeddings": None,
         "mean": [0.0],
         "std": [1.0],
         "train_sizes": [],

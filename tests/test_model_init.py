@@ -11,7 +11,7 @@ from fedray.algorithms.fedcross import FedCrossServer
 from fedray.platform.api.algorithm import ServerContext, seed_torch
 from fedray.platform.catalog import load_config
 from fedray.platform.errors import ConfigError
-from fedray.platform.models import arch_for_client, build_model
+from fedray.platform.models import arch_for_client, build_for
 from fedray.platform.runtime.driver import federation_meta, prepare_federation
 from fedray.platform.runtime.state_store import ClientTask
 from fedray.platform.runtime.worker import ClientHost, make_client_model
@@ -62,7 +62,7 @@ def test_shared_architectures_draw_apart_and_client_zero_keeps_its_draw():
 
     # client 0's draw, the one FedAvg's global model starts from, is what it always was
     seed_torch(derive_seed(cfg.seed, 0, 0))
-    before = build_model(models[0].arch, meta["in_channels"], meta["image_size"], meta["num_classes"])
+    before = build_for(models[0].arch, meta["inputs"], meta["num_classes"])
     assert states_equal(models[0], before)
 
 
@@ -75,7 +75,7 @@ def test_per_client_is_the_earlier_draw_of_every_client():
     for cid in range(6):
         arch = arch_for_client(cfg.model.group, cid)
         seed_torch(derive_seed(cfg.seed, cid, 0))  # what every client drew before model.init existed
-        earlier = build_model(arch, meta["in_channels"], meta["image_size"], meta["num_classes"])
+        earlier = build_for(arch, meta["inputs"], meta["num_classes"])
         assert states_equal(make_client_model(cfg, cid, meta), earlier)
     assert not states_equal(make_client_model(cfg, 0, meta), make_client_model(cfg, 3, meta))
 

@@ -9,22 +9,15 @@ swapped for a small one of the same kind (homogeneous stays homogeneous).
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 from image_source_files import write_flowers102, write_tiny_imagenet
+from in_process import train_rounds
 
-from fedray.platform.api.algorithm import ServerContext
 from fedray.platform.catalog import load_config
 from fedray.platform.config import clients_per_round, scale
-from fedray.platform.runtime.coordinator import sample_clients
-from fedray.platform.runtime.driver import federation_meta, prepare_federation
-from fedray.platform.runtime.state_store import ClientTask
-from fedray.platform.runtime.worker import ClientHost, make_client_model
-from fedray.platform.tracking.names import Metrics
 
 CONFIGS = sorted(Path(__file__).parents[1].glob("configs/paper_*.yaml"))
 CIFAR_CONFIGS = [p for p in CONFIGS if p.stem.endswith("_cifar10")]
@@ -85,40 +78,5 @@ def test_a_scaled_paper_config_runs_a_round(path, factor):
 
 
 def one_round(cfg) -> None:
-    fed = prepare_federation(cfg)
-    meta = federation_meta(fed)
-    host = ClientHost(cfg, num_threads=1)
-    host.setup(meta)
-    n = len(fed.shards)
-    models = [make_client_model(cfg, c, meta) for c in range(n)]
-    server = host.spec.server_cls(
-        ServerContext(cfg, n, meta["num_classes"], [m.arch for m in models], lambda c: models[c])
-    )
     rnd = getattr(cfg.algo, "warmup_rounds", 0)  # the first round its clients train (FedL2G warms up)
-    selected = sample_clients(cfg.seed, rnd, n, clients_per_round(cfg))
-    payloads = server.configure(rnd, selected)
-    tasks = [ClientTask(c, [fed.shards[c]]) for c in selected]
-    results = host.train(rnd, tasks, [[payloads[c]] for c in selected])
-    results = results[0] if host.keeps_state else results
-    assert [r.error for r in results] == [None] * len(selected)
-    for r in results:  # every selected client trained: a finite training loss
-        assert math.isfinite(r.stats[Metrics.LOSS_TRAIN]), r.stats
-    uplinks = {r.client: r.uplink for r in results}
-    assert sorted(uplinks) == sorted(selected)
-
-    before = tensors(server.state_dict(), copy=True)
-    server.aggregate(rnd, uplinks)
-    after = tensors(server.state_dict())
-    assert all(t.isfinite().all() for t in after.values() if t.is_floating_point())
-    # the aggregation used what the clients sent: the server's state moved
-    assert after.keys() != before.keys() or any(not torch.equal(after[k], before[k]) for k in after)
-
-
-def tensors(tree, prefix: str = "", copy: bool = False) -> dict[str, torch.Tensor]:
-    """Every tensor in a nested state (dicts, lists), by its path."""
-    if torch.is_tensor(tree):
-        return {prefix: tree.clone() if copy else tree}
-    items = (
-        tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
-    )
-    return {k: v for key, value in items for k, v in tensors(value, f"{prefix}.{key}", copy).items()}
+    train_rounds(cfg, 1, first=rnd)

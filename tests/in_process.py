@@ -1,0 +1,57 @@
+"""Rounds of an experiment in the test's own process, without Ray: the real server half, the real
+worker (``ClientHost``: Lightning modules, the worker's training loop) and real data, round after round.
+What ``fedray run`` does minus the processes, for tests that check a config or a dataset trains."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fedray.platform.config import ExperimentConfig, clients_per_round
+from fedray.platform.runtime.coordinator import build_server, sample_clients
+from fedray.platform.runtime.driver import federation_meta, prepare_federation
+from fedray.platform.runtime.state_store import ClientTask
+from fedray.platform.runtime.worker import ClientHost
+from fedray.platform.tracking.names import Metrics
+
+
+def train_rounds(cfg: ExperimentConfig, rounds: int, first: int = 0) -> list[tuple[int, int, int, float]]:
+    """Rounds ``first .. first + rounds - 1``: every selected client trains (a finite loss), every
+    aggregation moves the server's state and keeps it finite. Returns the last round's personalised
+    evaluation, ``(client, correct, total, loss)`` per trained client."""
+    fed = prepare_federation(cfg)
+    meta = federation_meta(fed)
+    host = ClientHost(cfg, num_threads=1)
+    host.setup(meta)
+    server = build_server(cfg, meta)
+    n = len(fed.shards)
+    for rnd in range(first, first + rounds):
+        selected = sample_clients(cfg.seed, rnd, n, clients_per_round(cfg))
+        payloads = server.configure(rnd, selected)
+        tasks = [ClientTask(c, [fed.shards[c]]) for c in selected]
+        results = host.train(rnd, tasks, [[payloads[c]] for c in selected])
+        results = results[0] if host.keeps_state else results
+        assert [r.error for r in results] == [None] * len(selected)
+        for r in results:  # every selected client trained: a finite training loss
+            assert math.isfinite(r.stats[Metrics.LOSS_TRAIN]), r.stats
+        uplinks = {r.client: r.uplink for r in results}
+        assert sorted(uplinks) == sorted(selected)
+
+        before = tensors(server.state_dict(), copy=True)
+        server.aggregate(rnd, uplinks)
+        after = tensors(server.state_dict())
+        assert all(t.isfinite().all() for t in after.values() if t.is_floating_point())
+        # the aggregation used what the clients sent: the server's state moved
+        assert after.keys() != before.keys() or any(not torch.equal(after[k], before[k]) for k in after)
+    return host.evaluate(tasks, server.eval_payload())
+
+
+def tensors(tree, prefix: str = "", copy: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor in a nested state (dicts, lists), by its path."""
+    if torch.is_tensor(tree):
+        return {prefix: tree.clone() if copy else tree}
+    items = (
+        tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    )
+    return {k: v for key, value in items for k, v in tensors(value, f"{prefix}.{key}", copy).items()}
