@@ -92,8 +92,11 @@ def test_known_datasets():
         "cifar100",
         "digits",
         "fashion_mnist",
+        "femnist",
         "imagefolder",
         "mnist",
+        "sent140",
+        "shakespeare",
         "synthetic",
     ]
 

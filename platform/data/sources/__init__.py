@@ -7,7 +7,15 @@
 
 from fedray.platform.config import DataConfig
 from fedray.platform.data.bundle import DatasetBundle
-from fedray.platform.data.sources import digits, imagefolder, synthetic, torchvision_sets  # noqa: F401
+from fedray.platform.data.sources import (  # noqa: F401
+    digits,
+    femnist,
+    imagefolder,
+    sent140,
+    shakespeare,
+    synthetic,
+    torchvision_sets,
+)
 from fedray.platform.data.sources.base import (
     Source,
     SourceInfo,
