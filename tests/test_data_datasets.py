@@ -92,9 +92,12 @@ def test_known_datasets():
         "cifar100",
         "digits",
         "fashion_mnist",
+        "femnist",
         "flowers102",
         "imagefolder",
         "mnist",
+        "sent140",
+        "shakespeare",
         "synthetic",
         "tiny_imagenet",
     ]

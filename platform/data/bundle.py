@@ -62,7 +62,8 @@ class NaturalClient:
 
     name: str
     train_ids: np.ndarray  # official-train ids
-    test_ids: np.ndarray  # official-test ids (its own held-out samples); empty when the files had none
+    # its own held-out samples, as sample ids (official test: from len(train) on); empty when it has none
+    test_ids: np.ndarray
 
 
 @dataclass

@@ -16,8 +16,11 @@ from fedray.platform.config import DataConfig
 from fedray.platform.data.bundle import DatasetBundle, at_image_size
 from fedray.platform.data.sources import (  # noqa: F401
     digits,
+    femnist,
     flowers102,
     imagefolder,
+    sent140,
+    shakespeare,
     synthetic,
     tiny_imagenet,
     torchvision_sets,
