@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from image_source_files import write_flowers102, write_tiny_imagenet
 from in_process import train_rounds
+from leaf_files import write_femnist, write_sent140, write_shakespeare
 
 from fedray.platform.catalog import load_config
 from fedray.platform.config import clients_per_round, scale
@@ -32,8 +33,26 @@ def tiny_imagenet(root: Path) -> Path:
     return write_tiny_imagenet(root, classes=6, train_per_class=20, val_per_class=2)
 
 
-# each other config's dataset, written in its on-disk format: (writer of data.root, overrides)
+def femnist(root: Path) -> Path:
+    return write_femnist(root, users=12, per_user=(20, 40))
+
+
+def shakespeare(root: Path) -> Path:
+    # a 0.45 train share keeps short roles (LEAF drops 79 windows between a role's train and test)
+    return write_shakespeare(root, users=8, per_user=(130, 170), train_fraction=0.45)
+
+
+def sent140(root: Path) -> Path:
+    return write_sent140(root, users=45, per_user=(10, 30))  # 803 users x 0.05 keeps 40
+
+
+# each other config's dataset, written in its on-disk format: (writer of data.root, overrides); the
+# generated LEAF users are smaller than the papers' minimum sample counts, which the overrides lift
+SMALL_USERS = "data.leaf.min_samples=0"
 FORMATS: dict[str, tuple] = {
+    "paper_fedcross_femnist": (femnist, [SMALL_USERS]),
+    "paper_fedcross_shakespeare": (shakespeare, [SMALL_USERS]),
+    "paper_fedcross_sent140": (sent140, [SMALL_USERS]),
     "paper_fedl2g_flowers102": (flowers102, ["model.group=small_hetero"]),
     "paper_fedl2g_tinyimagenet": (tiny_imagenet, ["model.group=small_hetero"]),
     "paper_fedsc_tinyimagenet": (tiny_imagenet, []),  # its own MobileNetV2 with the 512-d projection

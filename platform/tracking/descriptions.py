@@ -27,6 +27,7 @@ def partition_names(cfg: ExperimentConfig) -> tuple[str, str]:
             f"pathological, {p.classes_per_client} classes per client",
         ),
         "file": ("file", f"the split file {p.path}"),
+        "natural": ("natural", f"the dataset's own clients ({cfg.data.dataset}'s users)"),
     }[p.kind]
     if p.long_tail_rho:
         return f"lt{p.long_tail_rho:g}-{label}", f"long-tailed (rho={p.long_tail_rho:g}), {text}"

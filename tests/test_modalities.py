@@ -1,0 +1,111 @@
+"""Every shipped algorithm on both modalities: two rounds on FEMNIST-format files (images, natural
+clients) and on Shakespeare-format files (token ids, LEAF's LSTM), in the test's process; one real
+``fedray run`` (Ray actors, MLflow) on Shakespeare; and the one-line refusals of image-only options and
+of a model of the other modality."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tiny_overrides
+from in_process import train_rounds
+from leaf_files import write_femnist, write_shakespeare
+
+from fedray.platform.api.registry import available, get
+from fedray.platform.catalog import load_config
+from fedray.platform.errors import ConfigError
+
+SHIPPED = [a for a in available() if get(a).module.startswith("fedray.algorithms.")]
+# the model each modality's run trains: small enough for two CPU rounds of every algorithm
+MODEL = {"femnist": "cnn_small", "shakespeare": "leaf_lstm@64"}
+
+
+@pytest.fixture(scope="module")
+def leaf_roots(tmp_path_factory):
+    root = tmp_path_factory.mktemp("leaf")
+    return {
+        "femnist": write_femnist(root, users=6, per_user=(20, 40)),
+        # a 0.45 train share keeps short roles (LEAF drops 79 windows between a role's train and test)
+        "shakespeare": write_shakespeare(root, users=8, per_user=(130, 170), train_fraction=0.45),
+    }
+
+
+def leaf_config(dataset: str, root, **extra):
+    overrides = {
+        "data.dataset": dataset,
+        "data.root": str(root),
+        "data.num_clients": 4,
+        "data.partition.kind": "natural",
+        "data.split.convention": "official_test",  # each client tests on its own held-out samples
+        "data.split.train": 1.0,
+        "data.split.val": 0.0,
+        "data.split.test": 0.0,
+        "model.group": MODEL[dataset],
+        "train.local_epochs": 1,
+        "train.batch_size": 16,
+        "train.fraction": 0.5,
+        **extra,
+    }
+    return load_config(None, tiny_overrides(**overrides))
+
+
+def test_every_shipped_algorithm_is_covered():
+    assert {"fedavg", "fedcross", "fedl2g", "fedproto", "fedsc", "fedssa", "lgfedavg"} <= set(SHIPPED)
+
+
+@pytest.mark.parametrize("dataset", ["femnist", "shakespeare"])
+@pytest.mark.parametrize("algorithm", SHIPPED)
+def test_every_algorithm_trains_two_rounds_on_each_modality(algorithm, dataset, leaf_roots):
+    extra = {"fedl2g.warmup_rounds": 0} if algorithm == "fedl2g" else {}
+    cfg = leaf_config(dataset, leaf_roots[dataset], algorithm=algorithm, **extra)
+    scores = train_rounds(cfg, 2)
+    assert scores and all(total > 0 and 0 <= correct <= total for _, correct, total, _ in scores)
+
+
+def test_a_real_run_on_shakespeare(leaf_roots, ray_session, mlflow_store):
+    from fedray.platform.runtime.driver import run_experiment
+
+    cfg = leaf_config("shakespeare", leaf_roots["shakespeare"], algorithm="fedcross", rounds=2)
+    result = run_experiment(cfg)
+    assert len(result.history) == 2
+    assert 0.0 <= result.history[-1]["acc/global"] <= 1.0
+    import mlflow
+
+    run = mlflow.MlflowClient(mlflow_store).get_run(result.run_id)
+    assert run.data.params["data.dataset"] == "shakespeare"
+    (entry,) = run.inputs.dataset_inputs
+    assert '"text": [80]' in entry.dataset.profile  # the sample shape MLflow records: 80 token ids
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"data.augment": "crop_flip"}, r"data.augment=crop_flip: shakespeare is text"),
+        ({"data.normalize": "0.5,0.5"}, r"data.normalize='0.5,0.5': shakespeare is text"),
+        ({"data.image_size": 32}, r"data.image_size=32: shakespeare is text"),
+        (
+            {"model.group": "cnn_small"},
+            r"model.group='cnn_small' reads image, data.dataset=shakespeare is text",
+        ),
+    ],
+)
+def test_image_only_options_on_text_are_one_line_errors(overrides, message, leaf_roots):
+    from fedray.platform.runtime.driver import prepare_federation
+
+    with pytest.raises(ConfigError, match=message) as err:
+        prepare_federation(leaf_config("shakespeare", leaf_roots["shakespeare"], **overrides))
+    assert "\n" not in str(err.value)
+
+
+def test_a_text_model_on_images_names_the_image_models(leaf_roots):
+    with pytest.raises(
+        ConfigError, match=r"reads text, data.dataset=femnist is images; image models: .*leaf_cnn"
+    ):
+        leaf_config("femnist", leaf_roots["femnist"], **{"model.group": "leaf_lstm"})
+
+
+def test_natural_partition_on_a_dataset_without_clients_is_refused():
+    from fedray.platform.data import check_data
+
+    cfg = load_config(None, tiny_overrides(**{"data.partition.kind": "natural"}))
+    with pytest.raises(ConfigError, match="synthetic has no clients of its own"):
+        check_data(cfg.data)
