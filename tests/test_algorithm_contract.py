@@ -18,7 +18,7 @@ from conftest import tiny_overrides
 
 from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer
 from fedray.platform.api.algorithm import ClientContext, ServerContext
-from fedray.platform.api.registry import available, get, register
+from fedray.platform.api.registry import available, get, register, registered_by
 from fedray.platform.catalog import load_config
 from fedray.platform.config import clients_per_round
 from fedray.platform.config.algorithm_config import AlgorithmConfig
@@ -26,7 +26,7 @@ from fedray.platform.data import ArrayDataset, normalize
 from fedray.platform.runtime.driver import federation_meta, prepare_federation
 from fedray.platform.runtime.worker import make_client_model
 
-SHIPPED = [a for a in available() if get(a).module.startswith("fedray.algorithms.")]
+SHIPPED = registered_by("fedray.algorithms")
 
 
 def stray_tensors(module: torch.nn.Module) -> list[str]:

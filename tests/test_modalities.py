@@ -10,11 +10,11 @@ from conftest import tiny_overrides
 from in_process import train_rounds
 from leaf_files import write_femnist, write_shakespeare
 
-from fedray.platform.api.registry import available, get
+from fedray.platform.api.registry import registered_by
 from fedray.platform.catalog import load_config
 from fedray.platform.errors import ConfigError
 
-SHIPPED = [a for a in available() if get(a).module.startswith("fedray.algorithms.")]
+SHIPPED = registered_by("fedray.algorithms")
 # the model each modality's run trains: small enough for two CPU rounds of every algorithm
 MODEL = {"femnist": "cnn_small", "shakespeare": "leaf_lstm@64"}
 

@@ -75,6 +75,13 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def registered_by(package: str) -> list[str]:
+    """The algorithms registered by modules of ``package`` (``"fedray.algorithms"``: the shipped ones),
+    listed without checking their contract (a listing, not a use)."""
+    _load_all()
+    return sorted(k for k, spec in _REGISTRY.items() if spec.module.startswith(f"{package}."))
+
+
 def get(name: str) -> AlgorithmSpec:
     key = name.lower()
     if key not in _REGISTRY:
