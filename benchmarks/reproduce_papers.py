@@ -54,8 +54,8 @@ Get them with LEAF (https://github.com/TalwalkarLab/leaf):
   ./preprocess.sh {flags}
 then pass --data leaf/data/{task}/data (it holds train/ and test/, or all_data/). README, "LEAF datasets"."""
 LEAF_FLAGS = {  # LEAF's preprocessing for the paper's setting: full-size, non-IID, per-user 90/10 sample split
-    "femnist": "-s niid --sf 1.0 -k 100 -t sample --tf 0.9",
-    "shakespeare": "-s niid --sf 1.0 -k 0 -t sample --tf 0.9",
+    "femnist": "-s niid --sf 1.0 -k 101 -t sample --tf 0.9",
+    "shakespeare": "-s niid --sf 1.0 -k 5701 -t sample --tf 0.9",
 }
 
 

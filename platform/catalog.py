@@ -15,7 +15,14 @@ from fedray.platform.data import known_datasets, split_file_num_clients
 from fedray.platform.data.federation import parse_normalize
 from fedray.platform.data.sources import SourceInfo, dataset_info, source_of, unknown_dataset
 from fedray.platform.errors import ConfigError
-from fedray.platform.models import InputShape, is_known_model, model_group, model_modality, models_reading
+from fedray.platform.models import (
+    InputShape,
+    is_known_model,
+    model_group,
+    model_modality,
+    models_reading,
+    require_embeddings,
+)
 from fedray.platform.models.checks import require_homogeneous, shared_feature_dim
 
 
@@ -44,6 +51,15 @@ def check_model_reads_the_data(cfg: ExperimentConfig) -> None:
         )
 
 
+def check_pretrained_embeddings(cfg: ExperimentConfig) -> None:
+    """Word vectors from the data (Sent140 with ``data.leaf.glove``) need a model that takes them."""
+    if source_of(cfg.data).provides_embeddings(cfg.data):
+        try:
+            require_embeddings(cfg.model.group)
+        except ConfigError as err:
+            raise ConfigError(f"data.leaf.glove={cfg.data.leaf.glove!r}: {err}") from None
+
+
 def model_inputs(info: SourceInfo) -> InputShape:
     """What the zoo's models read on a dataset of this shape."""
     if info.modality == "text":
@@ -70,7 +86,13 @@ CATALOG = Catalog(
     algorithm_config=lambda name: registry.get(name).config_cls,
     algorithm_names=registry.available,
     split_file_clients=split_file_num_clients,
-    checks=(check_dataset, check_model, check_model_reads_the_data, check_model_needs),
+    checks=(
+        check_dataset,
+        check_model,
+        check_model_reads_the_data,
+        check_pretrained_embeddings,
+        check_model_needs,
+    ),
 )
 
 

@@ -446,6 +446,52 @@ def test_min_samples_drops_small_users(femnist_split):
     one_line(err, f"data.leaf.min_samples={threshold}")
 
 
+def test_min_samples_counts_as_leafs_k_before_the_split(tmp_path):
+    """LEAF's -k filters on a user's count before its split; Shakespeare's split drops 79 windows."""
+    root = write_shakespeare(tmp_path, users=4)
+    bundle = load_dataset(cfg_for("shakespeare", root))
+    listed = {u: len(y) for u, (_, y) in read_folder(root / "train").items()}  # LEAF's train counts
+    listed_test = {u: len(y) for u, (_, y) in read_folder(root / "test").items()}
+    leaf_counts = [listed[u.name] + listed_test[u.name] + 79 for u in bundle.clients]
+    assert [u.num_samples for u in bundle.clients] == leaf_counts
+    smallest = min(leaf_counts)  # a user with exactly min_samples is kept, as LEAF's -k keeps it
+    fed = build_federation(bundle, natural_cfg("shakespeare", root, 4, min_samples=smallest), seed=0)
+    assert fed.num_clients == 4
+    with pytest.raises(ConfigError) as err:
+        build_federation(bundle, natural_cfg("shakespeare", root, 4, min_samples=smallest + 1), seed=0)
+    one_line(err, "has 3 users with at least data.leaf.min_samples=")
+
+
+def test_a_natural_client_left_without_training_samples_is_a_one_line_error(tmp_path):
+    root = write_sent140(tmp_path, users=8, per_user=(2, 4))
+    bundle = load_dataset(cfg_for("sent140", root))
+    assert min(len(u.train_ids) for u in bundle.clients) == 1
+    cfg = natural_cfg("sent140", root, len(bundle.clients), SplitConfig(0.5, 0.5, 0.0, "official_test"))
+    with pytest.raises(ConfigError) as err:
+        build_federation(bundle, cfg, seed=0)
+    one_line(err, "has no training samples", "user '", "data.leaf.min_samples")
+
+
+def test_glove_needs_a_model_that_takes_it_before_anything_loads(tmp_path, monkeypatch):
+    from fedray.platform.catalog import load_config
+
+    root = write_sent140(tmp_path, users=3)
+    glove = write_glove(tmp_path / "glove.txt", ["the", "love"], dim=4)
+    base = ["data.dataset=sent140", f"data.root={root}", f"data.leaf.glove={glove}"]
+
+    def no_decode(*_args):
+        raise AssertionError("config validation decoded the data")
+
+    monkeypatch.setattr(leaf_source.LeafSource, "decode", no_decode)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*base, "model.group=leaf_lstm"])
+    one_line(err, "data.leaf.glove=", "model 'leaf_lstm' takes no pretrained embeddings", "sent140_lstm")
+    cfg = load_config(
+        None, [*base, "model.group=sent140_lstm", "data.num_clients=2", "data.partition.min_samples=2"]
+    )
+    check_data(cfg.data)  # the partition's pre-flight needs the classes, not the GloVe vocabulary
+
+
 def test_natural_shakespeare_federation(tmp_path):
     root = write_shakespeare(tmp_path, users=3)
     bundle = load_dataset(cfg_for("shakespeare", root))

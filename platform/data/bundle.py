@@ -64,6 +64,7 @@ class NaturalClient:
     train_ids: np.ndarray  # official-train ids
     # its own held-out samples, as sample ids (official test: from len(train) on); empty when it has none
     test_ids: np.ndarray
+    num_samples: int  # the user's samples as LEAF counts them before its split (what its -k filters on)
 
 
 @dataclass

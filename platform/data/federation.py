@@ -66,7 +66,7 @@ from fedray.platform.data.partition import (
     partition,
     stratified_split,
 )
-from fedray.platform.data.sources import SourceInfo, check_source, dataset_info, official_sizes
+from fedray.platform.data.sources import SourceInfo, check_source, official_sizes
 from fedray.platform.data.split_file import (
     SampleSpace,
     check_num_clients,
@@ -177,7 +177,7 @@ def check_data(cfg: DataConfig) -> None:
                 "shakespeare and sent140 do); use iid, dirichlet, shards or shamsian"
             )
         return  # how many users qualify is known once the files are read (build_federation)
-    num_classes = dataset_info(cfg).num_classes
+    num_classes = source.num_classes(cfg)
     if p.kind in ("shards", "shamsian") and p.classes_per_client > num_classes:
         raise ConfigError(
             f"data.partition.classes_per_client={p.classes_per_client}: more than the "
@@ -308,6 +308,17 @@ def build_federation(bundle: DatasetBundle, cfg: DataConfig, seed: int) -> Feder
     return fed
 
 
+def require_training_samples(
+    client_id: int, train: np.ndarray, share: str, cfg: DataConfig, fix: str
+) -> None:
+    """A client the split left without a training sample cannot train: a one-line ConfigError."""
+    if len(train) == 0:
+        raise ConfigError(
+            f"client {client_id} has no training samples ({share} and data.split.train="
+            f"{cfg.split.train}); {fix}"
+        )
+
+
 def partitioned(bundle: DatasetBundle, cfg: DataConfig, seed: int) -> Federation:
     s = cfg.split
     merged = s.convention == "merged"
@@ -332,12 +343,13 @@ def partitioned(bundle: DatasetBundle, cfg: DataConfig, seed: int) -> Federation
         pieces = stratified_split(labels[idx], ratios, numpy_rng("data/split", seed, client_id))
         train, val, *rest = (pool_ids[idx[piece]] for piece in pieces)
         test = rest[0] if rest else _empty()  # official_test: drawn below
-        if len(train) == 0:
-            raise ConfigError(
-                f"client {client_id} has no training samples ({len(idx)} samples after "
-                f"data.partition.kind={cfg.partition.kind} and data.split.train={s.train}); "
-                "use fewer clients, a larger data.partition.min_samples or a larger data.split.train"
-            )
+        require_training_samples(
+            client_id,
+            train,
+            f"{len(idx)} samples after data.partition.kind={cfg.partition.kind}",
+            cfg,
+            "use fewer clients, a larger data.partition.min_samples or a larger data.split.train",
+        )
         client_ids.append((train, val, test))
     if s.convention == "official_test":
         shares = [np.concatenate([tr, va]) for tr, va, _ in client_ids]
@@ -355,11 +367,10 @@ def partitioned(bundle: DatasetBundle, cfg: DataConfig, seed: int) -> Federation
 
 def kept_users(bundle: DatasetBundle, cfg: DataConfig, seed: int) -> list[NaturalClient]:
     """The dataset's users a ``natural`` federation keeps: those with at least ``data.leaf.min_samples``
-    samples (and one to train on), ``data.num_clients`` of them drawn from the seed, in the dataset's order."""
+    samples as LEAF's ``-k`` counts them (before its train/test split), and one to train on;
+    ``data.num_clients`` of them drawn from the seed, in the dataset's order."""
     users = [
-        u
-        for u in bundle.clients or []
-        if len(u.train_ids) > 0 and len(u.train_ids) + len(u.test_ids) >= cfg.leaf.min_samples
+        u for u in bundle.clients or [] if len(u.train_ids) > 0 and u.num_samples >= cfg.leaf.min_samples
     ]
     if cfg.num_clients > len(users):
         raise ConfigError(
@@ -392,6 +403,13 @@ def natural(bundle: DatasetBundle, cfg: DataConfig, seed: int) -> Federation:
             pool = np.concatenate([pool, own_test])
         pieces = stratified_split(labels[pool], ratios, numpy_rng("data/split", seed, k))
         train, val, *rest = (pool[p] for p in pieces)
+        require_training_samples(
+            k,
+            train,
+            f"user {user.name!r}'s {len(pool)} samples",
+            cfg,
+            "keep users with more samples (a larger data.leaf.min_samples) or a larger data.split.train",
+        )
         test = rest[0] if rest else own_test
         client_ids.append((train, val, test))
         held_out.append(test if s.convention == "merged" else own_test)

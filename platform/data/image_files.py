@@ -11,12 +11,14 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from fedray.platform.errors import ConfigError, first_line
 
+Listing = tuple[list[str], np.ndarray]  # image paths in id order, and their labels
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".tif", ".tiff")
 PARALLEL_MIN_FILES = 4096  # below this many images, threads cost more than they save
 
@@ -92,3 +94,17 @@ def decode_to_tensor(paths: Sequence[str], size: int) -> torch.Tensor:
 def relative_paths(paths: Sequence[str], root: Path) -> list[str]:
     """``/``-separated paths relative to ``root`` (``train/<class>/<file>``): the samples' names."""
     return [os.path.relpath(p, root).replace(os.sep, "/") for p in paths]
+
+
+def decode_splits(
+    listings: dict[str, Listing], class_names: list[str], size: int, root: Path | None = None
+) -> dict[str, Any]:
+    """The cache payload of listed image files: per split the images at ``size`` and the labels, and,
+    given ``root``, each sample's path relative to it (for split files that name samples by path)."""
+    out: dict[str, Any] = {"class_names": class_names}
+    for split, (paths, labels) in listings.items():
+        out[f"{split}_x"] = decode_to_tensor(paths, size)
+        out[f"{split}_y"] = torch.from_numpy(np.asarray(labels, dtype=np.int64))
+        if root is not None:
+            out[f"{split}_paths"] = relative_paths(paths, root)
+    return out

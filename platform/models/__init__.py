@@ -42,6 +42,7 @@ from fedray.platform.models.registry import (
     parse_model_name,
     register_group,
     register_model,
+    require_embeddings,
 )
 
 register_group("fedssa_cnns", [f"fedssa_cnn{k}" for k in range(1, 6)])
@@ -81,4 +82,5 @@ __all__ = [
     "parse_model_name",
     "register_group",
     "register_model",
+    "require_embeddings",
 ]

@@ -280,10 +280,18 @@ def _build_image(arch: str, parsed: ParsedName, spec: ArchSpec, shape: InputShap
     return spec.builder(shape.channels, shape.size, **kwargs)
 
 
+def require_embeddings(group: str) -> None:
+    """Every member of ``group`` takes pretrained token vectors; a one-line ConfigError naming the
+    first that does not, and the models that do."""
+    for arch in model_group(group):
+        if not parse_model_name(arch).spec().embeddings:
+            takers = ", ".join(n for n in sorted(_ARCHS) if _ARCHS[n].embeddings) or "none"
+            raise ConfigError(f"model {arch!r} takes no pretrained embeddings (models that do: {takers})")
+
+
 def _check_embeddings(arch: str, spec: ArchSpec, shape: InputShape, embeddings: object) -> None:
     if not spec.embeddings:
-        takers = ", ".join(n for n in sorted(_ARCHS) if _ARCHS[n].embeddings) or "none"
-        raise ConfigError(f"model {arch!r} takes no pretrained embeddings (models that do: {takers})")
+        require_embeddings(arch)
     if not isinstance(embeddings, torch.Tensor) or not embeddings.is_floating_point():
         got = (
             f"a {embeddings.dtype} tensor"

@@ -50,6 +50,11 @@ class Source:
     def info(self, cfg: DataConfig) -> SourceInfo:
         raise NotImplementedError
 
+    def num_classes(self, cfg: DataConfig) -> int:
+        """The number of classes, for the partition's pre-flight; override where :meth:`info` is not
+        cheap (Sent140's vocabulary with GloVe needs the data)."""
+        return self.info(cfg).num_classes
+
     def sizes(self, cfg: DataConfig) -> tuple[int, int]:
         """``(train, test)`` sizes from metadata only (no sample is decoded)."""
         raise NotImplementedError
@@ -61,6 +66,10 @@ class Source:
         """The name its decoded arrays are cached under: the source's name, plus any option that
         changes what is decoded."""
         return self.name
+
+    def provides_embeddings(self, cfg: DataConfig) -> bool:
+        """Whether the bundle carries pretrained token vectors the model must take (Sent140 with GloVe)."""
+        return False
 
     def sample_paths(self, cfg: DataConfig) -> list[str] | None:
         """Each sample's path relative to ``data.root`` in id order, from the listing only, for a source
@@ -113,6 +122,13 @@ def required_root(cfg: DataConfig, layout: str) -> Path:
             f"data.root={cfg.root!r}: no such folder (data.dataset={cfg.dataset} needs {layout})"
         )
     return root
+
+
+def nested_root(cfg: DataConfig, folder: str, layout: str) -> Path:
+    """``data.root/<folder>`` when it exists, else ``data.root`` itself: a dataset whose files sit in a
+    folder of their own may be named by that folder or by its parent."""
+    root = required_root(cfg, layout)
+    return root / folder if (root / folder).is_dir() else root
 
 
 def missing_file(cfg: DataConfig, path: Path, what: str) -> ConfigError:

@@ -25,22 +25,20 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import torch
 from scipy.io import loadmat
 
 from fedray.platform.config import DataConfig
 from fedray.platform.data.bundle import DatasetBundle
 from fedray.platform.data.cache import bundle_from_payload, cached
-from fedray.platform.data.image_files import decode_to_tensor
+from fedray.platform.data.image_files import decode_splits
 from fedray.platform.data.sources.base import (
     Source,
     SourceInfo,
     missing_file,
+    nested_root,
     register_source,
-    required_root,
 )
 from fedray.platform.errors import ConfigError, first_line
 
@@ -73,10 +71,7 @@ class Meta:
 
 
 def base_dir(cfg: DataConfig) -> Path:
-    """``data.root/flowers-102`` when it exists, else ``data.root`` itself."""
-    root = required_root(cfg, LAYOUT)
-    nested = root / FOLDER
-    return nested if nested.is_dir() else root
+    return nested_root(cfg, FOLDER, LAYOUT)
 
 
 def read_mat(path: Path, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -173,22 +168,18 @@ class Flowers102(Source):
         return f"{self.name}-{self.side(cfg)}"
 
     def load(self, cfg: DataConfig) -> DatasetBundle:
-        self.check(cfg)
         base = base_dir(cfg)
         meta = read_meta(cfg, base)
         size = self.side(cfg)
         splits = {"train": meta.train_ids, "test": meta.test_ids}
         paths = {s: [str(base / IMAGES / image_name(i)) for i in ids] for s, ids in splits.items()}
 
-        def decode() -> dict[str, Any]:
-            out: dict[str, Any] = {"class_names": class_names(meta.num_classes)}
-            for split, ids in splits.items():
-                out[f"{split}_x"] = decode_to_tensor(paths[split], size)
-                out[f"{split}_y"] = torch.from_numpy(meta.labels[ids - 1])
-            return out
+        listings = {s: (paths[s], meta.labels[ids - 1]) for s, ids in splits.items()}
+        names = class_names(meta.num_classes)
 
         files = [*paths["train"], *paths["test"], str(base / LABELS), str(base / SETID)]
-        return bundle_from_payload(self.name, cached(base, self.cache_key(cfg), files, decode))
+        payload = cached(base, self.cache_key(cfg), files, lambda: decode_splits(listings, names, size))
+        return bundle_from_payload(self.name, payload)
 
 
 register_source(Flowers102())

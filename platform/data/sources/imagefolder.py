@@ -11,26 +11,23 @@ valid), ``imagefolder-<side>`` when it is set.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import torch
 
 from fedray.platform.config import DataConfig
 from fedray.platform.data.bundle import DatasetBundle
 from fedray.platform.data.cache import bundle_from_payload, cached
 from fedray.platform.data.image_files import (
     IMAGE_EXTENSIONS,
+    Listing,
     class_dirs,
-    decode_to_tensor,
+    decode_splits,
     image_files,
     image_side,
     relative_paths,
 )
 from fedray.platform.data.sources.base import Source, SourceInfo, register_source
 from fedray.platform.errors import ConfigError
-
-Listing = tuple[list[str], np.ndarray]  # image paths in id order, and their labels
 
 
 def split_dirs(cfg: DataConfig) -> tuple[Path, Path]:
@@ -67,18 +64,6 @@ def first_image_side(train_dir: Path, classes: list[str]) -> int:
         if files:
             return image_side(files[0])
     raise ConfigError(f"data.root={str(train_dir.parent)!r}: train/ holds no images")
-
-
-def decode_listings(
-    listings: dict[str, Listing], classes: list[str], size: int, root: Path
-) -> dict[str, Any]:
-    """The cache payload of listed image files: images, labels and relative paths per split."""
-    out: dict[str, Any] = {"class_names": classes}
-    for split, (paths, labels) in listings.items():
-        out[f"{split}_x"] = decode_to_tensor(paths, size)
-        out[f"{split}_y"] = torch.from_numpy(labels)
-        out[f"{split}_paths"] = relative_paths(paths, root)
-    return out
 
 
 class ImageFolder(Source):
@@ -123,7 +108,6 @@ class ImageFolder(Source):
         return relative_paths(files, Path(cfg.root or "").expanduser())
 
     def load(self, cfg: DataConfig) -> DatasetBundle:
-        self.check(cfg)
         listings, classes = self.listings(cfg)
         if not listings["train"][0]:
             raise ConfigError(
@@ -133,7 +117,7 @@ class ImageFolder(Source):
         size = self.side(cfg, root / "train", classes)
         files = listings["train"][0] + listings["test"][0]
         payload = cached(
-            root, self.cache_key(cfg), files, lambda: decode_listings(listings, classes, size, root)
+            root, self.cache_key(cfg), files, lambda: decode_splits(listings, classes, size, root)
         )
         # caches written before paths were stored get them from the listing (the same files, same order)
         return bundle_from_payload(self.name, payload, relative_paths(files, root))

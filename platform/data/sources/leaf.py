@@ -219,10 +219,11 @@ def split_user(
 
 
 def natural_clients(
-    users: Sequence[str], train_counts: np.ndarray, test_counts: np.ndarray
+    users: Sequence[str], train_counts: np.ndarray, test_counts: np.ndarray, gap: int
 ) -> list[NaturalClient]:
     """Each user's ids: its train samples are contiguous in the train set, its held-out ones in the test
-    set, whose ids start after the train set."""
+    set, whose ids start after the train set. Its ``num_samples`` is LEAF's count before the split: train
+    and held-out plus the ``gap`` windows the split dropped (Shakespeare's 79)."""
     n_train = int(train_counts.sum())
     train_end, test_end = np.cumsum(train_counts), n_train + np.cumsum(test_counts)
     return [
@@ -230,6 +231,7 @@ def natural_clients(
             user,
             np.arange(train_end[k] - train_counts[k], train_end[k], dtype=np.int64),
             np.arange(test_end[k] - test_counts[k], test_end[k], dtype=np.int64),
+            int(train_counts[k] + test_counts[k]) + gap,
         )
         for k, user in enumerate(users)
     ]
@@ -303,14 +305,13 @@ class LeafSource(Source):
         return {"users": users, "train": counts, "test": [by_user[u] for u in users]}
 
     def load(self, cfg: DataConfig) -> DatasetBundle:
-        self.check(cfg)
         layout = self.layout(cfg)
         files = layout.files + self.extra_files(cfg)
         payload = cached(layout.root, self.cache_key(cfg), files, lambda: self.decode(cfg, layout))
         cached(layout.root, f"{self.name}-index", layout.files, lambda: payload["index"])
         bundle = bundle_from_payload(self.name, payload)
         bundle.clients = natural_clients(
-            payload["users"], payload["train_counts"].numpy(), payload["test_counts"].numpy()
+            payload["users"], payload["train_counts"].numpy(), payload["test_counts"].numpy(), self.gap
         )
         bundle.embeddings = payload.get("embeddings")
         return bundle

@@ -140,9 +140,16 @@ class Sent140(LeafSource):
                 "from nlp.stanford.edu/projects/glove; leave data.leaf.glove unset for learned embeddings)"
             )
 
+    def num_classes(self, cfg: DataConfig) -> int:
+        return len(self.class_names())
+
     def info(self, cfg: DataConfig) -> SourceInfo:
+        """With GloVe the vocabulary is the GloVe words found in the data: known once it is decoded."""
         vocab_size = self.load(cfg).vocab_size if cfg.leaf.glove else RESERVED + cfg.leaf.vocab_size
         return SourceInfo(2, modality="text", seq_len=MAX_WORDS, vocab_size=vocab_size)
+
+    def provides_embeddings(self, cfg: DataConfig) -> bool:
+        return cfg.leaf.glove is not None
 
     def class_names(self) -> list[str]:
         return ["negative", "positive"]

@@ -24,21 +24,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import torch
 
 from fedray.platform.config import DataConfig
 from fedray.platform.data.bundle import DatasetBundle
 from fedray.platform.data.cache import bundle_from_payload, cached
-from fedray.platform.data.image_files import class_dirs, decode_to_tensor, image_files
+from fedray.platform.data.image_files import class_dirs, decode_splits, image_files
 from fedray.platform.data.sources.base import (
     Source,
     SourceInfo,
     missing_file,
+    nested_root,
     register_source,
-    required_root,
 )
 from fedray.platform.errors import ConfigError
 
@@ -52,10 +50,7 @@ NEEDS = "wnids.txt, train/<wnid>/images/ and val/images/ with val/val_annotation
 
 
 def base_dir(cfg: DataConfig) -> Path:
-    """``data.root/tiny-imagenet-200`` when it exists, else ``data.root`` itself."""
-    root = required_root(cfg, LAYOUT)
-    nested = root / FOLDER
-    return nested if nested.is_dir() else root
+    return nested_root(cfg, FOLDER, LAYOUT)
 
 
 def read_classes(cfg: DataConfig, base: Path) -> list[str]:
@@ -174,7 +169,6 @@ class TinyImageNet(Source):
         return f"{self.name}-{self.side(cfg)}"
 
     def load(self, cfg: DataConfig) -> DatasetBundle:
-        self.check(cfg)
         base = base_dir(cfg)
         classes = read_classes(cfg, base)
         train_paths: list[str] = []
@@ -187,23 +181,16 @@ class TinyImageNet(Source):
             raise ConfigError(f"data.root={cfg.root!r}: {base / 'train'} holds no images")
         annotations = read_annotations(cfg, base, classes)
         test_paths = [str(base / "val" / "images" / a.file) for a in annotations]
-        labels = {
-            "train": np.asarray(train_labels, dtype=np.int64),
-            "test": np.asarray([a.label for a in annotations], dtype=np.int64),
+        listings = {
+            "train": (train_paths, np.asarray(train_labels, dtype=np.int64)),
+            "test": (test_paths, np.asarray([a.label for a in annotations], dtype=np.int64)),
         }
-        paths = {"train": train_paths, "test": test_paths}
-        size = self.side(cfg)
-
-        def decode() -> dict[str, Any]:
-            out: dict[str, Any] = {"class_names": read_names(base, classes)}
-            for split in ("train", "test"):
-                out[f"{split}_x"] = decode_to_tensor(paths[split], size)
-                out[f"{split}_y"] = torch.from_numpy(labels[split])
-            return out
+        names, size = read_names(base, classes), self.side(cfg)
 
         metadata = [base / WNIDS, base / ANNOTATIONS, base / WORDS]
         files = [*train_paths, *test_paths, *(str(p) for p in metadata if p.is_file())]
-        return bundle_from_payload(self.name, cached(base, self.cache_key(cfg), files, decode))
+        payload = cached(base, self.cache_key(cfg), files, lambda: decode_splits(listings, names, size))
+        return bundle_from_payload(self.name, payload)
 
 
 register_source(TinyImageNet())

@@ -96,7 +96,6 @@ class TorchvisionSet(Source):
         return out
 
     def load(self, cfg: DataConfig) -> DatasetBundle:
-        self.check(cfg)
         files = self.files(cfg)
         fresh = None
         if files is None:  # download=true (checked): torchvision fetches the files, then we fingerprint them
