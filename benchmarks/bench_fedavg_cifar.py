@@ -61,6 +61,7 @@ from fedray.platform.runtime.coordinator import sample_clients
 from fedray.platform.runtime.driver import Result, ensure_ray, prepare_federation, run_experiment
 from fedray.platform.runtime.memory import retain_freed_memory
 from fedray.platform.runtime.worker import evaluate_model
+from fedray.platform.tracking.names import Metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHIVE = cifar10_jpeg_archive(ROOT)
@@ -342,8 +343,8 @@ def fedray_cold(argv: list[str], env: dict[str, str], cfg) -> ColdRun:
     seconds, first, peak, lines = timed_command(argv, env)
     run_id = next(m.group(1) for line in lines if (m := re.search(r"MLflow run id: (\w+)", line)))
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
-    rounds = {m.step: m.value for m in client.get_metric_history(run_id, "time/round_s")}
-    clients = [m.value for m in client.get_metric_history(run_id, "time/client_s")]
+    rounds = {m.step: m.value for m in client.get_metric_history(run_id, Metrics.TIME_ROUND_S)}
+    clients = [m.value for m in client.get_metric_history(run_id, Metrics.TIME_CLIENT_S)]
     plain_rounds = [s for step, s in sorted(rounds.items()) if not is_eval_round(cfg, step)]
     return ColdRun(seconds, first, peak, plain_rounds, statistics.median(clients))
 
@@ -352,8 +353,12 @@ def plain_cold(argv: list[str], env: dict[str, str]) -> ColdRun:
     """The plain loop as one cold command: it prints each round's seconds, its accuracy (where the
     command's clock stops), then its one-thread time per client."""
     seconds, first, peak, lines = timed_command(argv, env, done_marker=PLAIN_DONE)
-    rounds = [float(m.group(1)) for line in lines if (m := re.match(r"round \d+/\d+ ([\d.]+)s$", line.strip()))]
-    client = next(float(m.group(1)) for line in lines if (m := re.match(r"one-thread client ([\d.]+)s", line)))
+    rounds = [
+        float(m.group(1)) for line in lines if (m := re.match(r"round \d+/\d+ ([\d.]+)s$", line.strip()))
+    ]
+    client = next(
+        float(m.group(1)) for line in lines if (m := re.match(r"one-thread client ([\d.]+)s", line))
+    )
     return ColdRun(seconds, first, peak, rounds, client)
 
 
@@ -411,10 +416,12 @@ def report_cold(name: str, fed: list[ColdRun], plain: list[ColdRun]) -> None:
     fed_client = med(r.client_s for r in fed)
     plain_client = med(r.client_s for r in plain)
     print(
-        f"time per client: fedray's time/client_s {1000 * fed_client:.1f} ms (median over runs of each run's "
+        f"time per client: fedray's {Metrics.TIME_CLIENT_S} {1000 * fed_client:.1f} ms (median over runs of each run's "
         f"median) vs the plain loop's one-thread client {1000 * plain_client:.1f} ms: {fed_client / plain_client:.2f}x"
     )
-    print(f"round 1 ends {med(r.first_round for r in fed) - med(r.first_round for r in plain):+.1f}s after the plain loop's")
+    print(
+        f"round 1 ends {med(r.first_round for r in fed) - med(r.first_round for r in plain):+.1f}s after the plain loop's"
+    )
 
 
 def plain_child(overrides: list[str]) -> None:
@@ -480,7 +487,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", help="unpacked CIFAR-10 JPEG tree (train/<class>, test/<class>)")
     parser.add_argument(
-        "--workload", choices=["w1", "cross-device", "both"], default="both", help="which workload (cold mode)"
+        "--workload",
+        choices=["w1", "cross-device", "both"],
+        default="both",
+        help="which workload (cold mode)",
     )
     parser.add_argument("--rounds", type=int, default=10, help="W1's rounds")
     parser.add_argument("--xd-rounds", type=int, default=20, help="the cross-device shape's rounds")
@@ -514,7 +524,8 @@ def main() -> None:
     chosen = list(workloads) if args.workload == "both" else [args.workload]
     for name in chosen:
         t0 = time.perf_counter()
-        fed = prepare_federation(load_config(None, workloads[name]))  # decodes once; every run reads the cache
+        # decodes once; every run reads the cache
+        fed = prepare_federation(load_config(None, workloads[name]))
         print(
             f"{name} data: {sum(len(s.train) for s in fed.shards)} training images over {len(fed.shards)} "
             f"clients, {len(fed.global_test)} test images (prepared in {time.perf_counter() - t0:.1f}s)"
@@ -542,7 +553,7 @@ def main() -> None:
     print()
     print(f"{'':<10}{'median s':>10}{'all runs s':>22}{'peak mem GiB':>15}{'global acc %':>15}")
     for name, runs, acc in (
-        ("fedray", fedray_runs, result.final["acc/global"]),
+        ("fedray", fedray_runs, result.final[Metrics.ACC_GLOBAL]),
         ("plain", plain_runs, plain_runs[0][2]),
     ):
         median = statistics.median(r[0] for r in runs)
@@ -552,7 +563,7 @@ def main() -> None:
     print(f"ratio fedray/plain = {fedray_s / plain_s:.2f}   (medians; MLflow run {result.run_id})")
     if args.plain_retains_memory:
         print("the plain loop ran with fedray's allocator setting (--plain-retains-memory)")
-    rounds_s = sum(m["time/round_s"] for m in result.history)
+    rounds_s = sum(m[Metrics.TIME_ROUND_S] for m in result.history)
     print(
         f"fedray breakdown (median run): {rounds_s:.1f}s in the {len(result.history)} rounds "
         f"(ratio {rounds_s / plain_s:.2f} of the plain loop), {chosen_s - rounds_s:.1f}s around them: "

@@ -62,10 +62,11 @@ from bench_fedavg_cifar import TreePss, cifar_root, process_label, wait_until_id
 
 from fedray.platform.config import DataConfig
 from fedray.platform.data import load_dataset
+from fedray.platform.tracking.names import Metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENTS_PER_ROUND = 10
-EVAL_PREFIXES = ("acc/personal", "acc/global", "loss/personal", "loss/global")
+EVAL_PREFIXES = (Metrics.ACC_PERSONAL_PREFIX, Metrics.ACC_GLOBAL, Metrics.LOSS_PERSONAL, Metrics.LOSS_GLOBAL)
 MB = 2**20
 
 
@@ -204,8 +205,8 @@ def read_metrics(o: Outcome, cmd_start: float, work: Path) -> None:
     def history(key: str) -> dict[int, Metric]:
         return {m.step: m for m in client.get_metric_history(run.info.run_id, key)}
 
-    round_s, client_s = history("time/round_s"), history("time/client_s")
-    selected, failed = history("clients/selected"), history("clients/failed")
+    round_s, client_s = history(Metrics.TIME_ROUND_S), history(Metrics.TIME_CLIENT_S)
+    selected, failed = history(Metrics.CLIENTS_SELECTED), history(Metrics.CLIENTS_FAILED)
     eval_steps = {step for key in run.data.metrics if key.startswith(EVAL_PREFIXES) for step in history(key)}
     steps = sorted(s for s in round_s if s >= 1)
     if not steps:
@@ -347,7 +348,8 @@ def main() -> None:
     )
     parser.add_argument("--checkpoint-every", type=int, help="checkpoint_every (default: fedray's)")
     parser.add_argument(
-        "--data", help="unpacked CIFAR-10 JPEG tree (default: $FEDRAY_CIFAR10_ARCHIVE or .data/cifar10-jpeg.tar.gz, unpacked once)"
+        "--data",
+        help="unpacked CIFAR-10 JPEG tree (default: $FEDRAY_CIFAR10_ARCHIVE or .data/cifar10-jpeg.tar.gz, unpacked once)",
     )
     parser.add_argument(
         "--timeout", type=float, default=0, help="stop a run after this many seconds (0: never)"

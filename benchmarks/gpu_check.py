@@ -63,6 +63,7 @@ import psutil
 import torch
 
 from fedray.platform.data.archive import cifar10_jpeg_archive
+from fedray.platform.tracking.names import Metrics, Tags, personal_on, tag_filter
 
 SCRIPT = Path(__file__).resolve()
 ROOT = SCRIPT.parents[1]
@@ -83,9 +84,15 @@ STOP_GRACE_S = 10  # SIGTERM first (fedray stops as on Ctrl-C), SIGKILL after th
 SAMPLE_S = 0.5  # nvidia-smi and the process tree, sampled this often
 SMI_TIMEOUT_S = 5
 
-IGNORED_PREFIXES = ("time/", "system/")  # timings and machine samples differ between identical runs
-END_OF_RUN_PREFIXES = ("best/", "best_round/", "final/")  # logged once, at a run's last step
-HEADLINE_ACC = ("acc/global", "acc/personal_mean", "acc/personal_mean_selected")
+# timings and machine samples differ between identical runs
+IGNORED_PREFIXES = (Metrics.TIME_PREFIX, Metrics.SYSTEM_PREFIX)
+# logged once, at a run's last step
+END_OF_RUN_PREFIXES = (Metrics.BEST_PREFIX, Metrics.BEST_ROUND_PREFIX, Metrics.FINAL_PREFIX)
+HEADLINE_ACC = (
+    Metrics.ACC_GLOBAL,
+    Metrics.ACC_PERSONAL_MEAN,
+    personal_on(Metrics.ACC_PERSONAL_MEAN, "selected"),
+)
 
 ARCHIVES = (cifar10_jpeg_archive(ROOT),)  # $FEDRAY_CIFAR10_ARCHIVE, else .data/
 UNPACKED = Path.home() / ".cache" / "fedray" / "cifar10-jpeg"
@@ -113,12 +120,12 @@ ALGORITHM_RUNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (  # check 8: (ro
     ("8b FedL2G", "configs/fedl2g.yaml", ("fedl2g.warmup_rounds=0",)),
     ("8c FedProto", "configs/fedproto.yaml", ()),
 )
-SWEEP_SPACE = """\
+SWEEP_SPACE = f"""\
 search: grid
 scheduler: none
-metric: acc/global
+metric: {Metrics.ACC_GLOBAL}
 params:
-  fedprox.mu: {grid: [0.0, 0.1]}
+  fedprox.mu: {{grid: [0.0, 0.1]}}
 """
 
 RUN_ID = re.compile(r"MLflow run id: (\w+)")
@@ -208,7 +215,9 @@ def rounds_window(round_times: list[Point]) -> tuple[float, float] | None:
     return min(starts), max(p.ms for p in round_times) / 1000
 
 
-def utilization(samples: list[tuple[float, float]], windows: list[tuple[float, float]]) -> tuple[float, float] | None:
+def utilization(
+    samples: list[tuple[float, float]], windows: list[tuple[float, float]]
+) -> tuple[float, float] | None:
     """(mean, max) of the utilisation samples taken inside any of the windows."""
     inside = [value for t, value in samples if any(start <= t <= end for start, end in windows)]
     return (statistics.fmean(inside), max(inside)) if inside else None
@@ -375,7 +384,12 @@ class Context:
         return {**env, "MLFLOW_TRACKING_URI": self.uri, **changes}
 
     def run_command(
-        self, label: str, argv: list[str], *, env_changes: dict[str, str] | None = None, timeout: float = RUN_TIMEOUT_S
+        self,
+        label: str,
+        argv: list[str],
+        *,
+        env_changes: dict[str, str] | None = None,
+        timeout: float = RUN_TIMEOUT_S,
     ) -> Outcome:
         """Run one command in a session of its own, sampling its process tree and the GPU until it
         ends; past ``timeout`` its process group is stopped (and any descendant that left it)."""
@@ -408,7 +422,14 @@ class Context:
         seconds = time.monotonic() - start
         leftovers = end_leftovers(watched.tree)
         outcome = Outcome(
-            label, shown, proc.returncode, seconds, timed_out, out_path.read_text(), err_path.read_text(), watched
+            label,
+            shown,
+            proc.returncode,
+            seconds,
+            timed_out,
+            out_path.read_text(),
+            err_path.read_text(),
+            watched,
         )
         self.commands.append(outcome)
         status = "TIMED OUT" if timed_out else f"exit {proc.returncode}"
@@ -447,7 +468,7 @@ class RunRecord:
         return statistics.median(values) if values else None
 
     def failed_clients(self) -> float:
-        return sum(self.values("clients/failed"))
+        return sum(self.values(Metrics.CLIENTS_FAILED))
 
     def headline_acc(self) -> tuple[str, float] | None:
         """The final accuracy a run is read by: the global model's, else the personalised mean."""
@@ -458,7 +479,7 @@ class RunRecord:
         return None
 
     def window(self) -> tuple[float, float] | None:
-        return rounds_window(self.history.get("time/round_s", []))
+        return rounds_window(self.history.get(Metrics.TIME_ROUND_S, []))
 
 
 def read_run(uri: str, run_id: str) -> RunRecord:
@@ -469,7 +490,7 @@ def read_run(uri: str, run_id: str) -> RunRecord:
     history = {
         key: [Point(m.step, m.value, m.timestamp) for m in client.get_metric_history(run_id, key)]
         for key in run.data.metrics
-        if not key.startswith("system/")
+        if not key.startswith(Metrics.SYSTEM_PREFIX)
     }
     return RunRecord(run_id, run.info.status, dict(run.data.tags), history)
 
@@ -481,7 +502,7 @@ def child_runs(uri: str, parent_id: str) -> list[RunRecord]:
     client = MlflowClient(uri)
     parent = client.get_run(parent_id)
     found = client.search_runs(
-        [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'"
+        [parent.info.experiment_id], filter_string=tag_filter(Tags.PARENT_RUN_ID, parent_id)
     )
     return [read_run(uri, run.info.run_id) for run in found]
 
@@ -594,7 +615,7 @@ def acc_cell(record: RunRecord) -> str:
     if headline is None:
         return "-"
     key, value = headline
-    return f"{value:.4f}" if key == "acc/global" else f"{value:.4f} ({key.removeprefix('acc/')})"
+    return f"{value:.4f}" if key == Metrics.ACC_GLOBAL else f"{value:.4f} ({key.split('/', 1)[1]})"
 
 
 def judge_run(row: Row, ctx: Context, run: Run, device: str) -> RunRecord | None:
@@ -606,14 +627,14 @@ def judge_run(row: Row, ctx: Context, run: Run, device: str) -> RunRecord | None
     if record is None:
         return None
     row.require(record.failed_clients() == 0, f"{record.failed_clients():g} failed clients")
-    tag = record.tags.get("device", "(none)")
+    tag = record.tags.get(Tags.DEVICE, "(none)")
     if device == "cuda":
         row.expect(tag.startswith("cuda"), "device tag cuda...", repr(tag), ctx.gpu_unchecked)
     else:
         row.require(tag == "cpu", f"device tag {tag!r}, expected 'cpu'")
-    row.round_s = fmt(record.median("time/round_s"))
+    row.round_s = fmt(record.median(Metrics.TIME_ROUND_S))
     row.acc = acc_cell(record)
-    row.notes.append(f"device {tag}, {record.tags.get('fedray.workers', '?')} workers")
+    row.notes.append(f"device {tag}, {record.tags.get(Tags.WORKERS, '?')} workers")
     return record
 
 
@@ -627,7 +648,7 @@ def show_gpu_use(row: Row, ctx: Context, outcome: Outcome, records: list[RunReco
         row.gpu_procs = str(len(procs))
         if "host" in procs.values():
             row.notes.append("nvidia-smi reports host pids (a container): counted the new ones")
-        workers = sum(int(r.tags.get("fedray.workers", "0")) for r in records)
+        workers = sum(int(r.tags.get(Tags.WORKERS, "0")) for r in records)
         if busy and len(procs) != workers:
             row.notes.append(f"{len(procs)} GPU processes for {workers} workers")
         windows = [w for w in (r.window() for r in records) if w is not None]
@@ -647,7 +668,9 @@ def show_gpu_use(row: Row, ctx: Context, outcome: Outcome, records: list[RunReco
 def quickstart_on_gpu(ctx: Context) -> Run:
     """Check 1's run, made once: checks 2, 4 and 7 compare with it."""
     if "quickstart" not in ctx.shared:
-        ctx.shared["quickstart"] = ctx.fedray("quickstart at 0.25 GPU", "run", QUICKSTART, ctx.share, ctx.storage)
+        ctx.shared["quickstart"] = ctx.fedray(
+            "quickstart at 0.25 GPU", "run", QUICKSTART, ctx.share, ctx.storage
+        )
     return ctx.shared["quickstart"]
 
 
@@ -658,7 +681,7 @@ def check_quickstart_gpu(ctx: Context) -> list[Row]:
     record = judge_run(row, ctx, run, "cuda")
     if record is not None:
         show_gpu_use(row, ctx, run.outcome, [record], busy=True)
-        workers = record.tags.get("fedray.workers")
+        workers = record.tags.get(Tags.WORKERS)
         expected = str(WORKERS_ON_ONE_GPU)
         row.expect(workers == expected, f"{expected} workers", workers, ctx.gpu_unchecked)
     return [row]
@@ -679,15 +702,15 @@ def check_cpu_baseline(ctx: Context) -> list[Row]:
     record = judge_run(row, ctx, cpu, "cpu")
     if record is None:
         return [row]
-    ours, theirs = record.final("acc/global"), None if gpu is None else gpu.final("acc/global")
+    ours, theirs = record.final(Metrics.ACC_GLOBAL), None if gpu is None else gpu.final(Metrics.ACC_GLOBAL)
     if ours is None or theirs is None:
-        row.skip("check 1's run or this one has no acc/global to compare")
+        row.skip(f"check 1's run or this one has no {Metrics.ACC_GLOBAL} to compare")
         return [row]
     row.require(
         abs(ours - theirs) <= ACC_TOLERANCE,
-        f"final acc/global {ours:.4f}, check 1's {theirs:.4f}: more than {ACC_TOLERANCE} apart",
+        f"final {Metrics.ACC_GLOBAL} {ours:.4f}, check 1's {theirs:.4f}: more than {ACC_TOLERANCE} apart",
     )
-    row.notes.append(f"check 1's acc/global {theirs:.4f}")
+    row.notes.append(f"check 1's {Metrics.ACC_GLOBAL} {theirs:.4f}")
     return [row]
 
 
@@ -716,7 +739,9 @@ def check_rerun(ctx: Context) -> list[Row]:
     diffs = metric_differences(first.history, record.history)
     row.require(not diffs, f"{len(diffs)} metrics differ from check 1's: {'; '.join(diffs[:3])}")
     if not diffs:
-        row.notes.append(f"every round identical to check 1's ({', '.join(p + '*' for p in IGNORED_PREFIXES)} aside)")
+        row.notes.append(
+            f"every round identical to check 1's ({', '.join(p + '*' for p in IGNORED_PREFIXES)} aside)"
+        )
     return [row]
 
 
@@ -771,14 +796,12 @@ def check_cross_device(ctx: Context) -> list[Row]:
         row.require(False, str(err))
         return [row]
     schedule = [f"rounds={ctx.rounds}", f"eval_every={min(CROSS_DEVICE_EVAL_EVERY, ctx.rounds)}"]
-    run = ctx.fedray(
-        "cross-device", "run", *CROSS_DEVICE, *data.overrides, *schedule, ctx.share, ctx.storage
-    )
+    run = ctx.fedray("cross-device", "run", *CROSS_DEVICE, *data.overrides, *schedule, ctx.share, ctx.storage)
     row.notes.append(data.label)
     record = judge_run(row, ctx, run, "cuda")
     if record is not None:
         show_gpu_use(row, ctx, run.outcome, [record], busy=True)
-        row.notes.append(f"median time/client_s {fmt(record.median('time/client_s'), 3)}")
+        row.notes.append(f"median {Metrics.TIME_CLIENT_S} {fmt(record.median(Metrics.TIME_CLIENT_S), 3)}")
     return [row]
 
 
@@ -799,15 +822,15 @@ def check_sweep(ctx: Context) -> list[Row]:
     finished = [t for t in trials if t.status == "FINISHED"]
     row.require(len(trials) == 2 and len(finished) == 2, f"{len(finished)} of {len(trials)} trials finished")
     for trial in trials:
-        workers, tag = trial.tags.get("fedray.workers"), trial.tags.get("device", "(none)")
+        workers, tag = trial.tags.get(Tags.WORKERS), trial.tags.get(Tags.DEVICE, "(none)")
         row.require(workers == str(SWEEP_WORKERS), f"trial {trial.run_id[:8]}: {workers} workers")
         trial_device = f"trial {trial.run_id[:8]} device tag cuda..."
         row.expect(tag.startswith("cuda"), trial_device, repr(tag), ctx.gpu_unchecked)
     show_gpu_use(row, ctx, outcome, trials, busy=True)
-    times = [v for t in trials for v in t.values("time/round_s")]
+    times = [v for t in trials for v in t.values(Metrics.TIME_ROUND_S)]
     row.round_s = fmt(statistics.median(times) if times else None)
     row.acc = " / ".join(acc_cell(t) for t in trials) or "-"
-    shown = [f"{t.tags.get('device', '?')} on {t.tags.get('fedray.workers', '?')} workers" for t in trials]
+    shown = [f"{t.tags.get(Tags.DEVICE, '?')} on {t.tags.get(Tags.WORKERS, '?')} workers" for t in trials]
     row.notes.append(f"trials: {', '.join(shown)}")
     return [row]
 
@@ -863,7 +886,13 @@ def uninterrupted_reference(ctx: Context) -> tuple[RunRecord | None, str]:
     if first is not None and first.record is not None:
         return first.record, f"check 1's rounds 1-{RESUMED_ROUNDS}"
     run = ctx.fedray(
-        "uninterrupted", "run", QUICKSTART, ctx.share, f"rounds={RESUMED_ROUNDS}", "checkpoint_every=1", ctx.storage
+        "uninterrupted",
+        "run",
+        QUICKSTART,
+        ctx.share,
+        f"rounds={RESUMED_ROUNDS}",
+        "checkpoint_every=1",
+        ctx.storage,
     )
     return run.record, "an uninterrupted run"
 
@@ -890,18 +919,24 @@ def check_checkpoints(ctx: Context, row: Row, checkpoint_dir: str) -> None:
 def check_resume(ctx: Context) -> list[Row]:
     """7: stop after round 2, resume on the GPU, load the checkpoints without one, compare."""
     row = Row(f"7 stop at {STOP_AFTER}, resume, load without GPU")
-    schedule = [f"rounds={RESUMED_ROUNDS}", "checkpoint_every=1", ctx.storage, "--stop-after", str(STOP_AFTER)]
+    schedule = [
+        f"rounds={RESUMED_ROUNDS}",
+        "checkpoint_every=1",
+        ctx.storage,
+        "--stop-after",
+        str(STOP_AFTER),
+    ]
     stopped = ctx.fedray("stopped run", "run", QUICKSTART, ctx.share, *schedule)  # options after overrides
     if not row.no_problem(stopped.problem(status="KILLED")) or stopped.record is None:
         return [row]
-    steps = len(stopped.record.values("time/round_s"))
+    steps = len(stopped.record.values(Metrics.TIME_ROUND_S))
     row.require(steps == STOP_AFTER, f"stopped run logged {steps} rounds, expected {STOP_AFTER}")
     resumed = ctx.fedray("resumed run", "run", "--resume", stopped.record.run_id)
     record = judge_run(row, ctx, resumed, "cuda")
     if record is None:
         return [row]
     show_gpu_use(row, ctx, resumed.outcome, [record], busy=True)
-    check_checkpoints(ctx, row, record.tags.get("fedray.checkpoint_dir", ""))
+    check_checkpoints(ctx, row, record.tags.get(Tags.CHECKPOINT_DIR, ""))
     reference, label = uninterrupted_reference(ctx)
     if reference is None:
         row.require(False, f"{label} failed: nothing to compare with")
@@ -1008,7 +1043,9 @@ def render_markdown(rows: list[Row], header: list[str], commands: list[Outcome])
     lines += ["| " + " | ".join(cell(c) for c in row.cells()) + " |" for row in rows]
     lines += ["", "## Commands", ""]
     for c in commands:
-        lines.append(f"- `{c.shown}`: exit {c.returncode}, {c.seconds:.1f} s" + (" (timed out)" if c.timed_out else ""))
+        lines.append(
+            f"- `{c.shown}`: exit {c.returncode}, {c.seconds:.1f} s" + (" (timed out)" if c.timed_out else "")
+        )
     if not commands:
         lines.append("(none)")
     return "\n".join(lines) + "\n"
@@ -1018,7 +1055,9 @@ def machine_header(ctx: Context, rows: list[Row], elapsed: float) -> list[str]:
     """The lines above the table: when, on what, in what mode, how long, how many passed."""
     from importlib.metadata import version
 
-    gpu = "none (--pretend-gpu: GPU expectations not checked)" if ctx.pretend else torch.cuda.get_device_name(0)
+    gpu = (
+        "none (--pretend-gpu: GPU expectations not checked)" if ctx.pretend else torch.cuda.get_device_name(0)
+    )
     passed = sum(row.passed for row in rows)
     return [
         f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, GPU: {gpu}",

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from fedray.platform.data.archive import cifar10_jpeg_archive
+from fedray.platform.tracking.names import Metrics, Tags
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHIVE = cifar10_jpeg_archive(ROOT)  # $FEDRAY_CIFAR10_ARCHIVE, else .data/
@@ -61,14 +62,14 @@ LEAF_FLAGS = {  # LEAF's preprocessing for the paper's setting: full-size, non-I
 
 PAPERS = {
     "fedcross": Paper(
-        "acc/global",
+        Metrics.ACC_GLOBAL,
         {"fedavg": "46.12 ± 2.35", "fedcross": "55.70 ± 0.74", "fedcross-da": "—"},
         # 100 clients, 10 per round, Dir(0.1), 5 local epochs kept; 200 images per client on average
         # instead of 500, 150 rounds instead of 2,000 (FedAvg's curve flattens from about round 100)
         {"data.train_subset": 20000, "rounds": 150, "eval_every": 10},
     ),
     "fedssa": Paper(
-        "acc/personal_mean",
+        Metrics.ACC_PERSONAL_MEAN,
         {
             "standalone": "96.53 (N=10) / 91.97 (N=100)",
             "lg-fedavg": "96.30 / 91.27",
@@ -86,7 +87,7 @@ PAPERS = {
         },
     ),
     "fedl2g": Paper(
-        "acc/personal_weighted",
+        Metrics.ACC_PERSONAL_WEIGHTED,
         {"fedproto": "82.1", "fd": "86.0", "fedl2g-f": "87.6"},
         # 20 clients, all per round, Dir(0.1), merged 75/25 kept; three small CNNs (small_hetero, K=128)
         # instead of HtFE8's eight ResNets/GoogLeNet/MobileNet (K=512), 10,000 training images,
@@ -100,7 +101,7 @@ PAPERS = {
         },
     ),
     "fedcross_femnist": Paper(
-        "acc/global",
+        Metrics.ACC_GLOBAL,
         {"fedavg": "81.67 ± 0.36", "fedcross": "83.49 ± 0.18"},
         # 36 writers of more than 100 samples, 9 per round (paper: 180, 18), 1 local epoch instead of 5,
         # 60 rounds instead of 2,000; the FedAvg CNN, batch 50, lr 0.01 and alpha 0.99 kept
@@ -114,7 +115,7 @@ PAPERS = {
         leaf_task="femnist",
     ),
     "fedcross_shakespeare": Paper(
-        "acc/global",
+        Metrics.ACC_GLOBAL,
         {"fedavg": "52.08 ± 0.29", "fedcross": "54.81 ± 0.07"},
         # 10 speaking roles of more than 5,700 samples, 3 per round (paper: 128, 13), 1 local epoch
         # instead of 5, 20 rounds instead of 1,000; LEAF's 2-layer LSTM, batch 50, lr 0.01, alpha 0.99 kept
@@ -128,7 +129,7 @@ PAPERS = {
         leaf_task="shakespeare",
     ),
     "fedsc": Paper(
-        "acc/global",
+        Metrics.ACC_GLOBAL,
         {"fedavg": "84.65", "fedsc": "88.13"},
         # 10 clients, Dir(0.2), crop+flip kept; the FedAvg CNN instead of ResNet-10, 10,000 training
         # images, 1 local epoch instead of 10, 25 rounds instead of 100
@@ -162,7 +163,7 @@ def mean_std(values: list[float | None]) -> str:
 def results_table(paper: Paper, results: dict[str, list]) -> str:
     """Markdown: one row per algorithm, mean ± std over seeds (population std)."""
     m = paper.metric
-    personal = m.startswith("acc/personal")
+    personal = m.startswith(Metrics.ACC_PERSONAL_PREFIX)
     head = ["algorithm", "seeds", f"final {m} %", f"best {m} %"]
     head += ["majority-class %"] if personal else []
     head += ["paper %", "wall s (mean)"]
@@ -175,7 +176,8 @@ def results_table(paper: Paper, results: dict[str, list]) -> str:
             mean_std([r.best(m) for r in runs]),
         ]
         if personal:  # the floor in the metric's own averaging (plain or sample-weighted mean)
-            floor = "acc/majority_baseline" + ("_weighted" if m.endswith("weighted") else "")
+            weighted = m.endswith("weighted")
+            floor = Metrics.ACC_MAJORITY_BASELINE_WEIGHTED if weighted else Metrics.ACC_MAJORITY_BASELINE
             row.append(mean_std([r.extra[floor] for r in runs]))
         row += [paper.paper_numbers.get(label, "—"), f"{np.mean([r.wall_time_s for r in runs]):.0f}"]
         lines.append("| " + " | ".join(row) + " |")
@@ -252,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list] = {}
     for entry in entries:
         print(f"== {experiment}: {entry.label}, seed {entry.config.seed}", flush=True)
-        results.setdefault(entry.label, []).append(run_experiment(entry.config, tags={"label": entry.label}))
+        results.setdefault(entry.label, []).append(
+            run_experiment(entry.config, tags={Tags.LABEL: entry.label})
+        )
 
     out = ROOT / "reports" / experiment
     out.mkdir(parents=True, exist_ok=True)

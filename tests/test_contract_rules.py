@@ -18,7 +18,7 @@ from test_client_host import host_for
 from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer
 from fedray.platform.api import AlgorithmConfig, ClientModule, ContractError, Server, ServerContext, register
 from fedray.platform.api.algorithm import tests_with_global_model as global_model_evaluation
-from fedray.platform.api.contract import check_uplinks
+from fedray.platform.api.contract import check_uplinks, holds_tensor
 from fedray.platform.api.registry import available, get
 from fedray.platform.catalog import load_config
 from fedray.platform.errors import CheckpointError, ConfigError
@@ -137,6 +137,56 @@ class PlainTensorClient(ClientModule):
         self.anchor = [p.detach().clone() for p in self.model.parameters()]
 
 
+@dataclass
+class Anchor:
+    """A third-party algorithm's own record of what came down."""
+
+    weights: list
+    round: int = 0
+
+
+class DataclassTensorClient(ClientModule):
+    """Keeps the downlink's weights inside a dataclass instance of its own."""
+
+    def receive(self, rnd, payload):
+        super().receive(rnd, payload)
+        self.anchor = Anchor([p.detach().clone() for p in self.model.parameters()], rnd)
+
+
+class SetTensorClient(ClientModule):
+    """Keeps them in a set (tensors hash by identity)."""
+
+    def receive(self, rnd, payload):
+        super().receive(rnd, payload)
+        self.anchor = {p.detach().clone() for p in self.model.parameters()}
+
+
+class FrozensetTensorClient(ClientModule):
+    """Keeps them in a frozenset."""
+
+    def receive(self, rnd, payload):
+        super().receive(rnd, payload)
+        self.anchor = frozenset(p.detach().clone() for p in self.model.parameters())
+
+
+class DeepTensorClient(ClientModule):
+    """Keeps them three containers down: a dict of lists of lists."""
+
+    def receive(self, rnd, payload):
+        super().receive(rnd, payload)
+        self.anchor = {"round": rnd, "layers": [[p.detach().clone()] for p in self.model.parameters()]}
+
+
+class CyclicTensorClient(ClientModule):
+    """Keeps a record that points back at itself before it gets to the weights."""
+
+    def receive(self, rnd, payload):
+        super().receive(rnd, payload)
+        self.anchor: dict = {"previous": None}
+        self.anchor["previous"] = self.anchor
+        self.anchor["weights"] = [[p.detach().clone() for p in self.model.parameters()]]
+
+
 def first_client(algorithm: str):
     _, fed, host = host_for(algorithm=algorithm, **{"train.local_epochs": 1})
     state = {k: v.clone() for k, v in host.arch_model("cnn_small").state_dict().items()}
@@ -157,6 +207,36 @@ def test_a_tensor_kept_outside_hold_is_refused_on_the_first_client():
         first_client(probe("plain_probe", PlainTensorClient))()
     assert "PlainTensorClient keeps a tensor in the plain attribute self.anchor" in one_line(err)
     assert "self.hold('anchor', value)" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "client"),
+    [
+        ("dataclass_probe", DataclassTensorClient),
+        ("set_probe", SetTensorClient),
+        ("frozenset_probe", FrozensetTensorClient),
+        ("deep_probe", DeepTensorClient),
+        ("cyclic_probe", CyclicTensorClient),
+    ],
+)
+def test_a_tensor_kept_in_any_container_outside_hold_is_refused(name, client):
+    """However the plain attribute holds it: a dataclass's field, a set, a frozenset, nested lists and
+    dicts, a structure that refers back to itself."""
+    with pytest.raises(ContractError) as err:
+        first_client(probe(name, client))()
+    assert f"{client.__name__} keeps a tensor in the plain attribute self.anchor" in one_line(err)
+
+
+def test_the_held_tensor_walk_ends_on_cycles_and_depth():
+    cycle: list = [1, {"x": 2.0}]
+    cycle.append(cycle)
+    assert not holds_tensor(cycle)
+    shared = [list(range(100))] * 100
+    assert not holds_tensor([shared] * 100)  # each container walked once, not once per path
+    deep: list = [torch.zeros(1)]
+    for _ in range(10_000):
+        deep = [deep]
+    assert not holds_tensor(deep)  # past HELD_DEPTH levels: not looked for, and no RecursionError
 
 
 def test_a_client_that_keeps_the_rules_passes_both_checks():

@@ -45,6 +45,9 @@ STORED = {
         "RUN_COORDINATOR_RESTARTS": "run/coordinator_restarts",
         "TIME_PREFIX": "time/",
         "SYSTEM_PREFIX": "system/",
+        "BEST_PREFIX": "best/",
+        "BEST_ROUND_PREFIX": "best_round/",
+        "FINAL_PREFIX": "final/",
     },
     Tags: {
         "ALGORITHM": "algorithm",

@@ -11,12 +11,14 @@ is checked on the first client each worker trains (:func:`check_downlink_read`,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import lightning as L
 import torch
 
+from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ContractError
 
 # Lightning hooks whose overrides the loop would not honour: an algorithm that overrides one is
@@ -134,14 +136,40 @@ def check_downlink_read(name: str, module: Any, payload: ReadKeys) -> None:
 OWN_ATTRIBUTES = {"_parameters", "_buffers", "_modules", "_stats", "_optimizer_state", "ctx", "hp"}
 
 
-def holds_tensor(value: Any, depth: int = 0) -> bool:
+HELD_DEPTH = 12  # containers nested deeper than this are not looked into (the walk always ends)
+
+
+def contents(value: Any) -> Iterable[Any] | None:
+    """What a container holds, as the held-tensor check walks it: a mapping's values, the items of a
+    list, tuple, set or frozenset, a dataclass instance's fields; None for anything else, and for the
+    client's data (an :class:`ArrayDataset`: ``ctx.train`` or a subset of it, FedL2G's quiz batch),
+    which the worker put on the training device with the module."""
+    if isinstance(value, ArrayDataset):
+        return None
+    if isinstance(value, Mapping):
+        return value.values()
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (getattr(value, f.name, None) for f in dataclasses.fields(value))
+    return None
+
+
+def holds_tensor(value: Any, depth: int = 0, seen: dict[int, tuple[int, Any]] | None = None) -> bool:
+    """Whether ``value`` is a tensor or holds one, however its containers nest (:func:`contents`), to
+    ``HELD_DEPTH`` levels. ``seen`` (container id -> the shallowest depth it was walked at, and the
+    container, kept alive so its id is not reused) walks a container met again only when it is met
+    higher up, so a cycle or a shared container ends."""
     if torch.is_tensor(value):
         return True
-    if depth < 2 and isinstance(value, Mapping):
-        return any(holds_tensor(v, depth + 1) for v in value.values())
-    if depth < 2 and isinstance(value, (list, tuple)):
-        return any(holds_tensor(v, depth + 1) for v in value)
-    return False
+    items = contents(value)
+    if items is None or depth >= HELD_DEPTH:
+        return False
+    seen = {} if seen is None else seen
+    if seen.get(id(value), (HELD_DEPTH, None))[0] <= depth:
+        return False
+    seen[id(value)] = (depth, value)
+    return any(holds_tensor(v, depth + 1, seen) for v in items)
 
 
 def check_held_tensors(name: str, module: Any) -> None:

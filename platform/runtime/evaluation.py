@@ -16,8 +16,10 @@ import ray
 
 from fedray.platform.api.algorithm import Server, cpu_state
 from fedray.platform.config import ExperimentConfig
+from fedray.platform.data import ArrayDataset
 from fedray.platform.runtime.pool import Job, WorkerPool
 from fedray.platform.runtime.state_store import StateStore
+from fedray.platform.runtime.worker import EVAL_CHUNK
 from fedray.platform.seeds import numpy_rng
 from fedray.platform.tracking.names import Metrics, personal_on
 
@@ -52,6 +54,15 @@ def eval_clients(cfg: ExperimentConfig, rnd: int, selected: list[int]) -> list[i
         rng = numpy_rng("coordinator/eval_sample", cfg.seed, rnd)
         return sorted(rng.choice(n, size=cfg.eval.sample_size, replace=False).tolist())
     return list(range(n))
+
+
+def global_test_chunks(global_test: ArrayDataset) -> list:
+    """The global test set in the object store as fixed-size chunks, which evaluation sums in chunk
+    order: the same numbers whatever the pool size."""
+    n = len(global_test)
+    return [
+        ray.put(global_test.subset(np.arange(s, min(s + EVAL_CHUNK, n)))) for s in range(0, n, EVAL_CHUNK)
+    ]
 
 
 def chunks(items: list, size: int) -> list[list]:

@@ -1,5 +1,6 @@
 """What the Coordinator tells the driver while a run goes: typed events, queued in the Coordinator
-and polled by the driver, which shows them (:mod:`.progress`) and logs the rounds to MLflow.
+(:class:`EventQueue`) and polled by the driver, which shows them (:mod:`.progress`) and logs the
+rounds to MLflow.
 
 Rounds are numbered as the display and MLflow count them: ``round`` is the number of rounds begun
 (``rnd + 1`` of the loop's 0-based index).
@@ -7,7 +8,10 @@ Rounds are numbered as the display and MLflow count them: ``round`` is the numbe
 
 from __future__ import annotations
 
+import queue
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -47,3 +51,51 @@ class CheckpointSaved:
 
 
 Event = RoundStarted | RoundEnded | ClientFailed | JobRetried | CheckpointSaved
+
+
+def job_label(key: Any) -> str:
+    """A job's key as the progress display names it: ``client 3``, ``clients 3, 7``, ``global test chunk 2``."""
+    if key and key[0] == "global":
+        return f"global test chunk {key[1]}"
+    if key and key[0] == "clients":
+        return f"evaluation from client {key[1]}"
+    return f"client{'s' if len(key) > 1 else ''} {', '.join(map(str, key))}"
+
+
+class EventQueue:
+    """The Coordinator's events, put by the round loop's thread and taken by the driver's poll in the
+    other, and the reporters that turn a round's job failures into events."""
+
+    def __init__(self) -> None:
+        self.events: queue.Queue = queue.Queue()
+
+    def emit(self, event: Event) -> None:
+        self.events.put(event)
+
+    def poll(self, timeout: float = 0.5) -> list[Event]:
+        """Events since the last poll; waits up to ``timeout`` for the first one."""
+        out = []
+        try:
+            out.append(self.events.get(timeout=timeout))
+            while True:
+                out.append(self.events.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    def retry_reporter(self, rnd: int) -> Callable[[Any, str], None]:
+        """What the pool calls when a job of round ``rnd`` is re-run: a :class:`JobRetried`."""
+
+        def report(key: Any, error: str) -> None:
+            self.emit(JobRetried(rnd + 1, job_label(key), error))
+
+        return report
+
+    def failure_reporter(self, rnd: int) -> Callable[[Any, str], None]:
+        """What the evaluation calls when a job of round ``rnd`` fails: a :class:`ClientFailed` naming
+        the job's first client."""
+
+        def report(key: Any, error: str) -> None:
+            self.emit(ClientFailed(rnd + 1, key[1], error))
+
+        return report

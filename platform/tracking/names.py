@@ -55,6 +55,9 @@ class Metrics:
     # families
     TIME_PREFIX: Final = "time/"  # timings: they differ between runs that compute the same numbers
     SYSTEM_PREFIX: Final = "system/"  # MLflow's system metrics of the driver's machine (CPU, memory, GPU)
+    BEST_PREFIX: Final = "best/"  # at the end of a run: best_of
+    BEST_ROUND_PREFIX: Final = "best_round/"  # at the end of a run: best_round_of
+    FINAL_PREFIX: Final = "final/"  # at the end of a run: final_of
 
 
 def personal_on(metric: str, clients: str) -> str:
@@ -66,17 +69,17 @@ def personal_on(metric: str, clients: str) -> str:
 
 def best_of(metric: str) -> str:
     """``best/personal_mean``: the highest per-round value of ``acc/personal_mean``, logged at the end."""
-    return f"best/{metric.split('/', 1)[1]}"
+    return Metrics.BEST_PREFIX + metric.split("/", 1)[1]
 
 
 def best_round_of(metric: str) -> str:
     """``best_round/personal_mean``: the round (1-based) of that value, the first one on ties."""
-    return f"best_round/{metric.split('/', 1)[1]}"
+    return Metrics.BEST_ROUND_PREFIX + metric.split("/", 1)[1]
 
 
 def final_of(metric: str) -> str:
     """``final/personal_mean``: the last logged value of ``acc/personal_mean``, logged at the end."""
-    return f"final/{metric.split('/', 1)[1]}"
+    return Metrics.FINAL_PREFIX + metric.split("/", 1)[1]
 
 
 class Tags:

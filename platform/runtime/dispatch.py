@@ -1,0 +1,111 @@
+"""A round's training over the worker pool: the calls it is split into (which clients, on which
+worker, with which downlinks), and the uplinks accepted from what the calls return.
+
+Evaluation is dispatched the same way (:mod:`.evaluation`), and asks :meth:`TrainingDispatch.affinity`
+which worker still caches a client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from fedray.platform.api.algorithm import Payload
+from fedray.platform.runtime.pool import Job, Outcome, WorkerPool
+from fedray.platform.runtime.state_store import StateStore
+from fedray.platform.runtime.worker import ClientResult
+
+TRAIN_CLIENTS_PER_JOB = 8  # most clients one training call trains
+SAMPLES_PER_CALL = 256  # small clients share a call until it holds this many training samples
+
+
+def call_groups(clients: list[int], sizes: list[int], workers: int) -> list[list[int]]:
+    """The clients (in dispatch order) split into training calls. Small clients share a call until it
+    holds ``SAMPLES_PER_CALL`` samples (a call costs a Ray round trip and a worker's share of the
+    downlink), and calls shrink towards the end of the round, each at most the clients left over
+    twice the workers, so the last calls are short and no worker waits long for another to finish."""
+    groups, start = [], 0
+    while start < len(clients):
+        left = len(clients) - start
+        cap = max(1, min(TRAIN_CLIENTS_PER_JOB, -(-left // (2 * workers))))
+        end, samples = start + 1, sizes[clients[start]]
+        while end - start < cap and end < len(clients) and samples < SAMPLES_PER_CALL:
+            samples += sizes[clients[end]]
+            end += 1
+        groups.append(clients[start:end])
+        start = end
+    return groups
+
+
+class TrainingDispatch:
+    """A round's training over the pool: its selected clients and their downlinks in, the accepted
+    uplinks out."""
+
+    def __init__(
+        self, pool: WorkerPool, store: StateStore, shards: list, sizes: list[int], commits: bool
+    ) -> None:
+        self.pool, self.store, self.shards, self.sizes = pool, store, shards, sizes
+        self.commits = commits  # clients keep state between rounds: a call returns each one's new state
+
+    def run(
+        self,
+        rnd: int,
+        selected: list[int],
+        downlinks: dict[int, Payload],
+        on_retry: Callable[[Any, str], None],
+    ) -> tuple[dict[int, Payload], dict[int, dict[str, float]], dict[int, str], int]:
+        """Train the round's clients: their uplinks and statistics by client id, the clients that
+        failed with their line (:func:`accept_uplinks`), and how many clients were re-run."""
+        trained = self.pool.run(self.jobs(rnd, selected, downlinks), on_retry)
+        retried = sum(len(clients) for clients in trained.retried)
+        return (*accept_uplinks(trained, self.store), retried)
+
+    def jobs(self, rnd: int, selected: list[int], downlinks: dict[int, Payload]) -> list[Job]:
+        """The round's training calls: clients grouped by the worker that caches them, largest shards
+        first, small ones several per call (:func:`call_groups`); one object-store copy per distinct
+        downlink."""
+        sizes = self.sizes
+        refs: dict[int, Any] = {}
+        by_worker: dict[Any, list[int]] = {}
+        for cid in sorted(selected, key=lambda c: (-sizes[c], c)):
+            by_worker.setdefault(self.affinity(cid), []).append(cid)
+        jobs = []
+        for prefer, cids in by_worker.items():
+            for group in call_groups(cids, sizes, len(self.pool)):
+                tasks = [self.store.task(c, self.shards[c]) for c in group]
+                payloads = [[refs.setdefault(id(downlinks[c]), ray.put(downlinks[c]))] for c in group]
+                returns = 1 + len(group) if self.commits else 1
+                jobs.append(Job(tuple(group), "train", (rnd, tasks, payloads), prefer, returns=returns))
+        return sorted(jobs, key=lambda job: (-sizes[job.key[0]], job.key[0]))
+
+    def affinity(self, cid: int) -> tuple[int, int] | None:
+        """The worker that still caches this client: its own one when every client has a worker; none
+        when clients keep nothing (any worker trains any client on the same shared model)."""
+        if not self.commits:
+            return None
+        return self.pool.identity(cid) if self.pool.pinned else self.store.holder.get(cid)
+
+
+def accept_uplinks(
+    trained: Outcome, store: StateStore
+) -> tuple[dict[int, Payload], dict[int, dict[str, float]], dict[int, str]]:
+    """The round's uplinks and statistics by client id, and the clients that failed with their line;
+    an accepted client's new state is committed to the store (its uplink is in, so it is the truth)."""
+    uplinks: dict[int, Any] = {}  # a payload each; check_uplinks refuses anything else
+    stats: dict[int, dict[str, float]] = {}
+    failed: dict[int, str] = {}
+    for _, (results, state_refs, worker) in trained.results.items():
+        states = state_refs or (None,) * len(results)
+        result: ClientResult
+        for result, state_ref in zip(results, states, strict=True):
+            if result.error is not None:
+                failed[result.client] = result.error
+                continue
+            if state_ref is not None:
+                store.commit(result.client, state_ref, worker)
+            uplinks[result.client], stats[result.client] = result.uplink, result.stats
+    for clients, error in trained.failed.items():
+        failed.update(dict.fromkeys(clients, error))
+    return dict(sorted(uplinks.items())), stats, failed
