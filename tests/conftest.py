@@ -55,6 +55,17 @@ def client_actor(ray_session):
     ray_session.kill(actor)
 
 
+def one_torch_thread():
+    """The test machine is shared: one intra-op thread avoids oversubscription stalls (a module's
+    autouse fixture: ``_one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)``)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def isolated_home(tmp_path, monkeypatch):
     """Default data root and cache fallback live under HOME: keep the user's out of the tests."""

@@ -11,6 +11,7 @@ from functools import cache
 
 import pytest
 import torch
+from conftest import one_torch_thread
 from torch import nn
 
 from fedray.platform.errors import ConfigError
@@ -72,13 +73,7 @@ REAL = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The test machine is shared: one intra-op thread avoids oversubscription stalls."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
 
 
 @cache

@@ -13,6 +13,7 @@ import pickle
 
 import pytest
 import torch
+from conftest import one_torch_thread
 from torch import nn
 
 from fedray.platform.errors import ConfigError
@@ -40,13 +41,7 @@ SENT140 = InputShape.text(vocab=10_000, length=25)
 TEXT_ARCHS = ["leaf_lstm", "sent140_lstm"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The test machine is shared: one intra-op thread avoids oversubscription stalls."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
 
 
 def _build(arch: str, shape: InputShape, num_classes: int, seed: int = 0, **kw) -> FedModel:
