@@ -462,6 +462,26 @@ def test_min_samples_counts_as_leafs_k_before_the_split(tmp_path):
     one_line(err, "has 3 users with at least data.leaf.min_samples=")
 
 
+@pytest.mark.parametrize(("task", "layout"), [("shakespeare", "split"), ("femnist", "all_data")])
+def test_too_few_qualifying_users_is_found_before_any_sample_is_decoded(tmp_path, monkeypatch, task, layout):
+    write = {"shakespeare": write_shakespeare, "femnist": write_femnist}[task]
+    root = write(tmp_path, users=4, layout=layout)
+    clients = load_dataset(cfg_for(task, root)).clients
+    source = source_of(cfg_for(task, root))
+    assert sorted(source.user_sizes(cfg_for(task, root))) == sorted(u.num_samples for u in clients)
+
+    def no_decode(*_args):
+        raise AssertionError("the pre-flight decoded the data")
+
+    monkeypatch.setattr(leaf_source.LeafSource, "decode", no_decode)
+    shutil.rmtree(root / ".fedray_cache")  # only the count index may be rebuilt, from the JSON
+    threshold = sorted(u.num_samples for u in clients)[1]  # the smallest user falls below it
+    check_data(natural_cfg(task, root, 3, min_samples=threshold))
+    with pytest.raises(ConfigError) as err:
+        check_data(natural_cfg(task, root, 4, min_samples=threshold))
+    one_line(err, "data.num_clients=4", f"has 3 users with at least data.leaf.min_samples={threshold}")
+
+
 def test_a_natural_client_left_without_training_samples_is_a_one_line_error(tmp_path):
     root = write_sent140(tmp_path, users=8, per_user=(2, 4))
     bundle = load_dataset(cfg_for("sent140", root))

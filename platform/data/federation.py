@@ -176,7 +176,10 @@ def check_data(cfg: DataConfig) -> None:
                 f"data.partition.kind=natural: {cfg.dataset} has no clients of its own (LEAF's femnist, "
                 "shakespeare and sent140 do); use iid, dirichlet, shards or shamsian"
             )
-        return  # how many users qualify is known once the files are read (build_federation)
+        qualify = sum(n >= cfg.leaf.min_samples for n in source.user_sizes(cfg))
+        if cfg.num_clients > qualify:
+            raise too_few_users(cfg, qualify)
+        return
     num_classes = source.num_classes(cfg)
     if p.kind in ("shards", "shamsian") and p.classes_per_client > num_classes:
         raise ConfigError(
@@ -365,6 +368,13 @@ def partitioned(bundle: DatasetBundle, cfg: DataConfig, seed: int) -> Federation
     return _assemble(bundle, client_ids, global_test, provenance)
 
 
+def too_few_users(cfg: DataConfig, qualify: int) -> ConfigError:
+    return ConfigError(
+        f"data.num_clients={cfg.num_clients}: {cfg.dataset} has {qualify} users with at least "
+        f"data.leaf.min_samples={cfg.leaf.min_samples} samples; ask for at most {qualify}"
+    )
+
+
 def kept_users(bundle: DatasetBundle, cfg: DataConfig, seed: int) -> list[NaturalClient]:
     """The dataset's users a ``natural`` federation keeps: those with at least ``data.leaf.min_samples``
     samples as LEAF's ``-k`` counts them (before its train/test split), and one to train on;
@@ -373,10 +383,7 @@ def kept_users(bundle: DatasetBundle, cfg: DataConfig, seed: int) -> list[Natura
         u for u in bundle.clients or [] if len(u.train_ids) > 0 and u.num_samples >= cfg.leaf.min_samples
     ]
     if cfg.num_clients > len(users):
-        raise ConfigError(
-            f"data.num_clients={cfg.num_clients}: {bundle.name} has {len(users)} users with at least "
-            f"data.leaf.min_samples={cfg.leaf.min_samples} samples; ask for at most {len(users)}"
-        )
+        raise too_few_users(cfg, len(users))
     if cfg.num_clients < len(users):
         picked = numpy_rng("data/natural_users", seed).choice(len(users), cfg.num_clients, replace=False)
         users = [users[i] for i in np.sort(picked)]

@@ -67,6 +67,11 @@ class Source:
         changes what is decoded."""
         return self.name
 
+    def user_sizes(self, cfg: DataConfig) -> list[int]:
+        """A ``natural`` source's users with a sample to train on, each one's sample count as its
+        ``min_samples`` filter counts it, from metadata (the natural partition's pre-flight)."""
+        raise NotImplementedError(f"{self.name} has no clients of its own")
+
     def provides_embeddings(self, cfg: DataConfig) -> bool:
         """Whether the bundle carries pretrained token vectors the model must take (Sent140 with GloVe)."""
         return False

@@ -285,14 +285,24 @@ class LeafSource(Source):
         fraction = "" if self.layout(cfg).split else f"-tf{cfg.leaf.train_fraction:g}"
         return f"{self.name}{fraction}{self.token_key(cfg)}"
 
-    def sizes(self, cfg: DataConfig) -> tuple[int, int]:
-        """Official train and test sizes from the users' sample counts (see the module docstring's Cost)."""
+    def split_sizes(self, cfg: DataConfig) -> list[tuple[int, int]]:
+        """Each user's ``(train, held-out)`` sample counts from the count index (see the module
+        docstring's Cost); ``(0, 0)`` for a user an unsplit file's split would drop."""
         layout = self.layout(cfg)
         index = cached(layout.root, f"{self.name}-index", layout.files, lambda: self.count(layout))
         if layout.split:
-            return sum(index["train"]), sum(index["test"])
-        pairs = [split_counts(n, cfg.leaf.train_fraction, self.gap) for n in index["all"]]
+            return list(zip(index["train"], index["test"]))
+        return [split_counts(n, cfg.leaf.train_fraction, self.gap) for n in index["all"]]
+
+    def sizes(self, cfg: DataConfig) -> tuple[int, int]:
+        """Official train and test sizes from the users' sample counts."""
+        pairs = self.split_sizes(cfg)
         return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+
+    def user_sizes(self, cfg: DataConfig) -> list[int]:
+        """The users with a sample to train on, each counted as LEAF's ``-k`` counts (before the split:
+        train, held-out and the ``gap`` between them), as :class:`NaturalClient.num_samples` is."""
+        return [train + test + self.gap for train, test in self.split_sizes(cfg) if train > 0]
 
     def count(self, layout: Layout) -> dict[str, Any]:
         """The index of sample counts: parses the files, converts nothing."""
