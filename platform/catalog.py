@@ -16,6 +16,7 @@ from fedray.platform.data.federation import parse_normalize
 from fedray.platform.data.sources import SourceInfo, dataset_info, source_of, unknown_dataset
 from fedray.platform.errors import ConfigError
 from fedray.platform.models import (
+    DESCRIBE,
     InputShape,
     is_known_model,
     model_group,
@@ -44,9 +45,9 @@ def check_model_reads_the_data(cfg: ExperimentConfig) -> None:
     data = source_of(cfg.data).modality
     model = model_modality(cfg.model.group)
     if model != data:
-        kind = "text (token ids)" if data == "text" else "images"
         raise ConfigError(
-            f"model.group={cfg.model.group!r} reads {model}, data.dataset={cfg.data.dataset} is {kind}; "
+            f"model.group={cfg.model.group!r} reads {model}, data.dataset={cfg.data.dataset} is "
+            f"{DESCRIBE[data]}; "
             f"{data} models: {', '.join(models_reading(data))}"
         )
 

@@ -26,7 +26,7 @@ Names: ``base[:cifar|:imagenet][@K|@linK]`` (see :mod:`.registry`). Groups:
 
 from fedray.platform.models import cnn, leaf, resnet, torchvision_adapters  # noqa: F401  (registers the zoo)
 from fedray.platform.models.base import FeaturePool, FedModel, head_param_names, num_params
-from fedray.platform.models.inputs import InputShape
+from fedray.platform.models.inputs import DESCRIBE, InputShape
 from fedray.platform.models.registry import (
     ArchSpec,
     arch_for_client,
@@ -63,6 +63,7 @@ register_group("small_hetero", ["cnn_small@128", "cnn_small_wide@128", "cnn_smal
 register_group("fedsc_mobilenet", ["mobilenet_v2@lin512"])
 
 __all__ = [
+    "DESCRIBE",
     "ArchSpec",
     "FeaturePool",
     "FedModel",

@@ -158,11 +158,13 @@ def start_pool(
     """The worker pool over the driver's workers, each set up for this run (a replacement is started
     and set up the same way), and the device each one trains on."""
 
+    meta_ref = ray.put(meta)  # one object-store copy for every worker, not one per call
+
     def spawn():
         worker = start_worker(cfg, options)
-        return worker, worker.setup.remote(meta)  # runs before any job: an actor's calls run in order
+        return worker, worker.setup.remote(meta_ref)  # runs before any job: an actor's calls run in order
 
-    devices = [info["device"] for info in ray.get([w.setup.remote(meta, cfg) for w in workers])]
+    devices = [info["device"] for info in ray.get([w.setup.remote(meta_ref, cfg) for w in workers])]
     node = ray.get_runtime_context().get_node_id()  # where this process holds client states
     # a worker per client keeps each client's module for the run, when clients keep state
     pinned = commits and len(workers) >= cfg.data.num_clients

@@ -36,7 +36,7 @@ from fedray.platform.data import (
 )
 from fedray.platform.data.split_file import dumps_split, federation_to_split
 from fedray.platform.errors import ConfigError, first_line
-from fedray.platform.models import arch_for_client, build_for
+from fedray.platform.models import arch_for_client
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.checkpoint import (
     checkpoint_dir_of,
@@ -50,6 +50,7 @@ from fedray.platform.runtime.process_roles import set_up_driver
 from fedray.platform.runtime.processes import KeptRuntime, Runtime, start_runtime
 from fedray.platform.runtime.progress import Progress, mb
 from fedray.platform.runtime.session import RunSession
+from fedray.platform.runtime.worker import model_of_arch
 from fedray.platform.tracking.dataset import federation_dataset
 from fedray.platform.tracking.descriptions import run_description
 from fedray.platform.tracking.mlflow_run import RunTracker
@@ -270,13 +271,15 @@ class CoordinatorHandle:
     def __init__(self, cfg: ExperimentConfig, fed: Federation, trial: Trial) -> None:
         self.cfg, self.fed, self.trial = cfg, fed, trial
         self.shard_refs = [ray.put(shard) for shard in fed.shards]  # the driver's: they outlive a Coordinator
+        # one object-store copy for every (re)started Coordinator (Sent140's word vectors can be large)
+        self.meta_ref = ray.put(federation_meta(fed))
         self.runtime, self.ready = self.launch()
         self.run_ref: Any = None
 
     def launch(self) -> tuple[Runtime, Any]:
         runtime = start_runtime(self.cfg, self.trial.placement_group, self.trial.num_actors)
         ready = runtime.coordinator.setup.remote(
-            self.cfg, federation_meta(self.fed), self.shard_refs, self.fed.global_test, runtime.workers,
+            self.cfg, self.meta_ref, self.shard_refs, self.fed.global_test, runtime.workers,
             runtime.worker_options,
         )  # fmt: skip
         return runtime, ready
@@ -424,9 +427,10 @@ def log_final(
     cfg, step = result.config, len(result.history)
     example = normalize(fed.global_test.x[:2], fed.mean, fed.std)  # two real test samples
 
+    meta = federation_meta(fed)
+
     def model_of(client: int, state: dict) -> torch.nn.Module:
-        arch = arch_for_client(cfg.model.group, client)
-        model = build_for(arch, model_inputs(fed.info()), fed.num_classes, embeddings=fed.embeddings)
+        model = model_of_arch(arch_for_client(cfg.model.group, client), meta)
         model.load_state_dict(state)
         return model
 

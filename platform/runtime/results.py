@@ -18,7 +18,6 @@ def run_summary(finished: bool, server: Server, record: LoopRecord) -> dict[str,
     model = server.global_model()
     return {
         "finished": finished,
-        "rounds_done": len(record.history),
         "history": record.history,
         "client_acc": record.client_acc,
         "global_model": None if model is None else {k: v.cpu() for k, v in model.state_dict().items()},

@@ -350,7 +350,7 @@ class ClientHost:
         if first:
             payload = ReadKeys(payload)
         module.begin_round(rnd, payload)
-        if isinstance(payload, ReadKeys):
+        if isinstance(payload, ReadKeys):  # the first client with these keys (narrows the type too)
             check_downlink_read(self.spec.name, module, payload)
         if written is not None:
             require_overwritten(self.spec.name, module, written)
