@@ -9,8 +9,6 @@ line saying how to resume, and the record is closed with the right status in eve
 from __future__ import annotations
 
 import contextlib
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,6 +17,7 @@ import ray
 
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.errors import ConfigError, first_line
+from fedray.platform.interrupts import stops_as_interrupt
 from fedray.platform.tracking.mlflow_run import RunTracker
 from fedray.platform.tracking.names import Metrics, Tags
 from fedray.platform.tracking.outage import TrackingUnavailable
@@ -36,24 +35,6 @@ def restarted(cfg: ExperimentConfig) -> str:
 def device_tags(devices: list[str]) -> dict[str, str]:
     """What the run's clients trained on (tag ``device``) and how many workers trained them."""
     return {Tags.DEVICE: "; ".join(sorted(set(devices))), Tags.WORKERS: str(len(devices))}
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    """SIGTERM (a scheduler preempting the job) stops the run as Ctrl-C does: marked KILLED, with
-    the resume line. Only the main thread can take signals (a Tune trial runs in another)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 class RunSession:
@@ -103,39 +84,43 @@ class RunSession:
     @contextlib.contextmanager
     def guard(self, release: Callable[[bool], None]) -> Iterator[RunSession]:
         """Run the body; map what stops it to its one line; close the record; then ``release(done)``
-        the run's processes (stopped, or kept for the driver's next run when it went well)."""
-        try:
-            with sigterm_as_interrupt():
-                yield self
-        except ray.exceptions.RayTaskError as err:
-            if isinstance(err.cause, ConfigError):  # an algorithm that breaks the contract: its one line
-                raise err.cause from None
-            raise
-        except ray.exceptions.RayActorError as err:
-            self.status = "FAILED"
-            if self.tracker is None:
-                raise
-            raise RunAborted(
-                f"the Coordinator process died ({first_line(err)}){restarted(self.cfg)}; "
-                f"resume from the last checkpoint with  fedray run --resume {self.tracker.run_id}"
-            ) from None
-        except TrackingUnavailable as err:
-            self.status, self.outage = "KILLED", True
-            if self.tracker is None:  # only the tracker's writes wait out an outage: it exists
-                raise
-            raise RunAborted(
-                f"{err}: the run stopped as Ctrl-C stops it; resume with  fedray run --resume {self.tracker.run_id}"
-            ) from None
-        except KeyboardInterrupt:
-            self.status = "KILLED"
-            if self.tracker is not None:
-                print(f"\ninterrupted: resume with  fedray run --resume {self.tracker.run_id}", flush=True)
-            raise
-        finally:
+        the run's processes (stopped, or kept for the driver's next run when it went well). Ctrl-C and
+        SIGTERM stop the body, and the closing too, between tracking writes, never inside one."""
+        with stops_as_interrupt():
             try:
-                self.close()
-            finally:  # whatever MLflow did, the run's processes end, or wait for the next if it went well
-                release(self.wall_s is not None)
+                yield self
+            except ray.exceptions.RayTaskError as err:
+                if isinstance(err.cause, ConfigError):  # an algorithm that breaks the contract: its line
+                    raise err.cause from None
+                raise
+            except ray.exceptions.RayActorError as err:
+                self.status = "FAILED"
+                if self.tracker is None:
+                    raise
+                raise RunAborted(
+                    f"the Coordinator process died ({first_line(err)}){restarted(self.cfg)}; "
+                    f"resume from the last checkpoint with  fedray run --resume {self.tracker.run_id}"
+                ) from None
+            except TrackingUnavailable as err:
+                self.status, self.outage = "KILLED", True
+                if self.tracker is None:  # only the tracker's writes wait out an outage: it exists
+                    raise
+                raise RunAborted(
+                    f"{err}: the run stopped as Ctrl-C stops it; resume with  "
+                    f"fedray run --resume {self.tracker.run_id}"
+                ) from None
+            except KeyboardInterrupt:
+                self.status = "KILLED"
+                if self.tracker is not None:
+                    print(
+                        f"\ninterrupted: resume with  fedray run --resume {self.tracker.run_id}", flush=True
+                    )
+                raise
+            finally:
+                try:
+                    self.close()
+                finally:  # whatever MLflow did, the run's processes end, or wait for the next if it went well
+                    release(self.wall_s is not None)
 
     def close(self) -> None:
         if self.monitor is not None:  # a failed run: its last sample is best effort

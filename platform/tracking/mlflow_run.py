@@ -18,6 +18,7 @@ from pathlib import Path
 
 from fedray.platform.config import ExperimentConfig, config_yaml, flatten
 from fedray.platform.errors import ConfigError, first_line
+from fedray.platform.interrupts import deferred
 from fedray.platform.tracking.descriptions import partition_names
 from fedray.platform.tracking.names import Metrics, Tags
 from fedray.platform.tracking.outage import PatientCalls, shorten_http_retries, unreachable
@@ -94,19 +95,21 @@ class RunTracker:
         self.client = MlflowClient(tracking_uri=self.uri)
         # every write once the run exists waits out an outage of the tracking server (bounded)
         self.patient = PatientCalls(self.uri, cfg.tracking.max_outage_s)
+        with deferred():  # not retried (a store down at the start fails the run), but never cut short
+            self.run_id, self.experiment_id = self._open(cfg, run_id, parent_run_id, extra_tags, start_time)
+
+    def _open(self, cfg, run_id, parent_run_id, extra_tags, start_time) -> tuple[str, str]:
+        """The run to log into: ``run_id`` set running again, or a new one."""
         if run_id is not None:
-            self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")
-            self.experiment_id = self.client.get_run(run_id).info.experiment_id
-            return
-        self.experiment_id = experiment_id(self.client, cfg.tracking.experiment or cfg.name, self.uri)
+            return run_id, self.client.get_run(run_id).info.experiment_id
+        experiment = experiment_id(self.client, cfg.tracking.experiment or cfg.name, self.uri)
         tags = {**run_tags(cfg), **(extra_tags or {})}
         name = tags.pop(Tags.RUN_NAME, None) or run_name(cfg)  # a caller may name the run
         if parent_run_id:
             tags[Tags.PARENT_RUN_ID] = parent_run_id
         start_ms = None if start_time is None else int(start_time * 1000)
-        run = self.client.create_run(self.experiment_id, start_ms, tags, name)
-        self.run_id = run.info.run_id
+        return self.client.create_run(experiment, start_ms, tags, name).info.run_id, experiment
 
     # ---- params, metrics, artifacts
     def log_params(self, cfg: ExperimentConfig) -> None:
@@ -249,8 +252,12 @@ class SystemMetrics:
         self.monitor.start()
 
     def finish(self) -> None:
-        self.monitor.finish()  # stops the sampling thread
-        self.monitor.collect_metrics()
+        with deferred():  # both steps write to the store
+            self.monitor.finish()  # stops the sampling thread, and sends what it holds
+            self.monitor.collect_metrics()
+            self._last_sample()
+
+    def _last_sample(self) -> None:
         try:
             self.monitor.publish_metrics(self.monitor.aggregate_metrics())
             self.monitor.mlflow_logger.flush()
@@ -283,7 +290,8 @@ def recorded_checkpoint_dir(run_id: str, uri: str | None = None) -> str | None:
 
     uri = uri or tracking_uri()
     try:
-        run = MlflowClient(tracking_uri=uri).get_run(run_id)
+        with deferred():  # a resume reads it while the run's signals are taken
+            run = MlflowClient(tracking_uri=uri).get_run(run_id)
     except MlflowException:
         raise ConfigError(f"--resume {run_id}: no such run in the MLflow store {uri}") from None
     return run.data.tags.get(Tags.CHECKPOINT_DIR)

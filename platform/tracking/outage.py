@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fedray.platform.errors import first_line
+from fedray.platform.interrupts import deferred
 
 T = TypeVar("T")
 RETRY_S = 2.0  # between tries while the server does not answer
@@ -58,7 +59,8 @@ def unreachable(err: BaseException) -> bool:
 
 class PatientCalls:
     """Runs MLflow writes, retrying while the server does not answer; says when it goes and comes
-    back; raises :class:`TrackingUnavailable` once it has been down ``max_outage_s``."""
+    back; raises :class:`TrackingUnavailable` once it has been down ``max_outage_s``. A Ctrl-C lands
+    between calls, never inside one (see :mod:`fedray.platform.interrupts`)."""
 
     def __init__(self, uri: str, max_outage_s: float, warn: Callable[[str], None] | None = None) -> None:
         self.uri = uri
@@ -70,7 +72,8 @@ class PatientCalls:
     def __call__(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         while True:
             try:
-                out = fn(*args, **kwargs)
+                with deferred():
+                    out = fn(*args, **kwargs)
             except Exception as err:
                 if not unreachable(err):
                     raise
