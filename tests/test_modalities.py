@@ -1,22 +1,32 @@
 """Every shipped algorithm on both modalities: two rounds on FEMNIST-format files (images, natural
-clients) and on Shakespeare-format files (token ids, LEAF's LSTM), in the test's process; one real
-``fedray run`` (Ray actors, MLflow) on Shakespeare; and the one-line refusals of image-only options and
-of a model of the other modality."""
+clients) and on Shakespeare-format files (token ids, LEAF's LSTM), in the test's process; Sent140 with
+frozen GloVe vectors kept out of every server state; one real ``fedray run`` (Ray actors, MLflow) on
+Shakespeare; and the one-line refusals of image-only options and of a model of the other modality."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import tiny_overrides
-from in_process import train_rounds
-from leaf_files import write_femnist, write_shakespeare
+from in_process import tensors, train_rounds
+from leaf_files import (
+    NEGATIVE,
+    NEUTRAL,
+    POSITIVE,
+    write_femnist,
+    write_glove,
+    write_sent140,
+    write_shakespeare,
+)
 
 from fedray.platform.api.registry import registered_by
 from fedray.platform.catalog import load_config
 from fedray.platform.errors import ConfigError
+from fedray.platform.runtime.coordinator import build_server
+from fedray.platform.runtime.driver import federation_meta, prepare_federation
 
 SHIPPED = registered_by("fedray.algorithms")
 # the model each modality's run trains: small enough for two CPU rounds of every algorithm
-MODEL = {"femnist": "cnn_small", "shakespeare": "leaf_lstm@64"}
+MODEL = {"femnist": "cnn_small", "shakespeare": "leaf_lstm@64", "sent140": "sent140_lstm"}
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +69,20 @@ def test_every_algorithm_trains_two_rounds_on_each_modality(algorithm, dataset, 
     cfg = leaf_config(dataset, leaf_roots[dataset], algorithm=algorithm, **extra)
     scores = train_rounds(cfg, 2)
     assert scores and all(total > 0 and 0 <= correct <= total for _, correct, total, _ in scores)
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedcross", "fedprox"])
+def test_frozen_glove_vectors_train_and_stay_out_of_the_server_state(algorithm, tmp_path):
+    """What a server holds is what its payloads and checkpoints carry: the trained weights only."""
+    root = write_sent140(tmp_path, users=6, per_user=(20, 30))
+    glove = write_glove(tmp_path / "glove.txt", [*POSITIVE, *NEGATIVE, *NEUTRAL], dim=300)
+    cfg = leaf_config("sent140", root, algorithm=algorithm, **{"data.leaf.glove": str(glove)})
+    fed = prepare_federation(cfg)
+    assert fed.embeddings is not None and fed.embeddings.shape[1] == 300
+    state = tensors(build_server(cfg, federation_meta(fed)).state_dict())
+    assert any("lstm" in k for k in state) and not any("embedding" in k for k in state), sorted(state)
+    scores = train_rounds(cfg, 2)
+    assert scores and all(total > 0 for _, _, total, _ in scores)
 
 
 def test_a_real_run_on_shakespeare(leaf_roots, ray_session, mlflow_store):

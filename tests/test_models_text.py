@@ -250,33 +250,35 @@ def test_leaf_lstm_learns_to_remember_the_first_token():
 # ------------------------------------------------------------------------------------------ embeddings
 
 
-def test_sent140_embeddings_are_copied_and_frozen():
+def test_sent140_embeddings_are_frozen_and_outside_the_state_dict():
     vocab, dim = 50, 12
     vectors = torch.randn(vocab, dim, generator=torch.Generator().manual_seed(3))
     kept = vectors.clone()
     model = _build("sent140_lstm", InputShape.text(vocab, 7), 2, embeddings=vectors).train()
     emb = model.features.embedding
-    assert tuple(emb.weight.shape) == (vocab, dim) and torch.equal(emb.weight, kept)
-    assert not emb.weight.requires_grad
+    assert torch.equal(emb.vectors, kept) and emb.embedding_dim == dim
     assert model.features.lstm.input_size == dim  # the LSTM reads the given width
-    vectors.zero_()  # a copy: the caller's tensor is not the parameter
-    assert torch.equal(emb.weight, kept)
+    x = _tokens(InputShape.text(vocab, 7), batch=8)
+    assert torch.equal(emb(x), kept[x])  # a lookup of the given rows
+    # not state: no payload, checkpoint or weight comparison carries the table
+    assert not any("embedding" in k for k in model.state_dict())
+    assert emb.vectors.data_ptr() == vectors.data_ptr()  # float32 given: one table for every model
     as_float64 = _build("sent140_lstm", InputShape.text(vocab, 7), 2, embeddings=kept.double())
-    assert as_float64.features.embedding.weight.dtype == torch.float32
-    assert torch.equal(as_float64.features.embedding.weight, kept)
-    # 4*100*(12+100) + 4*100*100 + 2 layers x 2 biases x 400 + dense + head
+    assert as_float64.features.embedding.vectors.dtype == torch.float32
+    assert torch.equal(as_float64.features.embedding.vectors, kept)
+    # 4*100*(12+100) + 4*100*100 + 2 layers x 2 biases x 400 + dense + head: the table is no parameter
     trainable = _lstm_params(dim, 100, 2) + _linear(100, 128) + _linear(128, 2)
-    assert num_params(model, trainable_only=True) == trainable
-    assert num_params(model) == trainable + vocab * dim
+    assert num_params(model, trainable_only=True) == num_params(model) == trainable
+    loaded = _build("sent140_lstm", InputShape.text(vocab, 7), 2, embeddings=kept)
+    loaded.load_state_dict(model.state_dict())  # strict: the state dicts match without the table
 
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
-    x = _tokens(InputShape.text(vocab, 7), batch=8)
     opt.zero_grad()
     nn.functional.cross_entropy(model(x), torch.arange(8) % 2).backward()
     opt.step()
+    assert torch.equal(emb.vectors, kept)  # never trained
     after = model.state_dict()
-    assert torch.equal(after["features.embedding.weight"], before["features.embedding.weight"])
     for key in (
         "features.lstm.weight_ih_l0",
         "features.lstm.weight_hh_l1",

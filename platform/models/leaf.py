@@ -76,7 +76,9 @@ class LastStepLSTM(nn.Module):
     step ``[B, hidden]`` (LEAF's ``outputs[:, -1, :]``, padding or not) -> ``fc`` (identity, or LEAF's
     Sent140 dense layer)."""
 
-    def __init__(self, embedding: nn.Embedding, hidden: int, layers: int, dense: int = 0) -> None:
+    def __init__(
+        self, embedding: nn.Embedding | FrozenEmbedding, hidden: int, layers: int, dense: int = 0
+    ) -> None:
         super().__init__()
         self.embedding = embedding
         self.lstm = nn.LSTM(embedding.embedding_dim, hidden, num_layers=layers, batch_first=True)
@@ -96,13 +98,21 @@ def _learned_embedding(vocab: int, dim: int) -> nn.Embedding:
     return embedding
 
 
-def _frozen_embedding(vectors: Tensor) -> nn.Embedding:
-    """A copy of ``vectors`` ``[vocab, D]`` (float32), not trained (``requires_grad=False``)."""
-    embedding = nn.Embedding(vectors.shape[0], vectors.shape[1])
-    with torch.no_grad():
-        embedding.weight.copy_(vectors.detach())
-    embedding.weight.requires_grad_(False)
-    return embedding
+class FrozenEmbedding(nn.Module):
+    """Given word vectors ``[vocab, D]``, looked up and never trained. They are a buffer outside the
+    ``state_dict`` (``persistent=False``): every model is built with them from the data, so they do not
+    travel in payloads or checkpoints, and algorithms that compare or average weights (FedCross's
+    similarity, FedProx's anchor) see only what is trained. Every client's model shares the one table."""
+
+    vectors: Tensor
+
+    def __init__(self, vectors: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("vectors", vectors.detach().to(torch.float32), persistent=False)
+        self.num_embeddings, self.embedding_dim = vectors.shape
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.embedding(x, self.vectors)
 
 
 @register_model("leaf_cnn", min_size=4, head_init=_tf_dense_head)
@@ -143,7 +153,9 @@ def leaf_lstm(vocab: int, length: int) -> tuple[nn.Module, int]:
     return _leaf_lstm(_learned_embedding(vocab, SHAKESPEARE_EMBED), SHAKESPEARE_HIDDEN)
 
 
-def _leaf_lstm(embedding: nn.Embedding, hidden: int, dense: int = 0) -> tuple[nn.Module, int]:
+def _leaf_lstm(
+    embedding: nn.Embedding | FrozenEmbedding, hidden: int, dense: int = 0
+) -> tuple[nn.Module, int]:
     features = LastStepLSTM(embedding, hidden, layers=2, dense=dense)
     return features, features.out_dim
 
@@ -156,13 +168,14 @@ def sent140_lstm(vocab: int, length: int, embeddings: Tensor | None = None) -> t
     ``outputs[:, -1, :]`` with no activation, then dense ``num_classes`` (the head). Differences: LEAF's
     code learns a ``[vocab + 1, 100]`` embedding (its width is ``n_hidden``; the GloVe array it loads is
     used only for the word -> id table), while its docs describe pretrained 300-d GloVe vectors. Here the
-    embedding is LEAF's code's (100-d, learned) when no vectors are given, or ``embeddings`` ``[vocab, D]`` copied and
-    frozen (``requires_grad=False``), as FedProx's Sent140 port of this model keeps GloVe fixed
+    embedding is LEAF's code's (100-d, learned) when no vectors are given, or ``embeddings`` ``[vocab, D]``
+    frozen (:class:`FrozenEmbedding`: outside the state dict), as FedProx's Sent140 port of this model keeps GloVe fixed
     (github.com/litian96/FedProx ``flearn/models/sent140/stacked_lstm.py``, ``trainable=False``); the
     unknown-word row is the data's to provide. The LSTM's second bias (module docstring).
     """
+    embedding: nn.Embedding | FrozenEmbedding
     if embeddings is None:
         embedding = _learned_embedding(vocab, SENT140_EMBED)
     else:
-        embedding = _frozen_embedding(embeddings)
+        embedding = FrozenEmbedding(embeddings)
     return _leaf_lstm(embedding, SENT140_HIDDEN, dense=SENT140_DENSE)
