@@ -1,6 +1,12 @@
-"""Dispatch policy of the worker pool, without Ray: which job an idle worker takes next."""
+"""Dispatch policy of the worker pool, without Ray: which job an idle worker takes next, and what a
+round's training calls carry."""
 
+import pytest
+
+from fedray.platform.runtime import dispatch
+from fedray.platform.runtime.dispatch import TrainingDispatch
 from fedray.platform.runtime.pool import Job, WorkerPool
+from fedray.platform.runtime.state_store import StateStore
 
 
 def jobs(*prefers):
@@ -42,3 +48,26 @@ def test_a_pinned_client_runs_elsewhere_while_its_worker_waits_for_a_node():
     pool.placing[1] = "set-up of a replacement no node has room for yet"
     assert pool.pick(jobs((1, 1)), 0).key == 0
     assert pool.pick(jobs((0, 0)), 1) is None  # a client whose worker runs still waits for it
+
+
+@pytest.mark.parametrize("commits", [False, True])
+def test_a_broadcast_is_put_in_the_object_store_once_a_round(monkeypatch, commits):
+    """50 clients sharing one downlink: one object, so each worker reads it once (it keys what it
+    read by the object's ref); per-client downlinks: one object each."""
+    stored = []
+    monkeypatch.setattr(dispatch.ray, "put", lambda value: stored.append(value) or f"ref{len(stored)}")
+    pool = WorkerPool(["w0", "w1"], spawn=lambda: ("new", None), pinned=False)
+    clients = list(range(50))
+    training = TrainingDispatch(pool, StateStore(), [f"shard{c}" for c in clients], [50] * 50, commits)
+    broadcast = {"model": "the global state"}
+
+    jobs = training.jobs(0, clients, dict.fromkeys(clients, broadcast))
+    assert stored == [broadcast]
+    sent = [boxed for job in jobs for boxed in job.args[2]]
+    assert len(sent) == 50 and all(boxed == ["ref1"] for boxed in sent)
+
+    stored.clear()
+    own = {c: {"model": f"state of {c}"} for c in clients}
+    jobs = training.jobs(1, clients, own)
+    assert sorted(map(str, stored)) == sorted(map(str, own.values()))
+    assert len({boxed[0] for job in jobs for boxed in job.args[2]}) == 50

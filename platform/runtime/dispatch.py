@@ -67,7 +67,14 @@ class TrainingDispatch:
         first, small ones several per call (:func:`call_groups`); one object-store copy per distinct
         downlink."""
         sizes = self.sizes
-        refs: dict[int, Any] = {}
+        refs: dict[int, Any] = {}  # id of a downlink -> its one object-store copy
+
+        def stored(payload: Payload) -> Any:
+            # a broadcast is one object for the round: one put here, one read per worker
+            if id(payload) not in refs:
+                refs[id(payload)] = ray.put(payload)
+            return refs[id(payload)]
+
         by_worker: dict[Any, list[int]] = {}
         for cid in sorted(selected, key=lambda c: (-sizes[c], c)):
             by_worker.setdefault(self.affinity(cid), []).append(cid)
@@ -75,7 +82,7 @@ class TrainingDispatch:
         for prefer, cids in by_worker.items():
             for group in call_groups(cids, sizes, len(self.pool)):
                 tasks = [self.store.task(c, self.shards[c]) for c in group]
-                payloads = [[refs.setdefault(id(downlinks[c]), ray.put(downlinks[c]))] for c in group]
+                payloads = [[stored(downlinks[c])] for c in group]
                 returns = 1 + len(group) if self.commits else 1
                 jobs.append(Job(tuple(group), "train", (rnd, tasks, payloads), prefer, returns=returns))
         return sorted(jobs, key=lambda job: (-sizes[job.key[0]], job.key[0]))
