@@ -22,6 +22,7 @@ from fedray.platform.api.contract import check_uplinks, holds_tensor
 from fedray.platform.api.registry import available, get
 from fedray.platform.catalog import load_config
 from fedray.platform.errors import CheckpointError, ConfigError
+from fedray.platform.runtime.coordinator import check_evaluable
 from fedray.platform.runtime.driver import run_experiment
 from fedray.platform.runtime.state_store import ClientTask
 
@@ -326,3 +327,19 @@ def test_global_evaluation_needs_a_model_in_the_payload():
     with pytest.raises(ContractError) as err:
         global_model_evaluation(ClientModule, {"header": torch.zeros(2)})
     assert "ClientModule.eval_mode is 'global', but the server's eval_payload has no 'model'" in one_line(err)
+
+
+class HeaderOnlyServer(Server):
+    def eval_payload(self):
+        return {"header": torch.zeros(2)}
+
+
+def test_a_global_evaluation_without_a_model_is_refused_when_the_run_is_set_up():
+    """The Coordinator's set-up asks the server for its evaluation payload: the line comes before any
+    round trains, not at the first evaluation."""
+    server = HeaderOnlyServer(server_ctx())
+    with pytest.raises(ContractError) as err:
+        check_evaluable("header_only", ClientModule, True, server)
+    assert "ClientModule.eval_mode is 'global', but the server's eval_payload has no 'model'" in one_line(err)
+    check_evaluable("header_only", OwnEval, True, server)  # a client tested with its own module
+    check_evaluable("fedavg", FedAvgClient, False, FedAvgServer(server_ctx()))

@@ -20,7 +20,13 @@ import numpy as np
 import ray
 import torch
 
-from fedray.platform.api.algorithm import Server, ServerContext, commits_state
+from fedray.platform.api.algorithm import (
+    ClientModule,
+    Server,
+    ServerContext,
+    commits_state,
+    tests_with_global_model,
+)
 from fedray.platform.api.contract import check_uplinks
 from fedray.platform.api.registry import get as get_algorithm
 from fedray.platform.config import ExperimentConfig, clients_per_round
@@ -143,13 +149,17 @@ def build_server(cfg: ExperimentConfig, meta: dict[str, Any]) -> Server:
     return server
 
 
-def check_evaluable(name: str, commits: bool, server: Server) -> None:
-    """Some model is there to test: the clients keep theirs between rounds, or the server sends one."""
-    if not commits and server.eval_payload() is None:
+def check_evaluable(name: str, client_cls: type[ClientModule], commits: bool, server: Server) -> None:
+    """Some model is there to test: the clients keep theirs between rounds, or the server sends one;
+    and a client tested with the server's model finds it in the payload (checked again at each
+    evaluation, for a server that sends its payload only once it has aggregated)."""
+    payload = server.eval_payload()
+    if not commits and payload is None:
         raise ContractError(
             f"algorithm {name!r}: its client keeps nothing between rounds (keeps_state = "
             "False) but its server sends no evaluation payload, so no client has a model to test"
         )
+    tests_with_global_model(client_cls, payload)  # its one line now, not at the first evaluation
 
 
 def start_pool(
@@ -191,7 +201,7 @@ class RoundLoop:
         self.spec = get_algorithm(cfg.algorithm)
         self.server = build_server(cfg, meta)
         self.commits = commits_state(self.spec.client_cls, cfg)
-        check_evaluable(cfg.algorithm, self.commits, self.server)
+        check_evaluable(cfg.algorithm, self.spec.client_cls, self.commits, self.server)
         self.store = StateStore()
         self.pool, devices = start_pool(cfg, meta, workers, options, self.commits)
         self.training = TrainingDispatch(self.pool, self.store, shard_refs, meta["train_sizes"], self.commits)
