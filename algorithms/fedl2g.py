@@ -106,13 +106,15 @@ def meta_gradient(
     """Eqs. 5-6: the gradient of the quiz CE w.r.t. G through one pseudo SGD step on the study batch.
 
     ``params``: the parameters theta stepped (e.g. ``dict(model.named_parameters())``); they are not
-    modified. The model runs in whatever mode it is in; buffers are cloned, so BatchNorm's
-    running-stat updates are discarded. ``variant``: guide the features (``"f"``) or the logits
+    modified. The model runs in whatever mode it is in; the buffers in its state dict are cloned, so
+    BatchNorm's running-stat updates are discarded (a buffer outside it, a frozen lookup table, is read
+    as it is). ``variant``: guide the features (``"f"``) or the logits
     (``"l"``). Shape: ``G [C, M]``, ``study_batch = (x [B, ...], y [B])``, ``quiz_batch =
     (x [Q, ...], y [Q])`` -> ``pi [C, M]``, zero outside the classes of the study batch.
     """
     G = G.detach().requires_grad_(True)
-    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    state = model.state_dict(keep_vars=True)  # no copy: which buffers are state (not a frozen table)
+    buffers = {k: v.clone() if k in state else v for k, v in model.named_buffers()}
     theta = {k: v if v.requires_grad else v.detach().requires_grad_(True) for k, v in params.items()}
     (xs, ys), (xq, yq) = study_batch, quiz_batch
 
@@ -233,9 +235,7 @@ class FedL2GClient(ClientModule):
         self.model.train()
         pi = meta_gradient(
             self.model,
-            {
-                k: p for k, p in self.model.named_parameters() if p.requires_grad
-            },  # what SGD steps (not frozen embeddings)
+            {k: p for k, p in self.model.named_parameters() if p.requires_grad},  # what SGD steps
             self.guide,
             study,
             quiz,

@@ -55,21 +55,45 @@ def test_the_handlers_are_put_back_after_the_run():
     assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
-def test_outside_the_main_thread_a_write_raises_nothing_of_its_own():
-    """A Tune trial's thread takes no signals: its writes neither hold nor raise one."""
+def test_a_second_signal_during_a_write_is_raised_at_once():
+    """Ctrl-C pressed twice (or a tracking store that does not answer) is not held."""
+    steps = []
+    with stops_as_interrupt(), pytest.raises(KeyboardInterrupt), deferred():
+        signal_self(signal.SIGINT)
+        steps.append("held")
+        signal_self(signal.SIGINT)
+        steps.append("not held")
+    assert steps == ["held"]
+    with stops_as_interrupt(), deferred():  # served: nothing is left pending for the next run
+        steps.append("next run")
+    assert steps == ["held", "next run"]
+
+
+def test_a_write_in_another_thread_holds_no_signal_of_the_main_thread():
+    """A Tune trial's thread writes to MLflow too: a signal that lands meanwhile still stops the main
+    thread at once, and the trial's thread raises nothing."""
+    writing, done = threading.Event(), threading.Event()
     errors = []
 
     def trial():
         try:
-            with stops_as_interrupt(), deferred():
-                pass
+            with deferred():
+                writing.set()
+                done.wait(10)
         except BaseException as err:  # the assertion below names it
             errors.append(err)
 
     thread = threading.Thread(target=trial)
-    thread.start()
-    thread.join()
-    assert errors == []
+    after = []
+    with stops_as_interrupt():
+        thread.start()
+        writing.wait(10)
+        with pytest.raises(KeyboardInterrupt):
+            signal_self(signal.SIGTERM)
+            after.append("ran on")
+        done.set()
+        thread.join()
+    assert after == [] and errors == []
 
 
 def test_sigterm_at_any_moment_of_the_logging_leaves_the_sqlite_store_writable(tmp_path, monkeypatch):

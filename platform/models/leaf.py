@@ -102,7 +102,8 @@ class FrozenEmbedding(nn.Module):
     """Given word vectors ``[vocab, D]``, looked up and never trained. They are a buffer outside the
     ``state_dict`` (``persistent=False``): every model is built with them from the data, so they do not
     travel in payloads or checkpoints, and algorithms that compare or average weights (FedCross's
-    similarity, FedProx's anchor) see only what is trained. Every client's model shares the one table."""
+    similarity, FedProx's anchor) see only what is trained. On the CPU every model shares the one table
+    (``.to(device)`` gives a GPU model its own copy)."""
 
     vectors: Tensor
 

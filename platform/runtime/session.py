@@ -17,7 +17,7 @@ import ray
 
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.errors import ConfigError, first_line
-from fedray.platform.interrupts import stops_as_interrupt
+from fedray.platform.interrupts import deferred, stops_as_interrupt
 from fedray.platform.tracking.mlflow_run import RunTracker
 from fedray.platform.tracking.names import Metrics, Tags
 from fedray.platform.tracking.outage import TrackingUnavailable
@@ -51,16 +51,20 @@ class RunSession:
         self.outage = False  # the tracking server stayed down past tracking.max_outage_s
 
     def open(self) -> RunTracker:
-        self.tracker = RunTracker(
-            self.cfg, parent_run_id=self.parent_run_id, extra_tags=self.tags, start_time=self.started
-        )
+        with deferred():  # a Ctrl-C meanwhile lands once the run is ours to close (as KILLED)
+            self.tracker = RunTracker(
+                self.cfg, parent_run_id=self.parent_run_id, extra_tags=self.tags, start_time=self.started
+            )
         return self.tracker
 
     def reopen(self, run_id: str) -> RunTracker:
         """The interrupted run's MLflow run, to log into again; its earlier segments' wall time counts."""
-        tracker = RunTracker(self.cfg, run_id=run_id, parent_run_id=self.parent_run_id, extra_tags=self.tags)
-        self.earlier_s = tracker.latest(Metrics.TIME_WALL_S) or 0.0
-        self.tracker = tracker  # only now: an interrupt before this leaves the run as it was
+        with deferred():  # as in open(): reopened is RUNNING, so it is closed again whatever happens
+            tracker = RunTracker(
+                self.cfg, run_id=run_id, parent_run_id=self.parent_run_id, extra_tags=self.tags
+            )
+            self.earlier_s = tracker.latest(Metrics.TIME_WALL_S) or 0.0
+            self.tracker = tracker
         return tracker
 
     def watch(self, devices: list[str]) -> None:
@@ -123,8 +127,8 @@ class RunSession:
                     release(self.wall_s is not None)
 
     def close(self) -> None:
-        if self.monitor is not None:  # a failed run: its last sample is best effort
-            with contextlib.suppress(Exception):
+        if self.monitor is not None:  # a failed or stopped run: its last sample is best effort
+            with contextlib.suppress(Exception, KeyboardInterrupt):  # the run is stopping already
                 self.monitor.finish()
         if self.tracker is None:
             return

@@ -92,10 +92,10 @@ class RunTracker:
         quiet_mlflow()
         self.uri = tracking_uri(cfg)
         shorten_http_retries(self.uri)
-        self.client = MlflowClient(tracking_uri=self.uri)
         # every write once the run exists waits out an outage of the tracking server (bounded)
         self.patient = PatientCalls(self.uri, cfg.tracking.max_outage_s)
         with deferred():  # not retried (a store down at the start fails the run), but never cut short
+            self.client = MlflowClient(tracking_uri=self.uri)  # a new SQLite store creates its tables
             self.run_id, self.experiment_id = self._open(cfg, run_id, parent_run_id, extra_tags, start_time)
 
     def _open(self, cfg, run_id, parent_run_id, extra_tags, start_time) -> tuple[str, str]:
@@ -226,8 +226,9 @@ def mlflow_globals(uri: str, experiment_id: str):
     saved_env = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID")}
     saved = (utils._tracking_uri, fluent._active_experiment_id)
     try:
-        mlflow.set_tracking_uri(uri)
-        mlflow.set_experiment(experiment_id=experiment_id)
+        with deferred():  # it reads the experiment
+            mlflow.set_tracking_uri(uri)
+            mlflow.set_experiment(experiment_id=experiment_id)
         yield
     finally:
         utils._tracking_uri, fluent._active_experiment_id = saved
@@ -246,9 +247,10 @@ class SystemMetrics:
     def __init__(self, run_id: str, interval_s: float, uri: str) -> None:
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-        self.monitor = SystemMetricsMonitor(
-            run_id, sampling_interval=interval_s, tracking_uri=uri, resume_logging=True
-        )
+        with deferred():  # it reads the run
+            self.monitor = SystemMetricsMonitor(
+                run_id, sampling_interval=interval_s, tracking_uri=uri, resume_logging=True
+            )
         self.monitor.start()
 
     def finish(self) -> None:
