@@ -107,8 +107,8 @@ def test_sigterm_at_any_moment_of_the_logging_leaves_the_sqlite_store_writable(t
         with stops_as_interrupt():
             tracker = RunTracker(cfg)
             timer = threading.Timer(draw.uniform(0.0, 0.03), os.kill, (os.getpid(), signal.SIGTERM))
-            timer.start()
             with pytest.raises(KeyboardInterrupt):
+                timer.start()  # in here: however soon it fires, the interrupt is this block's
                 for step in range(10**6):
                     tracker.log_metrics({f"m{i}": float(step) for i in range(20)}, step=step)
             timer.join()
