@@ -170,9 +170,9 @@ def sent140_lstm(vocab: int, length: int, embeddings: Tensor | None = None) -> t
     code learns a ``[vocab + 1, 100]`` embedding (its width is ``n_hidden``; the GloVe array it loads is
     used only for the word -> id table), while its docs describe pretrained 300-d GloVe vectors. Here the
     embedding is LEAF's code's (100-d, learned) when no vectors are given, or ``embeddings`` ``[vocab, D]``
-    frozen (:class:`FrozenEmbedding`: outside the state dict), as FedProx's Sent140 port of this model keeps GloVe fixed
-    (github.com/litian96/FedProx ``flearn/models/sent140/stacked_lstm.py``, ``trainable=False``); the
-    unknown-word row is the data's to provide. The LSTM's second bias (module docstring).
+    frozen (:class:`FrozenEmbedding`: outside the state dict), as FedProx's Sent140 port of this model
+    keeps GloVe fixed (github.com/litian96/FedProx ``flearn/models/sent140/stacked_lstm.py``,
+    ``trainable=False``); the unknown-word row is the data's to provide. The LSTM's second bias (module docstring).
     """
     embedding: nn.Embedding | FrozenEmbedding
     if embeddings is None:

@@ -237,8 +237,8 @@ def build_for(
     """Build a fresh, randomly initialised zoo model (never pretrained) for inputs of ``shape``.
 
     ``embeddings`` (``[shape.vocab, D]``) are pretrained token vectors for a text model that takes them
-    (``sent140_lstm``); a float32 table is used as it is (never written), not copied. Uses the global torch RNG, so seed before calling for reproducible
-    inits.
+    (``sent140_lstm``); a float32 table is used as it is (never written), not copied. Uses the global
+    torch RNG, so seed before calling for reproducible inits.
     """
     parsed = parse_model_name(arch)
     spec = parsed.spec()

@@ -146,7 +146,7 @@ class Sent140(LeafSource):
     def info(self, cfg: DataConfig) -> SourceInfo:
         """With GloVe the vocabulary is the GloVe words found in the data: known once it is decoded."""
         vocab_size = self.load(cfg).vocab_size if cfg.leaf.glove else RESERVED + cfg.leaf.vocab_size
-        return SourceInfo(2, modality="text", seq_len=MAX_WORDS, vocab_size=vocab_size)
+        return SourceInfo(self.num_classes(cfg), modality="text", seq_len=MAX_WORDS, vocab_size=vocab_size)
 
     def provides_embeddings(self, cfg: DataConfig) -> bool:
         return cfg.leaf.glove is not None
