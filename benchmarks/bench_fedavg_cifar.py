@@ -11,7 +11,10 @@ the FedAvg CNN, both sides on the identical partition, the same clients each rou
   spends per client dominates.
 
 The plain loop uses every core in one process (one model reused, the global state copied in and
-each client's state copied out); fedray uses one ClientActor per core.
+each client's state copied out), its images NCHW as a hand-written loop has them
+(``--plain-memory-format channels_last`` lays them out as fedray's CPU workers do, so the ratio is
+fedray's own overhead); fedray uses one ClientActor per core. Its one-thread time per client is
+measured on both layouts.
 
 ``--mode cold`` (the default) times each side as one fresh command, as a user runs it (``fedray
 run`` starting its own Ray; the plain loop as its own ``python`` process), interleaved ``--cold-repeats``
@@ -62,6 +65,8 @@ from fedray.platform.runtime.driver import Result, ensure_ray, prepare_federatio
 from fedray.platform.runtime.memory import retain_freed_memory
 from fedray.platform.runtime.worker import evaluate_model
 from fedray.platform.tracking.names import Metrics
+
+NCHW = torch.contiguous_format  # how a hand-written loop has its images
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHIVE = cifar10_jpeg_archive(ROOT)
@@ -228,18 +233,21 @@ def is_eval_round(cfg, rnd: int) -> bool:
     return rnd % cfg.eval_every == 0 or rnd == cfg.rounds
 
 
-def plain_fedavg(cfg, on_round=None, client_times: list[float] | None = None) -> float:
+def plain_fedavg(
+    cfg, on_round=None, client_times: list[float] | None = None, layout: torch.memory_format = NCHW
+) -> float:
     """The same FedAvg, written as the single-process loop a researcher would write by hand, from
     the same cached tensors and the same partition: the clients fedray samples each round, one model
     reused, the global model tested when fedray tests it. ``on_round(rnd, seconds, evaluated)`` is
-    called after each round; ``client_times`` collects each client's seconds."""
+    called after each round; ``client_times`` collects each client's seconds; ``layout``: the
+    images' memory format (NCHW, as a hand-written loop has them)."""
     torch.set_num_threads(os.cpu_count() or 1)
     fed = prepare_federation(cfg)
     meta = (fed.in_channels, fed.image_size, fed.num_classes)
     torch.manual_seed(cfg.seed)
     global_model = build_model(cfg.model.group, *meta)
     local = build_model(cfg.model.group, *meta)
-    x_test = normalize(fed.global_test.x, fed.mean, fed.std)
+    x_test = normalize(fed.global_test.x, fed.mean, fed.std).contiguous(memory_format=layout)
     k = clients_per_round(cfg)
     acc = float("nan")
     for rnd in range(cfg.rounds):
@@ -247,7 +255,7 @@ def plain_fedavg(cfg, on_round=None, client_times: list[float] | None = None) ->
         states, weights = [], []
         for cid in sample_clients(cfg.seed, rnd, cfg.data.num_clients, k):
             client_start = time.perf_counter()
-            states.append(train_plain_client(cfg, fed, local, global_model.state_dict(), cid, rnd))
+            states.append(train_plain_client(cfg, fed, local, global_model.state_dict(), cid, rnd, layout))
             weights.append(len(fed.shards[cid].train))
             if client_times is not None:
                 client_times.append(time.perf_counter() - client_start)
@@ -261,11 +269,14 @@ def plain_fedavg(cfg, on_round=None, client_times: list[float] | None = None) ->
     return acc
 
 
-def train_plain_client(cfg, fed, local, global_state, cid: int, rnd: int) -> dict:
-    """One client of the plain loop: its shard normalised, the global state loaded into the one
-    reused model, a fresh SGD, its local epochs, its state copied out."""
+def train_plain_client(
+    cfg, fed, local, global_state, cid: int, rnd: int, layout: torch.memory_format = NCHW
+) -> dict:
+    """One client of the plain loop: its shard normalised (in ``layout``), the global state loaded
+    into the one reused model, a fresh SGD, its local epochs, its state copied out."""
     shard = fed.shards[cid]
-    data = ArrayDataset(normalize(shard.train.x, fed.mean, fed.std), shard.train.y)
+    x = normalize(shard.train.x, fed.mean, fed.std).contiguous(memory_format=layout)
+    data = ArrayDataset(x, shard.train.y)
     local.load_state_dict(global_state)
     t = cfg.train
     opt = torch.optim.SGD(local.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
@@ -277,9 +288,10 @@ def train_plain_client(cfg, fed, local, global_state, cid: int, rnd: int) -> dic
     return {k: v.clone() for k, v in local.state_dict().items()}
 
 
-def plain_one_thread_client_s(cfg, clients: int = 50) -> float:
+def plain_one_thread_client_s(cfg, clients: int = 50, layout: torch.memory_format = NCHW) -> float:
     """The plain loop's median seconds per client on one thread (the yardstick for fedray's
-    ``time/client_s``, which each one-thread ClientActor measures): round 0's clients, trained again."""
+    ``time/client_s``, which each one-thread ClientActor measures): round 0's clients, trained again,
+    their images in ``layout``."""
     torch.set_num_threads(1)
     fed = prepare_federation(cfg)
     meta = (fed.in_channels, fed.image_size, fed.num_classes)
@@ -288,7 +300,7 @@ def plain_one_thread_client_s(cfg, clients: int = 50) -> float:
     times = []
     for cid in sample_clients(cfg.seed, 0, cfg.data.num_clients, clients_per_round(cfg))[:clients]:
         start = time.perf_counter()
-        train_plain_client(cfg, fed, local, global_model.state_dict(), cid, 0)
+        train_plain_client(cfg, fed, local, global_model.state_dict(), cid, 0, layout)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -297,6 +309,7 @@ def plain_one_thread_client_s(cfg, clients: int = 50) -> float:
 
 
 PLAIN_DONE = "plain global accuracy"  # the plain child's last line of the workload itself
+LAYOUTS = {"contiguous": NCHW, "channels_last": torch.channels_last}
 
 
 @dataclass
@@ -309,6 +322,7 @@ class ColdRun:
     peak_pss: int
     rounds: list[float] = field(default_factory=list)  # seconds of each round without evaluation
     client_s: float | None = None
+    client_cl_s: float | None = None  # the plain loop's one-thread client on channels_last images
 
 
 def timed_command(
@@ -356,19 +370,29 @@ def plain_cold(argv: list[str], env: dict[str, str]) -> ColdRun:
     rounds = [
         float(m.group(1)) for line in lines if (m := re.match(r"round \d+/\d+ ([\d.]+)s$", line.strip()))
     ]
-    client = next(
-        float(m.group(1)) for line in lines if (m := re.match(r"one-thread client ([\d.]+)s", line))
+    client, client_cl = (
+        next(
+            float(m.group(1)) for line in lines if (m := re.match(rf"one-thread client{tag} ([\d.]+)s", line))
+        )
+        for tag in ("", " channels_last")
     )
-    return ColdRun(seconds, first, peak, rounds, client)
+    return ColdRun(seconds, first, peak, rounds, client, client_cl)
 
 
-def cold_pairs(name: str, overrides: list[str], repeats: int, tmp: Path) -> None:
+def cold_pairs(name: str, overrides: list[str], repeats: int, tmp: Path, plain_layout: str) -> None:
     """``fedray run`` as one cold command against the plain loop in a fresh process, interleaved."""
     cfg = load_config(None, overrides)
     fedray = str(Path(sys.executable).with_name("fedray"))
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"}
     fed_argv = [fedray, "run", *[o for o in overrides if not o.startswith("progress")], f"storage_path={tmp}"]
-    plain_argv = [sys.executable, __file__, "--plain-child", *overrides]
+    plain_argv = [
+        sys.executable,
+        __file__,
+        "--plain-memory-format",
+        plain_layout,
+        "--plain-child",
+        *overrides,
+    ]
     fed_runs: list[ColdRun] = []
     plain_runs: list[ColdRun] = []
     for rep in range(1, repeats + 1):
@@ -419,22 +443,29 @@ def report_cold(name: str, fed: list[ColdRun], plain: list[ColdRun]) -> None:
         f"time per client: fedray's {Metrics.TIME_CLIENT_S} {1000 * fed_client:.1f} ms (median over runs of each run's "
         f"median) vs the plain loop's one-thread client {1000 * plain_client:.1f} ms: {fed_client / plain_client:.2f}x"
     )
+    plain_cl = med(r.client_cl_s for r in plain)
+    print(
+        f"  the plain loop's one-thread client on channels_last images (as fedray's CPU workers keep them): "
+        f"{1000 * plain_cl:.1f} ms, fedray {fed_client / plain_cl:.2f}x"
+    )
     print(
         f"round 1 ends {med(r.first_round for r in fed) - med(r.first_round for r in plain):+.1f}s after the plain loop's"
     )
 
 
-def plain_child(overrides: list[str]) -> None:
+def plain_child(overrides: list[str], layout: torch.memory_format) -> None:
     """The plain loop as its own process: a line per round with its seconds, as ``fedray run`` prints
-    one, then its one-thread time per client."""
+    one, then its one-thread time per client, on its own layout and on channels_last images."""
     cfg = load_config(None, overrides)
 
     def show(rnd: int, seconds: float, evaluated: bool) -> None:
         print(f"round {rnd}/{cfg.rounds} {seconds:.3f}s{' (evaluated)' if evaluated else ''}", flush=True)
 
-    acc = plain_fedavg(cfg, on_round=show)
+    acc = plain_fedavg(cfg, on_round=show, layout=layout)
     print(f"{PLAIN_DONE} {100 * acc:.2f} %", flush=True)
-    print(f"one-thread client {plain_one_thread_client_s(cfg):.4f}s", flush=True)
+    print(f"one-thread client {plain_one_thread_client_s(cfg, layout=layout):.4f}s", flush=True)
+    cl = plain_one_thread_client_s(cfg, layout=torch.channels_last)
+    print(f"one-thread client channels_last {cl:.4f}s", flush=True)
 
 
 def w1_overrides(root: Path, args) -> list[str]:
@@ -512,10 +543,17 @@ def main() -> None:
         "warm: W1 with both clocks inside this process, Ray up before fedray's starts",
     )
     parser.add_argument("--cold-repeats", type=int, default=5, help="alternating cold pairs per workload")
+    parser.add_argument(
+        "--plain-memory-format",
+        choices=list(LAYOUTS),
+        default="contiguous",
+        help="the plain loop's image layout: contiguous (NCHW, as a hand-written loop has them), or "
+        "channels_last (as fedray's CPU workers keep them: the ratio is then fedray's own overhead)",
+    )
     parser.add_argument("--plain-child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.plain_child is not None:
-        return plain_child(args.plain_child)
+        return plain_child(args.plain_child, LAYOUTS[args.plain_memory_format])
     if args.plain_retains_memory and not retain_freed_memory():
         parser.error("--plain-retains-memory: this C library has no mallopt, or MALLOC_*_THRESHOLD_ is set")
 
@@ -534,7 +572,7 @@ def main() -> None:
     if args.mode in ("cold", "both"):
         for name in chosen:
             with tempfile.TemporaryDirectory() as tmp:
-                cold_pairs(name, workloads[name], args.cold_repeats, Path(tmp))
+                cold_pairs(name, workloads[name], args.cold_repeats, Path(tmp), args.plain_memory_format)
             print()
         if args.mode == "cold":
             return

@@ -114,6 +114,9 @@ class TrainConfig:
     precision: Literal["32", "bf16-mixed", "16-mixed"] = "32"
     tf32: bool = False  # let CUDA matmuls and convolutions round to TF32 (faster, not float32-exact)
     deterministic: bool = True  # on a GPU: deterministic cuDNN / CUDA kernels, so a rerun repeats itself
+    # how a worker lays out images of more than one channel: auto = channels_last on a CPU (oneDNN's
+    # convolutions run faster on it), contiguous (NCHW) on a GPU; the model's parameters stay NCHW
+    memory_format: Literal["auto", "channels_last", "contiguous"] = "auto"
 
 
 @dataclass

@@ -27,4 +27,7 @@ def crop_flip(x: torch.Tensor, gen: torch.Generator, pad: int = PAD) -> torch.Te
     padded = F.pad(x, (pad, pad, pad, pad))
     batch = torch.arange(b, device=x.device)[:, None, None]
     out = padded.permute(0, 2, 3, 1)[batch, rows[:, :, None], cols[:, None, :]]  # [B, H, W, C]
-    return out.permute(0, 3, 1, 2).contiguous()
+    # in the layout it came in: channels_last (a CPU worker's images) is this memory as it is
+    channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    return out.permute(0, 3, 1, 2).contiguous(memory_format=layout)

@@ -81,6 +81,23 @@ def configure_device(device: torch.device, train: TrainConfig, gpu_fraction: flo
         torch.cuda.set_per_process_memory_fraction(gpu_fraction, device)
 
 
+def image_memory_format(train: TrainConfig, device: torch.device) -> torch.memory_format:
+    """How a worker lays out its image tensors (``train.memory_format``). ``auto`` picks channels_last
+    on a CPU, where oneDNN's convolutions run faster on it (a 5-step client of the FedAvg CNN at
+    batch 10 trains in about 0.7 of the time), and NCHW on a GPU, where it is not measured yet."""
+    if train.memory_format == "auto":
+        return torch.channels_last if device.type == "cpu" else torch.contiguous_format
+    return torch.channels_last if train.memory_format == "channels_last" else torch.contiguous_format
+
+
+def laid_out(x: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
+    """``x`` in ``memory_format`` when it is a batch of images of more than one channel; anything
+    else as it is (a one-channel image is the same in either layout, and only 4-D tensors have one)."""
+    if x.dim() != 4 or x.shape[1] == 1:
+        return x
+    return x.contiguous(memory_format=memory_format)
+
+
 class DeviceError(RuntimeError):
     """The worker's device failed (a CUDA error, out of memory twice): the worker is replaced and
     its clients run again elsewhere; it is not the client's fault."""

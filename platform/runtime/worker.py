@@ -38,8 +38,10 @@ from fedray.platform.models import FedModel, arch_for_client, build_for, first_c
 from fedray.platform.runtime.devices import (
     DeviceError,
     configure_device,
+    image_memory_format,
     is_device_error,
     is_out_of_memory,
+    laid_out,
     worker_device,
 )
 from fedray.platform.runtime.local_training import LocalTraining
@@ -206,6 +208,7 @@ class ClientHost:
         self.spec = get_algorithm(cfg.algorithm)
         self.device, self.device_info = worker_device(cfg)
         configure_device(self.device, cfg.train, cfg.ray.num_gpus_per_client)
+        self.memory_format = image_memory_format(cfg.train, self.device)  # of the images it keeps
         self.training = LocalTraining(cfg.train, self.device)
         self.keeps_state = commits_state(self.spec.client_cls, cfg)
         self.modules: LRU = LRU(cfg.ray.cache_clients)  # client -> (version, ClientModule)
@@ -238,15 +241,19 @@ class ClientHost:
         data = self.data.take(task.client)
         if data is None:
             shard: ClientShard = fetch(task.shard)
-            mean, std, device = self.meta["mean"], self.meta["std"], self.device
             data = ClientData(
-                ArrayDataset(normalize(shard.train.x, mean, std).to(device), shard.train.y.to(device)),
-                normalize(shard.test.x, mean, std).to(device),
-                shard.test.y.to(device),
+                ArrayDataset(self.on_device(shard.train.x), shard.train.y.to(self.device)),
+                self.on_device(shard.test.x),
+                shard.test.y.to(self.device),
                 torch.bincount(shard.train.y, minlength=self.meta["num_classes"]),
             )
             self.data.keep(task.client, data)
         return data
+
+    def on_device(self, x: torch.Tensor) -> torch.Tensor:
+        """Raw inputs normalised, on the worker's device, in its memory format (images)."""
+        x = normalize(x, self.meta["mean"], self.meta["std"]).to(self.device)
+        return laid_out(x, self.memory_format)
 
     def arch_model(self, arch: str) -> FedModel:
         """The model every client of ``arch`` shares when clients keep nothing (and the global model
@@ -332,10 +339,21 @@ class ClientHost:
                     continue
                 if is_out_of_memory(err) or is_device_error(err):
                     raise DeviceError(f"client {task.client}: {first_line(err)}") from None
-                return ClientResult(task.client, None, {}, first_line(err)), None
+                return ClientResult(task.client, None, {}, self.explained(err)), None
             state = client_state(module) if self.keeps_state else None
             return ClientResult(task.client, uplink, stats), state
         raise AssertionError("unreachable")
+
+    def explained(self, err: Exception) -> str:
+        """The one line a client's error is reported with; a ``.view`` that fails on the worker's
+        channels_last images says why and what to do."""
+        line = first_line(err)
+        if self.memory_format == torch.channels_last and "view size is not compatible" in line:
+            line += (
+                " (this worker keeps colour images channels_last, train.memory_format: use .reshape, "
+                "or set train.memory_format=contiguous)"
+            )
+        return line
 
     def fit_client(self, task: ClientTask, rnd: int, payload: Payload) -> tuple[Payload, dict, ClientModule]:
         start = time.perf_counter()
@@ -422,8 +440,7 @@ class ClientHost:
             chunk = self.global_chunks.take(index)
             if chunk is None:
                 raw: ArrayDataset = fetch(boxed)
-                x = normalize(raw.x, self.meta["mean"], self.meta["std"]).to(self.device)
-                chunk = (x, raw.y.to(self.device))
+                chunk = (self.on_device(raw.x), raw.y.to(self.device))
                 self.global_chunks.keep(index, chunk)
             x, y = chunk
             out.append((index, *evaluate_model(model, x, y, self.device)))
