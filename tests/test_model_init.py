@@ -108,3 +108,40 @@ def test_the_run_says_how_it_was_initialised():
 def test_an_unknown_init_is_a_one_line_error():
     with pytest.raises(ConfigError, match=r"model\.init"):
         load_config(None, ["model.init=random"])
+
+
+@pytest.mark.parametrize("init", ["shared", "per_client"])
+def test_a_new_client_on_a_worker_that_trained_many_starts_as_on_a_fresh_one(init):
+    """A worker loads new clients into the models of evicted ones (and, shared, copies the one draw
+    it made): the client trains to the bits it trains to on a fresh worker, and the worker keeps a
+    bounded number of spare models however many clients it has taken up."""
+    from fedray.platform.runtime.worker import SPARE_MODELS
+
+    overrides = ("algorithm=fedproto", f"model.init={init}", "ray.cache_clients=2", "train.local_epochs=1")
+    cfg, fed, meta = setup(*overrides, **{"data.num_clients": 12, "data.partition.min_samples": 20})
+    last = 11
+
+    def trained_state(host: ClientHost, cid: int):
+        results, state = host.train(1, [ClientTask(cid, [fed.shards[cid]])], [[{}]])
+        assert results[0].error is None, results[0].error
+        return results[0].uplink, state
+
+    used = ClientHost(cfg, num_threads=1)
+    used.setup(meta)
+    for cid in range(last):
+        trained_state(used, cid)
+    assert sum(len(models) for models in used.spare.values()) <= SPARE_MODELS
+    fresh = ClientHost(cfg, num_threads=1)
+    fresh.setup(meta)
+    for mine, theirs in zip(trained_state(used, last), trained_state(fresh, last), strict=True):
+        flat_mine, flat_theirs = tensors_of(mine), tensors_of(theirs)
+        assert flat_mine.keys() == flat_theirs.keys()
+        assert all(torch.equal(flat_mine[k], flat_theirs[k]) for k in flat_mine)
+
+
+def tensors_of(tree, prefix: str = "") -> dict[str, torch.Tensor]:
+    if torch.is_tensor(tree):
+        return {prefix: tree}
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in tensors_of(value, f"{prefix}.{key}").items()}
+    return {}

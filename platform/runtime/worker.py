@@ -55,6 +55,9 @@ EVAL_CHUNK = 1024
 EVAL_BATCH = 128  # forward passes this size stay in cache; 1024-image batches are about 1.7x slower on a CPU
 DATA_CACHE_BYTES = 2**30  # normalised shards a worker keeps, in bytes (1,700 clients of 50 CIFAR images)
 GLOBAL_CHUNK_CACHE = 16  # chunks of the global test set a worker keeps
+# models of evicted clients a worker keeps per architecture to load the next client into; one is
+# taken per client it takes up, so a few cover a call, and more would only hold memory
+SPARE_MODELS = 4
 
 
 def make_client_model(
@@ -213,6 +216,9 @@ class ClientHost:
         self.keeps_state = commits_state(self.spec.client_cls, cfg)
         self.modules: LRU = LRU(cfg.ray.cache_clients)  # client -> (version, ClientModule)
         self.spare: dict[str, list[FedModel]] = {}  # models of evicted clients, loaded in place next
+        # model.init=shared: per architecture, its initial weights on the device and the CPU generator's
+        # state after drawing them, so a new client is a copy into a spare model, not a fresh draw
+        self.initial: dict[str, tuple[dict[str, torch.Tensor], torch.Tensor]] = {}
         self.arch_models: dict[str, FedModel] = {}  # one per architecture: stateless clients, global model
         self.data: LRU = LRU(DATA_CACHE_BYTES, weigh=ClientData.nbytes)  # client -> ClientData
         self.global_chunks: LRU = LRU(GLOBAL_CHUNK_CACHE)  # chunk index -> (x, y) normalised
@@ -266,7 +272,7 @@ class ClientHost:
 
     def module(self, task: ClientTask) -> ClientModule:
         """The client's module at its committed state: from the cache, else loaded into a spare model
-        in place, else built from its initial weights (``model.init``: a function of (seed, client id))."""
+        in place, else at its initial weights (:meth:`initial_model`)."""
         data = self.client_data(task)
         ctx = ClientContext(task.client, self.cfg, self.meta["num_classes"], data.train, data.class_counts)
         if not self.keeps_state:
@@ -278,27 +284,56 @@ class ClientHost:
             return cached[1]
         if cached is not None:  # a state committed since elsewhere: its model takes the new one in place
             self.drop(task.client)
-        arch = arch_for_client(self.cfg.model.group, task.client)
-        spares = self.spare.get(arch)
-        if task.state and spares:
-            module = self.spec.client_cls(spares.pop(), ctx)
-        else:  # the initial weights are drawn in construction (make_client_model)
-            module = self.spec.client_cls(make_client_model(self.cfg, task.client, self.meta), ctx)
-        module.to(self.device)
+        model = self.reused_model(task.client) if task.state else self.initial_model(task.client)
+        module = self.spec.client_cls(model, ctx).to(self.device)  # with what its construction holds
         if task.state:
             load_client_state(module, fetch(task.state))
         self.cache(task.client, task.version, module)
         return module
 
+    def reused_model(self, client: int) -> FedModel:
+        """A model of the client's architecture on the device, its weights about to be overwritten: an
+        evicted client's, else a fresh one."""
+        arch = arch_for_client(self.cfg.model.group, client)
+        spares = self.spare.get(arch)
+        return spares.pop() if spares else model_of_arch(arch, self.meta).to(self.device)
+
+    def initial_model(self, client: int) -> FedModel:
+        """The client's model at its initial weights (``model.init``: a function of (seed, client id)),
+        on the device. With shared, every client of an architecture starts from one draw: made once per
+        worker, then copied into a reused model, and the CPU generator left as the draw leaves it, so
+        what the client's construction draws is what it drew after a fresh build."""
+        if self.cfg.model.init != "shared":
+            return make_client_model(self.cfg, client, self.meta).to(self.device)
+        arch = arch_for_client(self.cfg.model.group, client)
+        if arch not in self.initial:
+            model = make_client_model(self.cfg, client, self.meta).to(self.device)
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            self.initial[arch] = (state, torch.random.get_rng_state())
+            return model
+        state, generator = self.initial[arch]
+        model = self.reused_model(client)
+        model.load_state_dict(state)
+        torch.random.set_rng_state(generator)
+        return model
+
     def cache(self, client: int, version: int, module: ClientModule) -> None:
         for _, evicted in self.modules.keep(client, (version, module)):
-            self.spare.setdefault(evicted.model.arch, []).append(evicted.model)
+            self.keep_spare(evicted.model)
 
     def drop(self, client: int) -> None:
         """Forget a client's module (it may be half-trained); its model is still good to load into."""
         cached = self.modules.pop(client, None)
         if cached is not None:
-            self.spare.setdefault(cached[1].model.arch, []).append(cached[1].model)
+            self.keep_spare(cached[1].model)
+
+    def keep_spare(self, model: FedModel) -> None:
+        """Keep an evicted client's model to load the next client into (up to ``SPARE_MODELS`` per
+        architecture; past that it is freed), without its gradients: the next fit sets them anew."""
+        spares = self.spare.setdefault(model.arch, [])
+        if len(spares) < SPARE_MODELS:
+            model.zero_grad(set_to_none=True)
+            spares.append(model)
 
     def payload(self, boxed: list, rnd: int) -> Payload:
         """A downlink, read from the object store once per worker and round (a broadcast is one object)."""
