@@ -53,7 +53,8 @@ def test_a_pinned_client_runs_elsewhere_while_its_worker_waits_for_a_node():
 @pytest.mark.parametrize("commits", [False, True])
 def test_a_broadcast_is_put_in_the_object_store_once_a_round(monkeypatch, commits):
     """50 clients sharing one downlink: one object, so each worker reads it once (it keys what it
-    read by the object's ref); per-client downlinks: one object each."""
+    read by the object's ref); a client's own downlink goes with its call, never put on its own;
+    clients that share one of several downlinks get one object per downlink."""
     stored = []
     monkeypatch.setattr(dispatch.ray, "put", lambda value: stored.append(value) or f"ref{len(stored)}")
     pool = WorkerPool(["w0", "w1"], spawn=lambda: ("new", None), pinned=False)
@@ -69,5 +70,12 @@ def test_a_broadcast_is_put_in_the_object_store_once_a_round(monkeypatch, commit
     stored.clear()
     own = {c: {"model": f"state of {c}"} for c in clients}
     jobs = training.jobs(1, clients, own)
-    assert sorted(map(str, stored)) == sorted(map(str, own.values()))
-    assert len({boxed[0] for job in jobs for boxed in job.args[2]}) == 50
+    assert stored == []
+    by_client = {c: boxed[0] for job in jobs for c, boxed in zip(job.key, job.args[2], strict=True)}
+    assert by_client == own
+
+    halves = [{"model": "even"}, {"model": "odd"}]
+    jobs = training.jobs(2, clients, {c: halves[c % 2] for c in clients})
+    assert sorted(stored, key=str) == sorted(halves, key=str)
+    sent = {c: boxed[0] for job in jobs for c, boxed in zip(job.key, job.args[2], strict=True)}
+    assert {sent[c] for c in clients[::2]} == {f"ref{stored.index(halves[0]) + 1}"}

@@ -53,12 +53,12 @@ from fedray.platform.seeds import numpy_rng, seed_of
 from fedray.platform.tracking.names import Metrics
 
 
-def hold_here(refs: tuple, here: str) -> tuple:
+def hold_here(refs: tuple, produced_on: str | None, here: str) -> tuple:
     """Objects a worker returned (client states), held on this process's node: one produced on
     another node is copied to ``here`` (this process's node id; this process owns the copy), so
-    losing that node loses nothing.
-    On one machine nothing is copied; on a cluster it costs a transfer of the state per client."""
-    if not refs:
+    losing that node loses nothing. ``produced_on``: the worker's node, None when not known.
+    On the same node nothing is asked or copied; on another it costs a transfer of the state per client."""
+    if not refs or produced_on == here:
         return refs
     locations = ray.experimental.get_object_locations(list(refs))
     # an object with no node is small enough to live in this process already
@@ -174,11 +174,14 @@ def start_pool(
         worker = start_worker(cfg, options)
         return worker, worker.setup.remote(meta_ref)  # runs before any job: an actor's calls run in order
 
-    devices = [info["device"] for info in ray.get([w.setup.remote(meta_ref, cfg) for w in workers])]
+    infos = ray.get([w.setup.remote(meta_ref, cfg) for w in workers])
     node = ray.get_runtime_context().get_node_id()  # where this process holds client states
     # a worker per client keeps each client's module for the run, when clients keep state
     pinned = commits and len(workers) >= cfg.data.num_clients
-    return WorkerPool(workers, spawn, pinned=pinned, hold=partial(hold_here, here=node)), devices
+    pool = WorkerPool(
+        workers, spawn, pinned=pinned, hold=partial(hold_here, here=node), nodes=[i["node"] for i in infos]
+    )
+    return pool, [info["device"] for info in infos]
 
 
 class RoundLoop:

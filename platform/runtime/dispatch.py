@@ -7,6 +7,7 @@ which worker still caches a client.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -64,13 +65,17 @@ class TrainingDispatch:
 
     def jobs(self, rnd: int, selected: list[int], downlinks: dict[int, Payload]) -> list[Job]:
         """The round's training calls: clients grouped by the worker that caches them, largest shards
-        first, small ones several per call (:func:`call_groups`); one object-store copy per distinct
-        downlink."""
+        first, small ones several per call (:func:`call_groups`); one object-store copy of a downlink
+        several clients share, and a client's own downlink sent with its call."""
         sizes = self.sizes
-        refs: dict[int, Any] = {}  # id of a downlink -> its one object-store copy
+        shared = Counter(id(downlinks[c]) for c in selected)
+        refs: dict[int, Any] = {}  # id of a shared downlink -> its one object-store copy
 
         def stored(payload: Payload) -> Any:
-            # a broadcast is one object for the round: one put here, one read per worker
+            # a broadcast is one object for the round: one put here, one read per worker; a client's
+            # own goes with the call's arguments (Ray puts arguments in the store only when large)
+            if shared[id(payload)] < 2:
+                return payload
             if id(payload) not in refs:
                 refs[id(payload)] = ray.put(payload)
             return refs[id(payload)]

@@ -63,15 +63,19 @@ class WorkerPool:
         spawn: Callable[[], tuple[Any, Any]],
         *,
         pinned: bool,
-        hold: Callable[[tuple], tuple] | None = None,
+        hold: Callable[[tuple, str | None], tuple] | None = None,
+        nodes: list[str | None] | None = None,
     ) -> None:
         self.workers = list(workers)
         self.generation = [0] * len(self.workers)
-        self.spawn = spawn  # a fresh worker and the ref its set-up returns once Ray has placed it
+        # a fresh worker and the ref its set-up returns (its description, "node" among it) once placed
+        self.spawn = spawn
         self.placing: dict[int, Any] = {}  # slot -> set-up ref of a replacement not placed yet
         self.pinned = pinned
-        # a job's other returned objects (client states) -> copies where a lost node cannot take them
-        self.hold = hold or (lambda refs: refs)
+        # a job's other returned objects (client states) and the node that made them -> copies where
+        # a lost node cannot take them
+        self.hold = hold or (lambda refs, node: refs)
+        self.nodes = list(nodes) if nodes is not None else [None] * len(self.workers)  # None: unknown
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -83,6 +87,7 @@ class WorkerPool:
         ray.kill(self.workers[slot], no_restart=True)
         self.workers[slot], self.placing[slot] = self.spawn()
         self.generation[slot] += 1
+        self.nodes[slot] = None
 
     def ready(self, slot: int) -> bool:
         """Whether the slot's worker runs: a replacement waits for a node with room (a lost node's
@@ -91,7 +96,11 @@ class WorkerPool:
             return True
         if not ray.wait([self.placing[slot]], timeout=0)[0]:
             return False
-        del self.placing[slot]
+        try:  # its set-up's description names its node; a failed set-up fails its first job instead
+            info = ray.get(self.placing.pop(slot))
+        except ray.exceptions.RayError:
+            info = None
+        self.nodes[slot] = info.get("node") if isinstance(info, dict) else None
         return True
 
     def wait_for_placement(self, queue: list[Job]) -> None:
@@ -155,7 +164,8 @@ class WorkerPool:
                 load[slot] -= 1
             try:
                 value = ray.get(done[0])
-                held = self.hold(refs[1:])  # fails as a dead worker would when its node went first
+                # fails as a dead worker would when its node went first
+                held = self.hold(refs[1:], self.nodes[slot] if current else None)
             except ray.exceptions.RayError as err:
                 cause = getattr(err, "cause", None)
                 if isinstance(cause, ContractError):  # the algorithm breaks a rule: the run stops

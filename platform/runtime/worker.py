@@ -236,7 +236,8 @@ class ClientHost:
             self.configure(cfg)
         self.meta = meta
         info = self.device_info
-        return {"device": info.describe(), "kind": info.kind}
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        return {"device": info.describe(), "kind": info.kind, "node": node}
 
     def clear(self) -> None:
         """The run is over and the worker waits for the driver's next one: what it held goes."""
@@ -336,13 +337,15 @@ class ClientHost:
             spares.append(model)
 
     def payload(self, boxed: list, rnd: int) -> Payload:
-        """A downlink, read from the object store once per worker and round (a broadcast is one object)."""
+        """A downlink: one in the object store (shared by several clients) is read once per worker and
+        round; a client's own came with the call."""
+        if not isinstance(boxed[0], ray.ObjectRef):
+            return boxed[0]
         if rnd != self.payload_round:
             self.payloads, self.payload_round = {}, rnd
-        key = boxed[0] if isinstance(boxed[0], ray.ObjectRef) else id(boxed[0])
-        if key not in self.payloads:
-            self.payloads[key] = fetch(boxed)
-        return self.payloads[key]
+        if boxed[0] not in self.payloads:
+            self.payloads[boxed[0]] = fetch(boxed)
+        return self.payloads[boxed[0]]
 
     # ---- the work
     def train(self, rnd: int, tasks: list[ClientTask], payloads: list[list]) -> Any:
