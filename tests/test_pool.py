@@ -79,3 +79,25 @@ def test_a_broadcast_is_put_in_the_object_store_once_a_round(monkeypatch, commit
     assert sorted(stored, key=str) == sorted(halves, key=str)
     sent = {c: boxed[0] for job in jobs for c, boxed in zip(job.key, job.args[2], strict=True)}
     assert {sent[c] for c in clients[::2]} == {f"ref{stored.index(halves[0]) + 1}"}
+
+
+def test_states_from_the_coordinators_node_are_taken_without_asking_ray(monkeypatch):
+    """hold_here asks Ray where a call's states are (an RPC) only when the worker that made them runs
+    on another node, or its node is not known; states from another node are copied here."""
+    from fedray.platform.runtime import coordinator
+
+    asked = []
+
+    def locations(refs):
+        asked.append(list(refs))
+        return {r: {"node_ids": ["other"]} for r in refs}
+
+    monkeypatch.setattr(coordinator.ray.experimental, "get_object_locations", locations)
+    monkeypatch.setattr(coordinator.ray, "get", lambda refs: [f"value of {r}" for r in refs])
+    monkeypatch.setattr(coordinator.ray, "put", lambda value: f"copy of {value}")
+
+    assert coordinator.hold_here(("s1", "s2"), "here", here="here") == ("s1", "s2")
+    assert asked == []
+    assert coordinator.hold_here(("s1",), "other", here="here") == ("copy of value of s1",)
+    assert coordinator.hold_here(("s2",), None, here="here") == ("copy of value of s2",)
+    assert asked == [["s1"], ["s2"]]
