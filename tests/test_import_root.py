@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,3 +34,28 @@ def test_the_cli_finds_the_checkouts_quickstart_config():
 
     assert cli.DEFAULT_CONFIG == ROOT / "configs" / "quickstart.yaml"
     assert cli.DEFAULT_CONFIG.is_file()
+
+
+def test_the_declared_packages_cover_every_module_and_data_file():
+    """A non-editable install (a wheel, ``pip install .``) holds only what pyproject.toml declares:
+    a subpackage or data file left out imports in the checkout and fails once installed."""
+    tomllib = pytest.importorskip("tomllib")
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    declared, data = set(setuptools["packages"]), setuptools.get("package-data", {})
+    for top, path in setuptools["package-dir"].items():
+        for directory in [ROOT / path, *(ROOT / path).rglob("*")]:
+            if not directory.is_dir() or directory.name == "__pycache__":
+                continue
+            parts = directory.relative_to(ROOT / path).parts
+            files = [f for f in directory.iterdir() if f.is_file() and f.suffix != ".pyc"]
+            if any(f.suffix == ".py" for f in files):
+                package = ".".join([top, *parts])
+                assert package in declared, f"{package} ({directory}) is not in [tool.setuptools] packages"
+                continue
+            # a folder of data files belongs to the nearest package above it
+            depth = max(d for d in range(len(parts)) if ".".join([top, *parts[:d]]) in declared)
+            owner, inside = ".".join([top, *parts[:depth]]), "/".join(parts[depth:])
+            for f in files:
+                assert f"{inside}/*{f.suffix}" in data.get(owner, []), (
+                    f"{f.relative_to(ROOT)} is not in [tool.setuptools.package-data] {owner!r}"
+                )
