@@ -187,8 +187,8 @@ class FedProtoClient(ClientModule):
         reps, labels = [], []
         for x, y in batch_loader(self.training_data(), 1024, shuffle=False):
             logits, z = self.model.forward_with_features(x.to(device))
-            reps.append(self.guided(logits, z).float().cpu())
-            labels.append(y)
+            reps.append(self.guided(logits, z).float())  # on the device: the platform moves the uplink
+            labels.append(y.to(device))
         self.model.train(was_training)
         protos, counts = class_prototypes(torch.cat(reps), torch.cat(labels), self.ctx.num_classes)
         held = counts > 0

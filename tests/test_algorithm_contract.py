@@ -5,16 +5,21 @@ attribute stays behind on the CPU and the next training step fails on a device m
 worker the Coordinator would report every client as failed). There is no GPU here, so the test
 moves modules to float64 instead (``module.double()``, after ``receive`` as Lightning's move comes
 after it): a tensor that does not follow the module shows up in the wrong dtype, and a training
-step, ``upload`` and evaluation run in float64 throughout.
+step, ``upload`` and evaluation run in float64 throughout. Work a client moves to the CPU itself
+(``.cpu()``) and then combines with tensors of its training device fails on a GPU worker in the
+same way; ``DeviceMixing`` marks what was moved and finds such an operation on the CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import pytest
 import torch
 from conftest import tiny_overrides
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer
 from fedray.platform.api.algorithm import ClientContext, ServerContext
@@ -50,6 +55,35 @@ def stray_tensors(module: torch.nn.Module) -> list[str]:
     for name, buf in module.named_buffers():
         visit(name, buf)
     return found
+
+
+class DeviceMixing(TorchFunctionMode):
+    """Marks tensors a client moved to the CPU by name (``.cpu()``, ``.to("cpu")``; ``.to(device)``
+    is the training device's, the CPU only here) and what is computed from them alone; an operation
+    that combines a marked tensor (more than a scalar) with an unmarked one, which on a GPU worker is
+    on the GPU, is recorded by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moved: dict[int, torch.Tensor] = {}  # by id, held so that an id is never reused
+        self.mixed: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)]
+        marked = [t for t in tensors if id(t) in self.moved]
+        to_cpu = func is torch.Tensor.cpu or (
+            func is torch.Tensor.to
+            and "cpu" in [a for a in [*args[1:], kwargs.get("device")] if isinstance(a, str)]
+        )
+        if to_cpu or (marked and len(marked) == len(tensors)):
+            for t in tree_flatten(out)[0]:
+                if torch.is_tensor(t):
+                    self.moved[id(t)] = t
+        elif any(t.dim() > 0 for t in marked):
+            self.mixed.append(getattr(func, "__name__", str(func)))
+        return out
 
 
 def as_float32(payload):
@@ -93,9 +127,28 @@ def test_a_client_that_keeps_a_plain_tensor_is_caught():
     assert strays and all(name == "anchor" for _, _, name in strays)
 
 
-def strays_over_two_rounds(algorithm: str) -> list[tuple[int, int, str]]:
+@pytest.mark.parametrize("algorithm", SHIPPED)
+def test_no_client_combines_what_it_moved_to_the_cpu_with_its_devices_tensors(algorithm):
+    mixing = DeviceMixing()
+    strays_over_two_rounds(algorithm, mixing)
+    assert mixing.mixed == []
+
+
+def test_device_mixing_finds_a_moved_tensor_used_with_a_devices_one():
+    mixing = DeviceMixing()
+    with mixing:
+        on_device, labels = torch.ones(3, 2), torch.tensor([0, 1, 1])
+        moved = on_device.cpu()
+        sums = moved.new_zeros(2, 2)  # made from a moved tensor alone: on the CPU too
+        (moved * 2).sum() + on_device  # a scalar from the CPU goes with a GPU tensor
+        sums.index_add_(0, labels, moved)  # FedProto's upload before the fix: labels on the device
+    assert mixing.mixed == ["index_add_"]
+
+
+def strays_over_two_rounds(algorithm: str, mixing: DeviceMixing | None = None) -> list[tuple[int, int, str]]:
     """(client, round, attribute) of every floating tensor that did not follow its module to float64
-    after ``receive``; every training step, upload and evaluation runs in float64 on the way."""
+    after ``receive``; every training step, upload and evaluation runs in float64 on the way, under
+    ``mixing`` when given."""
     torch.manual_seed(0)
     cfg = load_config(None, tiny_overrides(algorithm=algorithm, **{"fedl2g.warmup_rounds": 0}))
     fed = prepare_federation(cfg)
@@ -121,14 +174,16 @@ def strays_over_two_rounds(algorithm: str) -> list[tuple[int, int, str]]:
         uplinks = {}
         for c, module in clients.items():
             module.float()
-            module.begin_round(rnd, payloads[c])
+            with mixing or contextlib.nullcontext():
+                module.begin_round(rnd, payloads[c])
             module.double()  # where Lightning would move the module to its GPU
             strays += [(c, rnd, name) for name in stray_tensors(module)]
             if strays:  # the step below would fail on the mixed dtypes a stray tensor makes
                 return strays
             x, y = module.ctx.train.x[:8], module.ctx.train.y[:8]
-            module.training_step((x, y), 0).backward()
-            uplinks[c] = as_float32(module.upload())
+            with mixing or contextlib.nullcontext():
+                module.training_step((x, y), 0).backward()
+                uplinks[c] = as_float32(module.upload())
         server.aggregate(rnd, uplinks)
 
     payload = server.eval_payload()
@@ -136,6 +191,7 @@ def strays_over_two_rounds(algorithm: str) -> list[tuple[int, int, str]]:
         if payload is not None and "model" not in payload:  # a client-specific evaluation payload
             module.load_for_eval(payload)
             module.double()
-        scores = module.eval_logits(module.ctx.train.x[:8])
+        with mixing or contextlib.nullcontext():
+            scores = module.eval_logits(module.ctx.train.x[:8])
         assert scores.shape == (8, meta["num_classes"]) and scores.dtype == torch.float64
     return strays

@@ -9,9 +9,10 @@ from fedray.platform.models.base import FedModel
 
 
 def header_rows(model: FedModel) -> Tensor:
-    """The model's header as rows ``[W | b]``: a detached CPU copy, shape ``[C, d+1]``."""
+    """The model's header as rows ``[W | b]``: a detached copy on the model's device (the client's
+    held indices are there too; the platform moves an uplink to the CPU), shape ``[C, d+1]``."""
     head = model.head
-    return torch.cat([head.weight, head.bias[:, None]], dim=1).detach().to("cpu", copy=True)
+    return torch.cat([head.weight, head.bias[:, None]], dim=1).detach()
 
 
 @torch.no_grad()
