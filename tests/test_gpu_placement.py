@@ -37,6 +37,29 @@ def test_a_run_that_asks_for_no_gpu_trains_on_the_cpu_even_where_cuda_is_visible
     assert device.type == "cpu" and info.describe() == "cpu"
 
 
+def test_the_logged_model_is_checked_on_the_cpu_where_cuda_is_visible(mlflow_store, monkeypatch):
+    # MLflow predicts the input example of a logged model on cuda when CUDA is visible: the driver
+    # of a run on a GPU node held a CUDA context of its own (gpu-check on an H200, 2026-11-26)
+    import mlflow.pytorch
+
+    from fedray.platform.tracking.mlflow_run import RunTracker
+
+    loaded_on = []
+    load = mlflow.pytorch._load_model
+    monkeypatch.setattr(
+        mlflow.pytorch,
+        "_load_model",
+        lambda path, device=None, **kw: loaded_on.append(device) or load(path, **kw),
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("MLFLOW_DEFAULT_PREDICTION_DEVICE", raising=False)
+    tracker = RunTracker(load_config(None, ["tracking.system_metrics_s=0"]))
+    tracker.log_model(torch.nn.Linear(4, 2), "global_model", torch.zeros(3, 4))
+    tracker.end()
+    assert loaded_on == ["cpu"]
+    assert "MLFLOW_DEFAULT_PREDICTION_DEVICE" not in os.environ
+
+
 def test_a_gpu_slice_without_cuda_trains_on_the_cpu_and_says_why(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     device, info = worker_device(config("ray.num_gpus_per_client=0.25"), gpu_ids=("0",))

@@ -173,7 +173,7 @@ class RunTracker:
         fmt = {"serialization_format": "pickle"}
         if "serialization_format" not in inspect.signature(mlflow.pytorch.log_model).parameters:
             fmt = {}
-        with mlflow_globals(self.uri, self.experiment_id):
+        with mlflow_globals(self.uri, self.experiment_id), validated_on_the_cpu():
             self.patient(
                 mlflow.pytorch.log_model,
                 model,
@@ -209,6 +209,23 @@ class RunTracker:
         if wall_s is not None:
             self.log_metrics({Metrics.TIME_WALL_S: wall_s}, step=0)
         self.patient(self.client.set_terminated, self.run_id, status=status)
+
+
+@contextlib.contextmanager
+def validated_on_the_cpu():
+    """``log_model`` loads the model it wrote and predicts the input example, in this process, on
+    ``cuda`` wherever CUDA is visible: the driver of a run on a GPU node (which trains nowhere)
+    would hold a CUDA context of its own. MLflow's prediction device is set to the CPU for the call
+    (a user's own choice of ``MLFLOW_DEFAULT_PREDICTION_DEVICE`` is kept)."""
+    key = "MLFLOW_DEFAULT_PREDICTION_DEVICE"
+    if key in os.environ:
+        yield
+        return
+    os.environ[key] = "cpu"
+    try:
+        yield
+    finally:
+        os.environ.pop(key, None)
 
 
 @contextlib.contextmanager
