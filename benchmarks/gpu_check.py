@@ -39,6 +39,7 @@ Check 5's data: ``--data`` (an unpacked CIFAR-10 JPEG tree, the ``cifar10-jpeg.t
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import io
 import json
@@ -226,11 +227,28 @@ def utilization(
 # --------------------------------------------------------------------------------------------- commands
 
 
+def process_title(cmdline: list[str]) -> str:
+    """What a process is, from its command line: a Ray worker's title (``ray::ClientActor.train``
+    gives ``ray::ClientActor``), else the program a Python interpreter runs (``fedray``), else the
+    program's name."""
+    if not cmdline:
+        return "?"
+    first = cmdline[0].split()[0] if cmdline[0].strip() else "?"
+    if first.startswith("ray::"):
+        return first.split(".")[0]
+    name = Path(first).name
+    if name.startswith("python") and len(cmdline) > 1:
+        script = next((word for word in cmdline[1:] if not word.startswith("-")), "")
+        return Path(script).name or name
+    return name
+
+
 @dataclass
 class Watched:
     """What was sampled while a command ran."""
 
     gpu: dict[int, str] = field(default_factory=dict)  # the command's GPU processes: pid -> tree | host
+    titles: dict[int, str] = field(default_factory=dict)  # what each GPU process was: ray::ClientActor
     util: list[tuple[float, float]] = field(default_factory=list)  # (epoch s, % of the busiest GPU)
     tree: dict[int, psutil.Process] = field(default_factory=dict)  # every descendant seen
 
@@ -258,6 +276,9 @@ class Sampler(threading.Thread):
             return
         found = classify_gpu_pids(gpu_pids(), set(self.seen.tree), self.before, psutil.pid_exists)
         self.seen.gpu.update(found)
+        for pid in found.keys() - self.seen.titles.keys():
+            with contextlib.suppress(psutil.Error):
+                self.seen.titles[pid] = process_title(psutil.Process(pid).cmdline())
         value = gpu_utilization()
         if value is not None:
             self.seen.util.append((time.time(), value))
@@ -651,6 +672,9 @@ def show_gpu_use(row: Row, ctx: Context, outcome: Outcome, records: list[RunReco
         workers = sum(int(r.tags.get(Tags.WORKERS, "0")) for r in records)
         if busy and len(procs) != workers:
             row.notes.append(f"{len(procs)} GPU processes for {workers} workers")
+        if procs:
+            titles = collections.Counter(outcome.watched.titles.get(pid, "?") for pid in procs)
+            row.notes.append("GPU processes: " + ", ".join(f"{n} {t}" for t, n in sorted(titles.items())))
         windows = [w for w in (r.window() for r in records) if w is not None]
         seen = utilization(outcome.watched.util, windows)
         row.util = "-" if seen is None else f"{seen[0]:.0f} / {seen[1]:.0f}"
@@ -1116,11 +1140,14 @@ def main(argv: list[str] | None = None) -> int:
     smi_on = not args.pretend_gpu and shutil.which("nvidia-smi") is not None
     ctx = Context(tmp, args.pretend_gpu, smi_on, args.data, args.rounds)
     progress(f"gpu-check: checks {','.join(map(str, args.only))}, work in {tmp}")
-    rows = [row for number in args.only for row in run_check(ctx, number)]
-    elapsed = time.monotonic() - STARTED
-    header = machine_header(ctx, rows, elapsed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render_markdown(rows, header, ctx.commands))
+    rows: list[Row] = []
+    for number in args.only:
+        rows += run_check(ctx, number)
+        # rewritten after every check: a run cut short (a lease's time limit, Ctrl-C) keeps its rows
+        elapsed = time.monotonic() - STARTED
+        header = machine_header(ctx, rows, elapsed)
+        args.out.write_text(render_markdown(rows, header, ctx.commands))
     print("\n" + "\n".join(header) + "\n\n" + render_text(rows), flush=True)
     passed = all(row.passed for row in rows)
     if args.keep or not passed:

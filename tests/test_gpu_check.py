@@ -52,6 +52,15 @@ def test_a_runs_gpu_processes_are_its_tree_or_new_pids_from_outside_this_namespa
     assert found == {11: "tree", 12: "tree", 50_001: "host"}
 
 
+def test_a_gpu_process_is_named_by_its_ray_title_or_the_program_python_runs():
+    assert gpu_check.process_title(["ray::ClientActor.train_many", "", ""]) == "ray::ClientActor"
+    assert gpu_check.process_title(["ray::Coordinator"]) == "ray::Coordinator"
+    assert gpu_check.process_title(["/opt/venv/bin/python3", "/opt/venv/bin/fedray", "run"]) == "fedray"
+    assert gpu_check.process_title(["python", "-u", "benchmarks/gpu_check.py"]) == "gpu_check.py"
+    assert gpu_check.process_title(["/usr/bin/raylet", "--node"]) == "raylet"
+    assert gpu_check.process_title([]) == "?"
+
+
 def test_utilisation_is_taken_over_the_rounds_only():
     # rounds 1 and 2 logged together at 100 s (round 1's metrics waited for the MLflow run), round 3 at 101 s
     points = [P(2, 1.0, 100_000), P(1, 2.0, 100_000), P(3, 1.0, 101_000)]
