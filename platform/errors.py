@@ -16,6 +16,12 @@ class CheckpointError(ConfigError):
     """A checkpoint or stored state that cannot be used as it is (altered, or not fedray's)."""
 
 
+class RoundFailed(RuntimeError):
+    """Every client selected for a round failed: the algorithm's code or the device is broken, not a
+    client's data, and aggregating nothing round after round would log a run that learnt nothing as
+    if it had gone well. The run stops with one line; its checkpoints stay, to resume once fixed."""
+
+
 def first_line(err: BaseException) -> str:
     """An exception as one line: the last line of its message (a remote traceback's cause), capped."""
     text = str(err).strip().splitlines()

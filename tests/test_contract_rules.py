@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from conftest import tiny_overrides
+from mlflow.tracking import MlflowClient
 from test_client_host import host_for
 
 from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer
@@ -24,6 +25,7 @@ from fedray.platform.catalog import load_config
 from fedray.platform.errors import CheckpointError, ConfigError
 from fedray.platform.runtime.coordinator import check_evaluable
 from fedray.platform.runtime.driver import run_experiment
+from fedray.platform.runtime.session import RunAborted
 from fedray.platform.runtime.state_store import ClientTask
 
 
@@ -287,6 +289,33 @@ def test_a_run_whose_uplinks_lack_a_declared_key_ends_in_its_first_round_with_on
         run_experiment(load_config(None, tiny_overrides(algorithm="modelonly_probe", rounds=2)))
     assert "algorithm 'modelonly_probe': client " in one_line(err)
     assert "uplink lacks 'num_samples', which FedAvgServer declares it reads" in str(err.value)
+
+
+class BrokenStepClient(FedAvgClient):
+    """Every training step fails, as FedProto's did on a GPU (a device mismatch)."""
+
+    def training_step(self, batch, batch_idx):
+        raise ValueError("Expected all tensors to be on the same device")
+
+
+@register("brokenstep_probe", server=FedAvgServer, client=BrokenStepClient)  # at import, as above
+@dataclass
+class BrokenStepConfig(AlgorithmConfig):
+    pass
+
+
+def test_a_round_in_which_every_client_failed_ends_the_run_with_one_line(ray_session, mlflow_store):
+    # before: the run went on aggregating nothing, finished, and logged its untrained accuracy
+    with pytest.raises(RunAborted) as err:
+        run_experiment(load_config(None, tiny_overrides(algorithm="brokenstep_probe", rounds=3)))
+    line = one_line(err)
+    assert (
+        line.startswith("round 1: all ") and "selected clients failed (client 0: Expected all tensors" in line
+    )
+    assert "fedray run --resume " in line
+    client = MlflowClient(mlflow_store)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FAILED"
 
 
 class Counter(FedAvgServer):

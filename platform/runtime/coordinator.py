@@ -31,7 +31,7 @@ from fedray.platform.api.contract import check_uplinks
 from fedray.platform.api.registry import get as get_algorithm
 from fedray.platform.config import ExperimentConfig, clients_per_round
 from fedray.platform.data import ArrayDataset
-from fedray.platform.errors import ContractError
+from fedray.platform.errors import ContractError, RoundFailed
 from fedray.platform.models import arch_for_client
 from fedray.platform.runtime import results, storage
 from fedray.platform.runtime.checkpoint import LoopRecord, load_checkpoint, save_checkpoint
@@ -241,6 +241,11 @@ class RoundLoop:
         uplinks, stats, failed, retried = self.training.run(rnd, selected, downlinks, on_retry)
         for cid, error in sorted(failed.items()):
             self.events.emit(ClientFailed(rnd + 1, cid, error))
+        if selected and len(failed) == len(selected):
+            cid, error = min(failed.items())
+            raise RoundFailed(
+                f"round {rnd + 1}: all {len(selected)} selected clients failed (client {cid}: {error})"
+            )
         check_uplinks(self.spec.name, self.server, uplinks)
         self.server.aggregate(rnd, uplinks)
         metrics = mean_stats([stats[cid] for cid in sorted(stats)])

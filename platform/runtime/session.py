@@ -16,7 +16,7 @@ from typing import Any
 import ray
 
 from fedray.platform.config import ExperimentConfig
-from fedray.platform.errors import ConfigError, first_line
+from fedray.platform.errors import ConfigError, RoundFailed, first_line
 from fedray.platform.interrupts import deferred, stops_as_interrupt
 from fedray.platform.tracking.mlflow_run import RunTracker
 from fedray.platform.tracking.names import Metrics, Tags
@@ -96,6 +96,10 @@ class RunSession:
             except ray.exceptions.RayTaskError as err:
                 if isinstance(err.cause, ConfigError):  # an algorithm that breaks the contract: its line
                     raise err.cause from None
+                if isinstance(err.cause, RoundFailed):
+                    self.status = "FAILED"
+                    resume = f"; once fixed, resume with  fedray run --resume {self.tracker.run_id}"
+                    raise RunAborted(f"{err.cause}{resume if self.tracker else ''}") from None
                 raise
             except ray.exceptions.RayActorError as err:
                 self.status = "FAILED"
