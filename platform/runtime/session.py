@@ -98,8 +98,10 @@ class RunSession:
                     raise err.cause from None
                 if isinstance(err.cause, RoundFailed):
                     self.status = "FAILED"
-                    resume = f"; once fixed, resume with  fedray run --resume {self.tracker.run_id}"
-                    raise RunAborted(f"{err.cause}{resume if self.tracker else ''}") from None
+                    if self.tracker is None:
+                        raise RunAborted(str(err.cause)) from None
+                    resume = f"once fixed, resume with  fedray run --resume {self.tracker.run_id}"
+                    raise RunAborted(f"{err.cause}; {resume}") from None
                 raise
             except ray.exceptions.RayActorError as err:
                 self.status = "FAILED"
