@@ -1,4 +1,7 @@
-"""fedray on a GPU node, checked in one command: nine checks, one table, under 10 minutes on one GPU.
+"""fedray on a GPU node, checked in one command: nine checks, one table.
+
+About 14 cold commands: on an H200 machine with 16 CPUs (2026-11-26) each took about a minute
+(checks 1-6 took 441 s, check 8 199 s), so all nine take about 14 minutes; ``--only`` picks some.
 
 Every check runs fedray as a user does: a fresh ``fedray run`` (or ``fedray sweep``) process that
 starts its own local Ray, with ``MLFLOW_TRACKING_URI`` on a sqlite file and ``storage_path`` in a

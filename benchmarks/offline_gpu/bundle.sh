@@ -2,7 +2,8 @@
 # Packs what `make gpu-check` needs onto a GPU machine that has no package registry but an image
 # with Python 3.12, torch and lightning (the lent H100/H200 machines): everything else fedray imports,
 # at the versions of this checkout's .venv, as one stripped site folder (.devenv/site.tar.xz, about
-# 39 MB), plus fedray itself as a wheel. Then, on that machine, from the repository root:
+# 38 MB), plus fedray itself as a wheel. Run it here after `make install` (it reads .venv's versions);
+# then, on that machine, from the repository root:
 #     bash benchmarks/offline_gpu/run.sh [gpu_check.py options]      (carry .devenv and .data)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
