@@ -84,6 +84,15 @@ def mlflow_store(tmp_path, monkeypatch):
     return uri
 
 
+def only_run(tmp_path):
+    """The one MLflow run in the store at ``tmp_path / "mlflow.db"`` (``mlflow_store``'s), and a client."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    return client, run
+
+
 def tiny_overrides(**extra):
     """A few seconds of real federated training on the synthetic set."""
     base = {

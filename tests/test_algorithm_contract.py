@@ -149,6 +149,7 @@ def strays_over_two_rounds(algorithm: str, mixing: DeviceMixing | None = None) -
     """(client, round, attribute) of every floating tensor that did not follow its module to float64
     after ``receive``; every training step, upload and evaluation runs in float64 on the way, under
     ``mixing`` when given."""
+    watching = mixing if mixing is not None else contextlib.nullcontext()
     torch.manual_seed(0)
     cfg = load_config(None, tiny_overrides(algorithm=algorithm, **{"fedl2g.warmup_rounds": 0}))
     fed = prepare_federation(cfg)
@@ -174,14 +175,14 @@ def strays_over_two_rounds(algorithm: str, mixing: DeviceMixing | None = None) -
         uplinks = {}
         for c, module in clients.items():
             module.float()
-            with mixing or contextlib.nullcontext():
+            with watching:
                 module.begin_round(rnd, payloads[c])
             module.double()  # where Lightning would move the module to its GPU
             strays += [(c, rnd, name) for name in stray_tensors(module)]
             if strays:  # the step below would fail on the mixed dtypes a stray tensor makes
                 return strays
             x, y = module.ctx.train.x[:8], module.ctx.train.y[:8]
-            with mixing or contextlib.nullcontext():
+            with watching:
                 module.training_step((x, y), 0).backward()
                 uplinks[c] = as_float32(module.upload())
         server.aggregate(rnd, uplinks)
@@ -191,7 +192,7 @@ def strays_over_two_rounds(algorithm: str, mixing: DeviceMixing | None = None) -
         if payload is not None and "model" not in payload:  # a client-specific evaluation payload
             module.load_for_eval(payload)
             module.double()
-        with mixing or contextlib.nullcontext():
+        with watching:
             scores = module.eval_logits(module.ctx.train.x[:8])
         assert scores.shape == (8, meta["num_classes"]) and scores.dtype == torch.float64
     return strays

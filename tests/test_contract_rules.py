@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import tiny_overrides
-from mlflow.tracking import MlflowClient
+from conftest import only_run, tiny_overrides
 from test_client_host import host_for
 
 from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer
@@ -304,7 +303,7 @@ class BrokenStepConfig(AlgorithmConfig):
     pass
 
 
-def test_a_round_in_which_every_client_failed_ends_the_run_with_one_line(ray_session, mlflow_store):
+def test_a_round_in_which_every_client_failed_ends_the_run_with_one_line(ray_session, mlflow_store, tmp_path):
     # before: the run went on aggregating nothing, finished, and logged its untrained accuracy
     with pytest.raises(RunAborted) as err:
         run_experiment(load_config(None, tiny_overrides(algorithm="brokenstep_probe", rounds=3)))
@@ -313,8 +312,7 @@ def test_a_round_in_which_every_client_failed_ends_the_run_with_one_line(ray_ses
         line.startswith("round 1: all ") and "selected clients failed (client 0: Expected all tensors" in line
     )
     assert "fedray run --resume " in line
-    client = MlflowClient(mlflow_store)
-    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    _, run = only_run(tmp_path)
     assert run.info.status == "FAILED"
 
 

@@ -22,7 +22,7 @@ import gate_algorithm  # noqa: F401  (registers fedavg_gate in this process, for
 import psutil
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import only_run, tiny_overrides
 from mlflow.tracking import MlflowClient
 
 from fedray.platform.catalog import load_config
@@ -82,12 +82,6 @@ def wait_at_gate(proc: subprocess.Popen, tmp_path) -> None:
 
 def open_gate(tmp_path) -> None:
     (tmp_path / "gate.open").touch()
-
-
-def only_run(tmp_path):
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    return client, run
 
 
 def round_metrics(client: MlflowClient, run_id: str) -> dict[str, list[tuple[int, float]]]:

@@ -98,10 +98,12 @@ class RunSession:
                     raise err.cause from None
                 if isinstance(err.cause, RoundFailed):
                     self.status = "FAILED"
-                    if self.tracker is None:
-                        raise RunAborted(str(err.cause)) from None
-                    resume = f"once fixed, resume with  fedray run --resume {self.tracker.run_id}"
-                    raise RunAborted(f"{err.cause}; {resume}") from None
+                    resume = (
+                        ""
+                        if self.tracker is None
+                        else f"; once fixed, resume with  fedray run --resume {self.tracker.run_id}"
+                    )
+                    raise RunAborted(f"{err.cause}{resume}") from None
                 raise
             except ray.exceptions.RayActorError as err:
                 self.status = "FAILED"
