@@ -3,7 +3,7 @@
 import torch
 from torch.testing import assert_close
 
-from fedray.algorithms.fedavg import weighted_average
+from fedray.algorithms.fedavg import AVERAGE_BLOCK, weighted_average
 from fedray.algorithms.fedprox import proximal_term
 
 
@@ -23,6 +23,22 @@ def test_weighted_average_matches_hand_computation():
 def test_weighted_average_equal_weights_is_plain_mean():
     states = [{"w": torch.full((3,), float(i))} for i in range(4)]
     assert_close(weighted_average(states, [2, 2, 2, 2])["w"], torch.full((3,), 1.5))
+
+
+def test_weighted_average_over_blocks_is_the_whole_tensor_sum_bit_for_bit():
+    # an entry of two blocks and a remainder, in a 2-d shape, and one smaller than a block
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"big": (3, AVERAGE_BLOCK - 5), "small": (7,)}
+    states = [{k: torch.randn(shape, generator=gen) for k, shape in shapes.items()} for _ in range(5)]
+    weights = [3, 1, 4, 1, 5]
+    out = weighted_average(states, weights)
+    for key, shape in shapes.items():
+        # independently: each whole tensor added in float64 in the given order, then cast back
+        acc = torch.zeros(shape, dtype=torch.float64)
+        for state, weight in zip(states, weights, strict=True):
+            acc.add_(state[key], alpha=weight / sum(weights))
+        assert out[key].shape == shape and out[key].is_contiguous()
+        assert torch.equal(out[key], acc.float()), key
 
 
 def test_proximal_term_value_by_hand():
