@@ -52,6 +52,7 @@ import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
 import psutil
 import torch
 import torch.nn.functional as F
+from process_names import process_label
 
 from fedray.algorithms.fedavg import weighted_average
 from fedray.platform.api.algorithm import batch_loader
@@ -183,21 +184,6 @@ class TreePss(PeakMemory):
         if total > self.peak:
             self.at_peak = sorted(((process_label(p), pss) for p, pss in parts), key=lambda x: -x[1])
         return total
-
-
-def process_label(proc: psutil.Process) -> str:
-    """``ray::ClientActor``, ``raylet``, ``fedray``: what a process is, in a word."""
-    try:
-        cmd = proc.cmdline()
-    except psutil.Error:
-        return "?"
-    if cmd and cmd[0].startswith("ray::"):  # ray::ClientActor, or ray::ClientActor.train while it runs one
-        return cmd[0].split()[0].split(".")[0]
-    name = proc.name()
-    if name.startswith("python"):  # the script it runs: fedray, log_monitor.py, ...
-        script = next((arg for arg in cmd[1:] if not arg.startswith("-")), None)
-        return Path(script).name if script else name
-    return name
 
 
 def wait_until_idle(limit_s: float = 60.0) -> None:

@@ -58,7 +58,8 @@ from pathlib import Path
 import psutil
 
 # the existing benchmark's helpers: the CIFAR-10 archive unpacked once, the idle wait, the memory sampler
-from bench_fedavg_cifar import TreePss, cifar_root, process_label, wait_until_idle
+from bench_fedavg_cifar import TreePss, cifar_root, wait_until_idle
+from process_names import process_label
 
 from fedray.platform.config import DataConfig
 from fedray.platform.data import load_dataset

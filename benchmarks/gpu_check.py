@@ -65,6 +65,7 @@ from typing import Any, NamedTuple
 
 import psutil
 import torch
+from process_names import process_title
 
 from fedray.platform.data.archive import cifar10_jpeg_archive
 from fedray.platform.tracking.names import Metrics, Tags, personal_on, tag_filter
@@ -228,22 +229,6 @@ def utilization(
 
 
 # --------------------------------------------------------------------------------------------- commands
-
-
-def process_title(cmdline: list[str]) -> str:
-    """What a process is, from its command line: a Ray worker's title (``ray::ClientActor.train``
-    gives ``ray::ClientActor``), else the program a Python interpreter runs (``fedray``), else the
-    program's name."""
-    if not cmdline:
-        return "?"
-    first = cmdline[0].split()[0] if cmdline[0].strip() else "?"
-    if first.startswith("ray::"):
-        return first.split(".")[0]
-    name = Path(first).name
-    if name.startswith("python") and len(cmdline) > 1:
-        script = next((word for word in cmdline[1:] if not word.startswith("-")), "")
-        return Path(script).name or name
-    return name
 
 
 @dataclass

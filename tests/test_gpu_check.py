@@ -16,6 +16,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+sys.path.insert(0, str(SCRIPT.parent))  # its helpers beside it, as when run as a script
 spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
 assert spec and spec.loader
 gpu_check = importlib.util.module_from_spec(spec)

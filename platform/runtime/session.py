@@ -99,9 +99,7 @@ class RunSession:
                 if isinstance(err.cause, RoundFailed):
                     self.status = "FAILED"
                     resume = (
-                        ""
-                        if self.tracker is None
-                        else f"; once fixed, resume with  fedray run --resume {self.tracker.run_id}"
+                        "" if self.tracker is None else f"; once fixed, resume with  {self.resume_command()}"
                     )
                     raise RunAborted(f"{err.cause}{resume}") from None
                 raise
@@ -111,28 +109,30 @@ class RunSession:
                     raise
                 raise RunAborted(
                     f"the Coordinator process died ({first_line(err)}){restarted(self.cfg)}; "
-                    f"resume from the last checkpoint with  fedray run --resume {self.tracker.run_id}"
+                    f"resume from the last checkpoint with  {self.resume_command()}"
                 ) from None
             except TrackingUnavailable as err:
                 self.status, self.outage = "KILLED", True
                 if self.tracker is None:  # only the tracker's writes wait out an outage: it exists
                     raise
                 raise RunAborted(
-                    f"{err}: the run stopped as Ctrl-C stops it; resume with  "
-                    f"fedray run --resume {self.tracker.run_id}"
+                    f"{err}: the run stopped as Ctrl-C stops it; resume with  {self.resume_command()}"
                 ) from None
             except KeyboardInterrupt:
                 self.status = "KILLED"
                 if self.tracker is not None:
-                    print(
-                        f"\ninterrupted: resume with  fedray run --resume {self.tracker.run_id}", flush=True
-                    )
+                    print(f"\ninterrupted: resume with  {self.resume_command()}", flush=True)
                 raise
             finally:
                 try:
                     self.close()
                 finally:  # whatever MLflow did, the run's processes end, or wait for the next if it went well
                     release(self.wall_s is not None)
+
+    def resume_command(self) -> str:
+        """The command that resumes this run (it has an MLflow run: the id names it)."""
+        assert self.tracker is not None
+        return f"fedray run --resume {self.tracker.run_id}"
 
     def close(self) -> None:
         if self.monitor is not None:  # a failed or stopped run: its last sample is best effort
@@ -145,6 +145,6 @@ class RunSession:
         except TrackingUnavailable as err:
             if not self.outage:  # down only at the end: the rounds are done and checkpointed
                 raise RunAborted(
-                    f"{err}: the run could not be closed; resume with  fedray run --resume "
-                    f"{self.tracker.run_id} to log what is missing"
+                    f"{err}: the run could not be closed; resume with  {self.resume_command()} "
+                    "to log what is missing"
                 ) from None
