@@ -34,7 +34,7 @@ TESTS = Path(__file__).parent
 FEDRAY_RUN = [
     sys.executable,
     "-c",
-    "import sys, gate_algorithm; from fedray.platform.apps.cli import main; sys.exit(main())",
+    "import gate_algorithm; from fedray.platform.apps.cli import command; command()",
 ]
 ROUNDS, CHECKPOINT_EVERY, GATED_ROUND = 6, 3, 4  # 0-based round 4 is the fifth: round 4 done, 3 checkpointed
 

@@ -7,6 +7,7 @@ and exit status 2, before Ray or any training starts.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from pathlib import Path
 
@@ -168,5 +169,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def command() -> None:
+    """The ``fedray`` console script: :func:`main`, then an exit without the interpreter's last
+    garbage collections. With torch, Lightning, Ray and MLflow loaded (about 770,000 objects) they
+    took 2-3 s after a run had ended, a tenth of a small run's command; atexit (Ray's shutdown,
+    MLflow's flush) still runs first, and the OS frees the memory."""
+    code = main()
+    gc.freeze()  # everything alive now is out of the collector's reach, so the last walk is short
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()
