@@ -26,6 +26,7 @@ from fedray.platform.errors import ConfigError
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.driver import Trial, ensure_ray, require_gpus, run_experiment
 from fedray.platform.runtime.processes import KeptRuntime
+from fedray.platform.runtime.session import StoppedEarly
 from fedray.platform.tracking.descriptions import sweep_description
 from fedray.platform.tracking.mlflow_run import RunTracker, tracking_uri
 from fedray.platform.tracking.names import RunKind, Tags, tag_filter
@@ -85,16 +86,34 @@ def run_trial(point: dict[str, Any], base: dict[str, Any], parent_run_id: str, s
         os.environ["MLFLOW_TRACKING_URI"] = cfg.tracking.uri
     pg = ray.util.get_current_placement_group()
     actors = trial_actors(cfg) if pg is not None else None  # as many as trial_resources reserved
+    KeptRuntime.keep_between_trials()  # Tune hands this process the next trial (reuse_actors)
     tags = {
         Tags.SWEEP_ID: sweep_id,
         Tags.TRIAL_ID: tune.get_context().get_trial_id() or "",
         Tags.RUN_NAME: f"{cfg.algorithm} {trial_label(point)}",  # charts' legends name the values
     }
 
-    def report(rnd: int, metrics: dict[str, float]) -> None:
-        tune.report({"round": rnd, **{tune_key(k): v for k, v in metrics.items()}})
+    last: list[tuple[int, dict[str, float]]] = []
 
-    run_experiment(cfg, tags=tags, on_round=report, trial=Trial(parent_run_id, pg, actors))
+    def report(rnd: int, metrics: dict[str, float]) -> None:
+        if rnd == cfg.rounds:  # reported once the run is closed: Tune stops a trial at its last report
+            last.append((rnd, metrics))
+            return
+        try:
+            tune.report({"round": rnd, **{tune_key(k): v for k, v in metrics.items()}})
+        except SystemExit:  # what tune.report raises in a trial that the scheduler (ASHA) stopped
+            raise StoppedEarly(f"stopped by the sweep's scheduler after round {rnd}") from None
+
+    # Tune hands a reused process its next trial once this one's thread has ended, and gives up on
+    # the process (failing that trial) after this many seconds (default 2): a stopped trial closes
+    # its MLflow run and stops its processes first
+    os.environ["TUNE_FUNCTION_THREAD_TIMEOUT_S"] = "120"
+    try:
+        run_experiment(cfg, tags=tags, on_round=report, trial=Trial(parent_run_id, pg, actors))
+    except StoppedEarly:  # closed as KILLED, tagged stopped early; the thread ends as Tune ends it
+        raise SystemExit(0) from None
+    for rnd, metrics in last:
+        tune.report({"round": rnd, **{tune_key(k): v for k, v in metrics.items()}})
 
 
 # --------------------------------------------------------------------------------------------- sweep
@@ -218,6 +237,9 @@ def run_sweep(
                 scheduler=_scheduler(space, base_cfg.rounds),
                 search_alg=_search_alg(space, base_cfg.seed),
                 max_concurrent_trials=max_concurrent,
+                # a finished trial's process, its placement group and its Coordinator and
+                # ClientActors (KeptRuntime) run the next trial: no process imports torch again
+                reuse_actors=True,
             ),
             run_config=tune.RunConfig(
                 name=name, storage_path=str(sweeps_dir), callbacks=callbacks, verbose=0
@@ -364,7 +386,8 @@ def log_trial_curves(parent, children: list, space: SearchSpace, algorithm: str)
 
 
 def _close_stopped_children(parent) -> list:
-    """Trials that ASHA stopped were killed mid-run; mark their MLflow runs KILLED, not RUNNING.
+    """A trial that ASHA stopped closes its own MLflow run (KILLED, tagged) when Tune lets its
+    thread finish; one whose process Tune ended first is still RUNNING: mark it the same way.
     Returns the sweep's child runs."""
     runs = parent.client.search_runs(
         [parent.experiment_id],

@@ -105,14 +105,27 @@ def _tiny_space(tmp_path, mus=(0.0, 1.0)):
     return str(path)
 
 
+def actor_classes() -> dict[str, str]:
+    """Every actor this Ray has started, dead or alive, by id: its class name. (Ray's public state
+    API needs the dashboard, which the tests' Ray runs without.)"""
+    from ray._private import state
+
+    return {actor: info["ActorClassName"] for actor, info in state.actors().items()}
+
+
 @pytest.mark.usefixtures("ray_session")
 def test_two_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store, monkeypatch):
     # the store named as a user often does, relative to where the sweep starts: the trials run in
     # their own directories, and must still log into this store
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
+    before = set(actor_classes())
     result = run_sweep("fedprox", space_file=_tiny_space(tmp_path), overrides=tiny_overrides(rounds=2))
 
     assert len(result.trials) == 2 and set(result.trials["status"]) == {"ok"}
+    # the second trial ran in the first one's processes (Tune's reuse_actors and KeptRuntime): one
+    # trial process, one Coordinator and two ClientActors started for the whole sweep
+    started = sorted(name for actor, name in actor_classes().items() if actor not in before)
+    assert started == ["ClientActor", "ClientActor", "Coordinator", "ImplicitFunc"], started
     client = MlflowClient(mlflow_store)
     parent = client.get_run(result.parent_run_id)
     assert parent.data.tags[Tags.KIND] == RunKind.SWEEP and parent.info.status == "FINISHED"
@@ -160,23 +173,38 @@ def test_two_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store, mo
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path, mlflow_store):
-    space = _tiny_space(tmp_path, mus=(0.0, 1.0))
-    overrides = tiny_overrides(rounds=1, **{"train.local_epochs": 1})
-    first = run_sweep("fedprox", space_file=space, overrides=overrides, max_concurrent=1, stop_after_trials=1)
-    assert (first.trials["rounds"] == 1).sum() == 1
-    assert MlflowClient(mlflow_store).get_run(first.parent_run_id).info.status == "KILLED"
-
-    resumed = run_sweep("fedprox", space_file=space, overrides=overrides, resume=True)
-    assert len(resumed.trials) == 2 and (resumed.trials["rounds"] == 1).all()
+def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoing_any(
+    tmp_path, mlflow_store
+):
+    # one trial at a time: lr=0.1 runs its 2 rounds; lr=1e-4 is far behind it after round 1, so ASHA
+    # (grace 1 round, halving) stops it there, in the first trial's reused process; then Ctrl-C, and
+    # the resume runs the last trial
+    path = tmp_path / "space.yaml"
+    lrs = [0.1, 0.0001, 0.05]
+    space = {"search": "grid", "scheduler": "asha", "grace_rounds": 1, "metric": Metrics.ACC_GLOBAL}
+    path.write_text(yaml.safe_dump({**space, "params": {"train.lr": lrs}}))
+    overrides = tiny_overrides(rounds=2)
+    first = run_sweep(
+        "fedavg", space_file=str(path), overrides=overrides, max_concurrent=1, stop_after_trials=2
+    )
+    assert sorted(first.trials["rounds"]) == [1, 2]
     client = MlflowClient(mlflow_store)
+    assert client.get_run(first.parent_run_id).info.status == "KILLED"
+
+    resumed = run_sweep("fedavg", space_file=str(path), overrides=overrides, resume=True)
+    assert len(resumed.trials) == 3 and resumed.parent_run_id == first.parent_run_id
     children = client.search_runs(
         [client.get_run(first.parent_run_id).info.experiment_id],
         filter_string=tag_filter(Tags.PARENT_RUN_ID, first.parent_run_id),
     )
-    mus = sorted(float(c.data.params["fedprox.mu"]) for c in children)
-    assert mus == [0.0, 1.0]  # each trial ran exactly once: the finished one was not redone
-    assert resumed.parent_run_id == first.parent_run_id
+    by_lr = {float(c.data.params["train.lr"]): c for c in children}
+    assert sorted(by_lr) == sorted(lrs) and len(children) == 3  # each trial ran once: none was redone
+    # the trial that ran its rounds finished (its last round reached Tune after the run was closed);
+    # the one ASHA stopped is closed as KILLED, tagged, with the one round it ran
+    assert by_lr[0.1].info.status == "FINISHED" and Tags.STOPPED_EARLY not in by_lr[0.1].data.tags
+    stopped = by_lr[0.0001]
+    assert stopped.info.status == "KILLED" and stopped.data.tags[Tags.STOPPED_EARLY] == "true"
+    assert [m.step for m in client.get_metric_history(stopped.info.run_id, Metrics.ACC_GLOBAL)] == [1]
 
 
 def test_prepare_base_makes_paths_absolute(tmp_path, monkeypatch):

@@ -39,15 +39,26 @@ class Runtime:
 
 class KeptRuntime:
     """The Coordinator and ClientActors of the last finished run, kept for the next one while
-    ``sharing_processes()`` is open (``fedray compare``, a notebook's loop, the test session): a run
-    on them starts at once instead of waiting seconds for new processes to import torch and
-    Lightning. Idle, they hold their CPUs and GPU slices, so they are kept only where the next run
-    is known to come: inside that scope, on the same Ray, for a run with the same worker resources,
-    and never after a run that failed or for a Tune trial (its placement group goes with it)."""
+    ``sharing_processes()`` is open (``fedray compare``, a notebook's loop, the test session) or in a
+    Tune trial's process (:meth:`keep_between_trials`): a run on them starts at once instead of
+    waiting seconds for new processes to import torch and Lightning. Idle, they hold their CPUs and
+    GPU slices, so they are kept only where the next run is known to come: inside that scope or
+    that trial's placement group, on the same Ray, for a run with the same worker resources, and
+    never after a run that failed."""
 
     sharing = 0  # open sharing_processes() scopes
+    between_trials = False  # this process is a Tune trial's, reused for the sweep's next trial
     kept: Runtime | None = None
     node: str = ""  # the node the kept processes' Ray was joined from
+    group: str | None = None  # the placement group they run in (a trial's), or None
+
+    @classmethod
+    def keep_between_trials(cls) -> None:
+        """This process runs a Tune trial and Tune hands it the sweep's next trial in the same
+        placement group (``reuse_actors``): a finished trial's processes wait there for that one.
+        They need no stopping: Tune ends this process and removes the group when it has no next
+        trial, and Ray ends the actors with their owner and their group."""
+        cls.between_trials = True
 
     @staticmethod
     def this_node() -> str:
@@ -69,12 +80,13 @@ class KeptRuntime:
         have them; otherwise they stop."""
         import ray
 
-        if cls.sharing and placement_group is None:
+        if cls.between_trials if placement_group is not None else cls.sharing:
             with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
                 workers = ray.get(runtime.coordinator.release.remote(), timeout=30)
-                cls.kept, cls.node = (
+                cls.kept, cls.node, cls.group = (
                     Runtime(runtime.coordinator, workers, runtime.worker_options),
                     cls.this_node(),
+                    group_id(placement_group),
                 )
                 return
         runtime.stop()
@@ -88,7 +100,11 @@ class KeptRuntime:
         kept, cls.kept = cls.kept, None
         if kept is None:
             return None
-        usable = options == kept.worker_options and placement_group is None and cls.this_node() == cls.node
+        usable = (
+            resources(options) == resources(kept.worker_options)
+            and group_id(placement_group) == cls.group
+            and cls.this_node() == cls.node
+        )
         if usable:
             actors = [kept.coordinator, *kept.workers]
             answered, _ = ray.wait(
@@ -105,6 +121,15 @@ class KeptRuntime:
         kept, cls.kept = cls.kept, None
         if kept is not None:
             kept.stop()
+
+
+def group_id(placement_group) -> str | None:
+    return None if placement_group is None else placement_group.id.hex()
+
+
+def resources(options: dict[str, Any]) -> tuple[float, float]:
+    """What a ClientActor holds, whatever the scheduling strategy object that places it."""
+    return options["num_cpus"], options["num_gpus"]
 
 
 @contextlib.contextmanager

@@ -27,6 +27,12 @@ class RunAborted(RuntimeError):
     """The run cannot go on (its Coordinator died); the message says how to resume. One line."""
 
 
+class StoppedEarly(Exception):
+    """Raised by a run's ``on_round`` callback to end the run after that round, before its last (a
+    sweep's scheduler stopping a trial): the MLflow run is closed KILLED and tagged
+    ``fedray.stopped_early``, and the run's processes stop (its Coordinator has gone on to later rounds)."""
+
+
 def restarted(cfg: ExperimentConfig) -> str:
     limit = cfg.ray.max_coordinator_restarts
     return f" after {limit} restart{'s' * (limit != 1)}" if limit else ""
@@ -118,6 +124,11 @@ class RunSession:
                 raise RunAborted(
                     f"{err}: the run stopped as Ctrl-C stops it; resume with  {self.resume_command()}"
                 ) from None
+            except StoppedEarly:
+                self.status = "KILLED"
+                if self.tracker is not None:
+                    self.tracker.set_tags({Tags.STOPPED_EARLY: "true"})
+                raise
             except KeyboardInterrupt:
                 self.status = "KILLED"
                 if self.tracker is not None:
