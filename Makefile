@@ -10,7 +10,8 @@ EXP ?=
 OUT ?=
 PAPER ?=
 # the suite runs in this many pytest processes, a test file each at a time: one process leaves a core
-# idle while its tests wait on servers, subprocesses and a 30 s tracking outage
+# idle while its tests wait on servers, subprocesses and a 30 s tracking outage; the slowest files
+# first, in the order tests/conftest.py gives (SLOW_FILES_FIRST)
 TEST_PROCESSES ?= 2
 
 .PHONY: install run compare sweep report test test-slow lint typecheck bench bench-scale gpu-check reproduce ui clean
@@ -45,7 +46,7 @@ typecheck: install  ## mypy on the fedray package
 	MYPYPATH=$(VENV)/typecheck $(BIN)/mypy -p fedray
 
 test: install lint typecheck  ## lint, type check, then the default suite (slow real-data tests excluded)
-	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder
 
 test-slow: install  ## the real-data checks (the CIFAR-10 JPEG archive: FEDRAY_CIFAR10_ARCHIVE=... or .data/)
 	$(BIN)/python -m pytest -q -m slow -s

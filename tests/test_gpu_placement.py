@@ -22,6 +22,7 @@ from mlflow.tracking import MlflowClient
 from fedray.platform.catalog import load_config
 from fedray.platform.errors import ConfigError
 from fedray.platform.runtime import driver as run_module
+from fedray.platform.runtime.coordinator import pool_size
 from fedray.platform.runtime.devices import worker_device
 from fedray.platform.runtime.driver import run_experiment
 from fedray.sweeps.tune_sweep import trial_actors, trial_resources
@@ -105,7 +106,7 @@ PLACEMENT = textwrap.dedent(
     from fedray.platform.runtime.driver import run_experiment
     from fedray.platform.tracking.names import Metrics, Tags
 
-    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     cfg = load_config(None, json.loads(sys.argv[1]))
     free_gpu = []
     result = run_experiment(cfg, on_round=lambda rnd, m: free_gpu.append(ray.available_resources().get("GPU", 0.0)))
@@ -123,7 +124,18 @@ PLACEMENT = textwrap.dedent(
 )
 
 
-def test_quarter_gpu_slices_put_four_client_actors_on_one_gpu(tmp_path):
+def test_the_pool_is_as_many_workers_as_the_scarcer_of_cpus_and_gpu_slices():
+    quarter = config("ray.num_gpus_per_client=0.25", "ray.max_actors=null", "data.num_clients=20")
+    assert pool_size(quarter, {"CPU": 4, "GPU": 1}) == 4  # four quarters of one GPU
+    assert pool_size(quarter, {"CPU": 16, "GPU": 1}) == 4  # more CPUs add no slice
+    assert pool_size(quarter, {"CPU": 16, "GPU": 2}) == 8
+    assert pool_size(quarter, {"CPU": 2, "GPU": 1}) == 2  # the CPUs bind
+    assert (
+        pool_size(config("ray.max_actors=null", "data.num_clients=20"), {"CPU": 16, "GPU": 1}) == 16
+    )  # no GPU
+
+
+def test_quarter_gpu_slices_put_client_actors_on_one_gpu(tmp_path):
     overrides = [o for o in tiny_overrides(rounds=2) if not o.startswith("ray.max_actors")]
     overrides += ["ray.num_gpus_per_client=0.25", f"storage_path={tmp_path / 'store'}"]
     done = subprocess.run(
@@ -136,9 +148,11 @@ def test_quarter_gpu_slices_put_four_client_actors_on_one_gpu(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    # four CPUs and one GPU in quarters: four ClientActors, all four slices held while rounds run
-    assert seen["pool"] == 4 and seen["workers"] == "4"
-    assert seen["free_gpu_during_rounds"] == [0.0, 0.0]
+    # two CPUs and one GPU in quarters: two ClientActors (the CPUs bind; four CPUs would place four,
+    # as the test above computes, at the cost of two more processes importing torch), two slices
+    # held while rounds run
+    assert seen["pool"] == 2 and seen["workers"] == "2"
+    assert seen["free_gpu_during_rounds"] == [0.5, 0.5]
     # each worker was assigned GPU 0 by Ray, cannot use it here, trained on the CPU and said so
     assert seen["device"] == "cpu (Ray assigned GPU 0, but CUDA is not available in this process)"
     assert seen["finished"] and seen["failed"] == 0
