@@ -93,27 +93,34 @@ def run_trial(point: dict[str, Any], base: dict[str, Any], parent_run_id: str, s
         Tags.RUN_NAME: f"{cfg.algorithm} {trial_label(point)}",  # charts' legends name the values
     }
 
-    last: list[tuple[int, dict[str, float]]] = []
+    def tune_result(rnd: int, metrics: dict[str, float]) -> dict[str, float]:
+        return {"round": rnd, **{tune_key(k): v for k, v in metrics.items()}}
+
+    last: list[dict[str, float]] = []
 
     def report(rnd: int, metrics: dict[str, float]) -> None:
-        if rnd == cfg.rounds:  # reported once the run is closed: Tune stops a trial at its last report
-            last.append((rnd, metrics))
+        if rnd == cfg.rounds:  # reported once the run is closed: ASHA stops every trial at its last report
+            last.append(tune_result(rnd, metrics))
             return
         try:
-            tune.report({"round": rnd, **{tune_key(k): v for k, v in metrics.items()}})
-        except SystemExit:  # what tune.report raises in a trial that the scheduler (ASHA) stopped
-            raise StoppedEarly(f"stopped by the sweep's scheduler after round {rnd}") from None
+            tune.report(tune_result(rnd, metrics))
+        except SystemExit:  # what tune.report raises once Tune stops the trial (its scheduler, or the sweep)
+            raise StoppedEarly(f"stopped by Tune after round {rnd}") from None
 
-    # Tune hands a reused process its next trial once this one's thread has ended, and gives up on
-    # the process (failing that trial) after this many seconds (default 2): a stopped trial closes
-    # its MLflow run and stops its processes first
-    os.environ["TUNE_FUNCTION_THREAD_TIMEOUT_S"] = "120"
+    # A stopped trial's thread wakes in tune.report only when Tune hands its process the next trial
+    # (or ends the process); it then closes its MLflow run and stops its processes, and Tune waits
+    # this many seconds (default 2) for that before it fails the *next* trial: as long as the
+    # tracking server may be waited for, and a minute more
+    os.environ["TUNE_FUNCTION_THREAD_TIMEOUT_S"] = str(int(cfg.tracking.max_outage_s) + 60)
     try:
         run_experiment(cfg, tags=tags, on_round=report, trial=Trial(parent_run_id, pg, actors))
-    except StoppedEarly:  # closed as KILLED, tagged stopped early; the thread ends as Tune ends it
+    except StoppedEarly:
+        # closed as KILLED, tagged stopped early. SystemExit ends the thread as Tune ends a stopped
+        # trial's; returning would make Tune's wrapper report the function's end and wait forever
+        # for a go-ahead that a stopped trial never gets
         raise SystemExit(0) from None
-    for rnd, metrics in last:
-        tune.report({"round": rnd, **{tune_key(k): v for k, v in metrics.items()}})
+    for result in last:
+        tune.report(result)
 
 
 # --------------------------------------------------------------------------------------------- sweep

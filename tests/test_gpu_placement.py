@@ -148,9 +148,9 @@ def test_quarter_gpu_slices_put_client_actors_on_one_gpu(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    # two CPUs and one GPU in quarters: two ClientActors (the CPUs bind; four CPUs would place four,
-    # as the test above computes, at the cost of two more processes importing torch), two slices
-    # held while rounds run
+    # two CPUs and one GPU in quarters: two ClientActors (the CPUs bind), two slices held while rounds
+    # run. Four quarters filling the GPU are left to the pool_size test above and to make gpu-check:
+    # here they would cost two more processes importing torch
     assert seen["pool"] == 2 and seen["workers"] == "2"
     assert seen["free_gpu_during_rounds"] == [0.5, 0.5]
     # each worker was assigned GPU 0 by Ray, cannot use it here, trained on the CPU and said so

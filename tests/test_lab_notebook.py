@@ -18,6 +18,7 @@ from ui_helpers import browser_or_skip, page_dom, ui_server
 
 from fedray.platform.catalog import load_config
 from fedray.platform.data import normalize
+from fedray.platform.errors import ConfigError
 from fedray.platform.runtime.driver import prepare_federation, run_experiment
 from fedray.platform.tracking.dataset import dataset_source, split_digest
 from fedray.platform.tracking.names import Metrics, Tags
@@ -134,3 +135,28 @@ def test_make_ui_prints_the_runs_table_and_the_page_lists_the_runs(two_runs, tmp
     for run in (fedavg, local):
         name = MlflowClient(uri).get_run(run.run_id).info.run_name
         assert name in dom, name
+
+
+def test_fedray_ui_serves_one_worker_unless_told_otherwise(tmp_path, monkeypatch):
+    from fedray.platform.apps import ui
+    from fedray.platform.apps.cli import build_parser
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowClient(store).create_experiment("x")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.delenv("MLFLOW_WORKERS", raising=False)
+    served: list[list[str]] = []
+    monkeypatch.setattr(ui.os, "execv", lambda path, argv: served.append(argv))  # mlflow ui, not run
+
+    def workers(*argv: str) -> str | None:
+        args = build_parser().parse_args(["ui", *argv])
+        args.func(args)
+        command = served.pop()
+        return command[command.index("--workers") + 1] if "--workers" in command else None
+
+    assert workers() == "1"
+    assert workers("--workers", "4") == "4"
+    monkeypatch.setenv("MLFLOW_WORKERS", "3")
+    assert workers() is None  # mlflow ui reads the variable itself
+    with pytest.raises(ConfigError, match=r"^--workers 0: must be >= 1$"):
+        workers("--workers", "0")

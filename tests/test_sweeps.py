@@ -204,6 +204,7 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
     assert by_lr[0.1].info.status == "FINISHED" and Tags.STOPPED_EARLY not in by_lr[0.1].data.tags
     stopped = by_lr[0.0001]
     assert stopped.info.status == "KILLED" and stopped.data.tags[Tags.STOPPED_EARLY] == "true"
+    assert Metrics.TIME_WALL_S in stopped.data.metrics  # closed by its own run, not by the sweep after it
     assert [m.step for m in client.get_metric_history(stopped.info.run_id, Metrics.ACC_GLOBAL)] == [1]
 
 

@@ -36,6 +36,9 @@ def find_experiment(uri: str, name: str | None) -> tuple[str, str] | None:
 def ui_command(args: argparse.Namespace) -> int:
     from fedray.platform.tracking.mlflow_run import tracking_uri
 
+    if args.workers is not None and args.workers < 1:
+        raise ConfigError(f"--workers {args.workers}: must be >= 1")
+
     uri = tracking_uri()
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         raise ConfigError(f"no MLflow store at {uri} yet: run something first (make run)")
@@ -50,7 +53,8 @@ def ui_command(args: argparse.Namespace) -> int:
         print(f"runs of experiment {found[1]!r}: {runs_table_url(found[0], server)}")
     sys.stdout.flush()
     where = ["--backend-store-uri", uri, "--host", args.host, "--port", str(args.port)]
-    where += ["--workers", str(args.workers)]
+    if args.workers is not None or "MLFLOW_WORKERS" not in os.environ:  # else mlflow reads the variable
+        where += ["--workers", str(args.workers or 1)]
     # the UI server replaces this process: Ctrl-C stops it
     os.execv(sys.executable, [sys.executable, "-m", "mlflow", "ui", *where])
     return 0  # not reached
@@ -62,5 +66,5 @@ def add_ui_parser(subparsers) -> None:
     ui.add_argument("--port", type=int, default=DEFAULT_PORT)
     ui.add_argument("--host", default=DEFAULT_HOST)
     # one user's browser: one server process is up in about 9 s here, MLflow's default four in 14-20
-    ui.add_argument("--workers", type=int, default=1, help="UI server processes (default: 1)")
+    ui.add_argument("--workers", type=int, help="UI server processes (default: MLFLOW_WORKERS, else 1)")
     ui.set_defaults(func=ui_command)

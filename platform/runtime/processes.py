@@ -80,7 +80,8 @@ class KeptRuntime:
         have them; otherwise they stop."""
         import ray
 
-        if cls.between_trials if placement_group is not None else cls.sharing:
+        next_run_may_come = cls.between_trials if placement_group is not None else cls.sharing
+        if next_run_may_come:
             with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
                 workers = ray.get(runtime.coordinator.release.remote(), timeout=30)
                 cls.kept, cls.node, cls.group = (
@@ -101,7 +102,7 @@ class KeptRuntime:
         if kept is None:
             return None
         usable = (
-            resources(options) == resources(kept.worker_options)
+            worker_resources(options) == worker_resources(kept.worker_options)
             and group_id(placement_group) == cls.group
             and cls.this_node() == cls.node
         )
@@ -127,7 +128,7 @@ def group_id(placement_group) -> str | None:
     return None if placement_group is None else placement_group.id.hex()
 
 
-def resources(options: dict[str, Any]) -> tuple[float, float]:
+def worker_resources(options: dict[str, Any]) -> tuple[float, float]:
     """What a ClientActor holds, whatever the scheduling strategy object that places it."""
     return options["num_cpus"], options["num_gpus"]
 

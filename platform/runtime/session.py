@@ -28,9 +28,11 @@ class RunAborted(RuntimeError):
 
 
 class StoppedEarly(Exception):
-    """Raised by a run's ``on_round`` callback to end the run after that round, before its last (a
-    sweep's scheduler stopping a trial): the MLflow run is closed KILLED and tagged
-    ``fedray.stopped_early``, and the run's processes stop (its Coordinator has gone on to later rounds)."""
+    """Raised by a run's ``on_round`` callback to end the run after that round, before its last (Tune
+    stopping a trial: ASHA, or the sweep ending): the MLflow run is closed KILLED and tagged
+    ``fedray.stopped_early``, and the run's processes stop (its Coordinator has gone on to later
+    rounds; in a sweep it trains on until Tune wakes the stopped trial's thread, which is at once
+    when the next trial is waiting for the process)."""
 
 
 def restarted(cfg: ExperimentConfig) -> str:
