@@ -177,28 +177,30 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
     tmp_path, mlflow_store
 ):
     # one trial at a time: lr=0.1 runs its 2 rounds; lr=1e-4 is far behind it after round 1, so ASHA
-    # (grace 1 round, halving) stops it there, in the first trial's reused process; then Ctrl-C, and
-    # the resume runs the last trial
+    # (grace 1 round, halving) stops it there, in the first trial's reused process; the third trial
+    # starts in that process only once the stopped one has closed its run; then Ctrl-C (an
+    # interrupt right after the stopped trial would race its closing), and the resume runs the last
     path = tmp_path / "space.yaml"
-    lrs = [0.1, 0.0001, 0.05]
+    lrs = [0.1, 0.0001, 0.05, 0.08]
     space = {"search": "grid", "scheduler": "asha", "grace_rounds": 1, "metric": Metrics.ACC_GLOBAL}
     path.write_text(yaml.safe_dump({**space, "params": {"train.lr": lrs}}))
     overrides = tiny_overrides(rounds=2)
     first = run_sweep(
-        "fedavg", space_file=str(path), overrides=overrides, max_concurrent=1, stop_after_trials=2
+        "fedavg", space_file=str(path), overrides=overrides, max_concurrent=1, stop_after_trials=3
     )
-    assert sorted(first.trials["rounds"]) == [1, 2]
+    rounds = dict(zip(first.trials["train.lr"], first.trials["rounds"], strict=True))
+    assert len(rounds) == 3 and rounds[0.1] == 2 and rounds[0.0001] == 1
     client = MlflowClient(mlflow_store)
     assert client.get_run(first.parent_run_id).info.status == "KILLED"
 
     resumed = run_sweep("fedavg", space_file=str(path), overrides=overrides, resume=True)
-    assert len(resumed.trials) == 3 and resumed.parent_run_id == first.parent_run_id
+    assert len(resumed.trials) == 4 and resumed.parent_run_id == first.parent_run_id
     children = client.search_runs(
         [client.get_run(first.parent_run_id).info.experiment_id],
         filter_string=tag_filter(Tags.PARENT_RUN_ID, first.parent_run_id),
     )
     by_lr = {float(c.data.params["train.lr"]): c for c in children}
-    assert sorted(by_lr) == sorted(lrs) and len(children) == 3  # each trial ran once: none was redone
+    assert sorted(by_lr) == sorted(lrs) and len(children) == 4  # each trial ran once: none was redone
     # the trial that ran its rounds finished (its last round reached Tune after the run was closed);
     # the one ASHA stopped is closed as KILLED, tagged, with the one round it ran
     assert by_lr[0.1].info.status == "FINISHED" and Tags.STOPPED_EARLY not in by_lr[0.1].data.tags
