@@ -106,11 +106,12 @@ def _tiny_space(tmp_path, mus=(0.0, 1.0)):
 
 
 def actor_classes() -> dict[str, str]:
-    """Every actor this Ray has started, dead or alive, by id: its class name. (Ray's public state
+    """Every actor this Ray has started, dead or alive, by id: its class's name. (Ray's public state
     API needs the dashboard, which the tests' Ray runs without.)"""
     from ray._private import state
 
-    return {actor: info["ActorClassName"] for actor, info in state.actors().items()}
+    # Ray's table names Tune's trial class ImplicitFunc or wrap_function.<locals>.ImplicitFunc (both seen)
+    return {actor: info["ActorClassName"].rsplit(".", 1)[-1] for actor, info in state.actors().items()}
 
 
 @pytest.mark.usefixtures("ray_session")
