@@ -71,8 +71,9 @@ class KeptRuntime:
         """The CPUs and GPUs the kept workers hold (Ray shows them free only once they are gone)."""
         if cls.kept is None:
             return {}
-        options, count = cls.kept.worker_options, len(cls.kept.workers)
-        return {"CPU": options["num_cpus"] * count, "GPU": options["num_gpus"] * count}
+        cpus, gpus = worker_resources(cls.kept.worker_options)
+        count = len(cls.kept.workers)
+        return {"CPU": cpus * count, "GPU": gpus * count}
 
     @classmethod
     def put(cls, runtime: Runtime, placement_group=None) -> None:
