@@ -1,10 +1,13 @@
 """Runs in one driver share their processes (``KeptRuntime``): a run starts on the last finished
 run's Coordinator and ClientActors, emptied of that run, and computes what fresh processes compute.
-A run that fails, or that needs other worker resources, gets fresh ones."""
+A run stopped early (Tune's scheduler) hands them on once its Coordinator halts between rounds. A run
+that fails, or that needs other worker resources, gets fresh ones."""
 
 from __future__ import annotations
 
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -90,3 +93,43 @@ def test_a_failed_run_or_other_worker_resources_get_fresh_processes():
     assert not second.keys() & first.keys()
     run_experiment(load_config(None, tiny_overrides(rounds=2, **{"ray.num_cpus_per_client": 2})))
     assert not kept_actors().keys() & second.keys() and all_dead(second)
+
+
+@pytest.mark.usefixtures("ray_session", "mlflow_store")
+def test_a_run_stopped_early_hands_on_its_processes_once_its_coordinator_halts(tmp_path):
+    """Tune's scheduler stops a run after round 1 while its Coordinator, ahead of the driver, is in
+    round 2 (held at a gate): a Coordinator that ends the round within the wait is halted there and the
+    processes serve the next run; one still in its round after the wait has its processes stopped."""
+    import gate_algorithm  # noqa: F401  (registers fedavg_gate)
+
+    from fedray.platform.runtime.session import StoppedEarly
+
+    run_experiment(load_config(None, tiny_overrides(rounds=2)))
+    first = kept_actors()
+
+    def gated(name: str):
+        gate = tmp_path / name
+        settings = {"algorithm": "fedavg_gate", "fedavg_gate.round": 1, "fedavg_gate.gate": str(gate)}
+        return gate, load_config(None, tiny_overrides(rounds=4, **settings))
+
+    def stop_after_round_1(gate, open_after_s: float | None):
+        def on_round(rnd, metrics):
+            while not Path(f"{gate}.reached").exists():  # the Coordinator is inside round 2
+                time.sleep(0.05)
+            if open_after_s is not None:
+                threading.Timer(open_after_s, Path(f"{gate}.open").touch).start()
+            raise StoppedEarly("stopped after round 1")
+
+        return on_round
+
+    gate, cfg = gated("released")
+    with pytest.raises(StoppedEarly):
+        run_experiment(cfg, on_round=stop_after_round_1(gate, open_after_s=1.0))
+    assert kept_actors().keys() == first.keys()  # halted after round 2: kept, not stopped
+    after = run_experiment(load_config(None, tiny_overrides(rounds=2)))
+    assert after.finished and kept_actors().keys() == first.keys()
+
+    gate, cfg = gated("held")
+    with pytest.raises(StoppedEarly):
+        run_experiment(cfg, on_round=stop_after_round_1(gate, open_after_s=None))  # never opened
+    assert KeptRuntime.kept is None and all_dead(first)

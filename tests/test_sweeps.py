@@ -186,11 +186,16 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
     space = {"search": "grid", "scheduler": "asha", "grace_rounds": 1, "metric": Metrics.ACC_GLOBAL}
     path.write_text(yaml.safe_dump({**space, "params": {"train.lr": lrs}}))
     overrides = tiny_overrides(rounds=2)
+    before = set(actor_classes())
     first = run_sweep(
         "fedavg", space_file=str(path), overrides=overrides, max_concurrent=1, stop_after_trials=3
     )
     rounds = dict(zip(first.trials["train.lr"], first.trials["rounds"], strict=True))
     assert len(rounds) == 3 and rounds[0.1] == 2 and rounds[0.0001] == 1
+    # the stopped trial's Coordinator was halted between rounds and its processes served the third
+    # trial: one trial process, one Coordinator and two ClientActors for all three
+    started = sorted(name for actor, name in actor_classes().items() if actor not in before)
+    assert started == ["ClientActor", "ClientActor", "Coordinator", "ImplicitFunc"], started
     client = MlflowClient(mlflow_store)
     assert client.get_run(first.parent_run_id).info.status == "KILLED"
 

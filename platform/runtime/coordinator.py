@@ -211,6 +211,7 @@ class RoundLoop:
         chunks = global_test_chunks(global_test)
         self.evaluation = Evaluation(cfg, self.pool, self.store, shard_refs, chunks, self.training.affinity)
         self.start_round, self.record = 0, LoopRecord()
+        self.halting = False
         return {"devices": devices}
 
     def poll(self, timeout: float = 0.5) -> list[Event]:
@@ -229,9 +230,17 @@ class RoundLoop:
             if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.rounds):
                 self.save_checkpoint(done)
             self.events.emit(RoundEnded(done, metrics))
-            if stop_after_round is not None and done >= stop_after_round and done < cfg.rounds:
+            halted = self.halting or (stop_after_round is not None and done >= stop_after_round)
+            if halted and done < cfg.rounds:
                 return results.run_summary(False, self.server, self.record)
         return results.run_summary(True, self.server, self.record)
+
+    def halt(self) -> float:
+        """The driver's call, from its thread, when it stops the run early (Tune's scheduler): ``run``
+        returns after the round in progress, leaving every process as a finished run leaves it.
+        Returns the last round's seconds: about how long the driver must wait for that."""
+        self.halting = True
+        return self.record.history[-1].get(Metrics.TIME_ROUND_S, 0.0) if self.record.history else 0.0
 
     def run_round(self, rnd: int, selected: list[int]) -> dict[str, float]:
         start = time.perf_counter()

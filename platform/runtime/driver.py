@@ -264,6 +264,12 @@ class Trial:
     num_actors: int | None = None
 
 
+# How long a run stopped early (Tune's scheduler) waits for its Coordinator to end the round in progress,
+# so that its processes serve the driver's next run: a new Coordinator and ClientActors take 10-20 s
+# to start on a 2-core machine, so a longer round is cut and its processes stopped.
+HALT_WAIT_MAX_S = 30.0
+
+
 class CoordinatorHandle:
     """The run's processes (a Coordinator and its ClientActors) and the Coordinator's ``run`` call;
     a Coordinator that died is replaced by a fresh one at the run's last checkpoint."""
@@ -305,9 +311,25 @@ class CoordinatorHandle:
     def client_models(self) -> tuple[dict[int, dict[str, torch.Tensor]], str]:
         return ray.get(self.runtime.coordinator.client_models.remote(self.cfg.tracking.log_client_models))
 
-    def release(self, done: bool) -> None:
-        """The run's processes end, or wait for the driver's next run when this one went well."""
-        if done:
+    def halted(self) -> bool:
+        """The Coordinator's ``run`` has returned, or returns at the end of its round: waited for about
+        as long as a round takes, and at most ``HALT_WAIT_MAX_S`` (new processes start sooner than a
+        longer round ends). False if it did not, or failed."""
+        if self.run_ref is None:
+            return True
+        try:
+            if not ray.wait([self.run_ref], timeout=0)[0]:
+                last_round_s = ray.get(self.runtime.coordinator.halt.remote(), timeout=10)
+                ray.wait([self.run_ref], timeout=min(HALT_WAIT_MAX_S, 2 * last_round_s + 5))
+            ray.get(self.run_ref, timeout=0)  # its error, or GetTimeoutError if still running
+            return True
+        except ray.exceptions.RayError:
+            return False
+
+    def release(self, reusable: bool) -> None:
+        """The run's processes end, or wait for the driver's next run when this one ended well or was
+        stopped early and its Coordinator halted between rounds."""
+        if reusable and self.halted():
             KeptRuntime.put(self.runtime, self.trial.placement_group)
         else:
             self.runtime.stop()

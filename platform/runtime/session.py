@@ -30,9 +30,10 @@ class RunAborted(RuntimeError):
 class StoppedEarly(Exception):
     """Raised by a run's ``on_round`` callback to end the run after that round, before its last (Tune
     stopping a trial: ASHA, or the sweep ending): the MLflow run is closed KILLED and tagged
-    ``fedray.stopped_early``, and the run's processes stop (its Coordinator has gone on to later
-    rounds; in a sweep it trains on until Tune wakes the stopped trial's thread, which is at once
-    when the next trial is waiting for the process)."""
+    ``fedray.stopped_early``. Its Coordinator has gone on to later rounds (in a sweep it trains on
+    until Tune wakes the stopped trial's thread, which is at once when the next trial is waiting for
+    the process); it is halted at the end of its round, and the processes are released as a
+    finished run's are (``CoordinatorHandle.halted``)."""
 
 
 def restarted(cfg: ExperimentConfig) -> str:
@@ -95,9 +96,11 @@ class RunSession:
 
     @contextlib.contextmanager
     def guard(self, release: Callable[[bool], None]) -> Iterator[RunSession]:
-        """Run the body; map what stops it to its one line; close the record; then ``release(done)``
-        the run's processes (stopped, or kept for the driver's next run when it went well). Ctrl-C and
-        SIGTERM stop the body, and the closing too, between tracking writes, never inside one."""
+        """Run the body; map what stops it to its one line; close the record; then ``release(reusable)``
+        the run's processes (kept for the driver's next run if it went well or was stopped early,
+        else stopped). Ctrl-C and SIGTERM stop the body, and the closing too, between tracking
+        writes, never inside one."""
+        stopped_early = False
         with stops_as_interrupt():
             try:
                 yield self
@@ -127,7 +130,7 @@ class RunSession:
                     f"{err}: the run stopped as Ctrl-C stops it; resume with  {self.resume_command()}"
                 ) from None
             except StoppedEarly:
-                self.status = "KILLED"
+                self.status, stopped_early = "KILLED", True
                 if self.tracker is not None:
                     self.tracker.set_tags({Tags.STOPPED_EARLY: "true"})
                 raise
@@ -140,7 +143,7 @@ class RunSession:
                 try:
                     self.close()
                 finally:  # whatever MLflow did, the run's processes end, or wait for the next if it went well
-                    release(self.wall_s is not None)
+                    release(self.wall_s is not None or stopped_early)
 
     def resume_command(self) -> str:
         """The command that resumes this run (it has an MLflow run: the id names it)."""
