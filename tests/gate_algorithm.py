@@ -1,7 +1,7 @@
 """A FedAvg whose server stops in the middle of a chosen round until the test lets it go.
 
 At ``round`` (0-based), after the clients were chosen and before anything is sent to them, the
-server writes ``<gate>.reached`` and waits for ``<gate>.open``: a test that stops the run from
+server writes ``<gate>.reached`` (its process id) and waits for ``<gate>.open``: a test that stops the run from
 outside (SIGTERM, SIGKILL of the driver or of the Coordinator) knows the stop lands mid-round, with
 the rounds since the last checkpoint still to be replayed, however fast or loaded the machine is.
 A replay of the round finds the gate open (the test opens it after the stop). It draws no random
@@ -13,6 +13,7 @@ with ``python -c "import gate_algorithm; ..."``, and in Ray's processes when the
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ class GateServer(FedAvgServer):
     def configure(self, rnd, selected):
         hp = self.hp
         if rnd == hp.round and hp.gate:
-            Path(f"{hp.gate}.reached").write_text(str(rnd))
+            Path(f"{hp.gate}.reached").write_text(str(os.getpid()))  # the Coordinator's, for a test to kill
             deadline = time.monotonic() + GATE_WAIT_S
             while not Path(f"{hp.gate}.open").exists() and time.monotonic() < deadline:
                 time.sleep(0.05)

@@ -57,6 +57,23 @@ def test_cli_reports_one_line(overrides, needle, capsys, tmp_path, monkeypatch):
     assert not (tmp_path / "mlflow.db").exists()  # nothing heavy started, not even the store
 
 
+def test_a_run_that_cannot_go_on_is_one_line_and_exit_status_1(capsys, monkeypatch):
+    """A run aborted mid-way (its Coordinator died past its restarts, a round in which every client
+    failed) ends the command with its one line, which says how to resume, and no traceback."""
+    from fedray.platform.runtime import driver
+    from fedray.platform.runtime.session import RunAborted
+
+    def aborted(cfg, **kwargs):
+        raise RunAborted("the Coordinator process died (killed); resume from the last checkpoint with  x")
+
+    monkeypatch.setattr(driver, "run_experiment", aborted)
+    assert main(["run", "rounds=2"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert (
+        err == "fedray: error: the Coordinator process died (killed); resume from the last checkpoint with  x"
+    )
+
+
 def test_bad_input_starts_no_ray(tmp_path):
     """In a fresh process (this one's Ray may already run for other tests): after every bad
     command, Ray is not initialised and the process has started no other process."""

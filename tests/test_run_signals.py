@@ -2,7 +2,8 @@
 SIGTERM (a scheduler's preemption), SIGKILL of the driver, and SIGKILL of the Coordinator (restarted
 on its own, or past its restarts resumed by hand).
 
-Each stopped run is ``fedray run`` as a user starts it, in its own process with its own local Ray.
+A run whose driver is stopped is ``fedray run`` as a user starts it, in its own process with its own
+local Ray; a run whose Coordinator is killed has its driver in this process, on the session's Ray.
 The run is FedAvg held at a gate in round 5 (``tests/gate_algorithm.py``): the stop lands mid-round,
 after round 4 was done and before round 5's clients train, with round 3's checkpoint the last one, so
 the resume (or restart) replays round 4, whatever the machine's load. Every comparison is value for
@@ -15,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from mlflow.tracking import MlflowClient
 
 from fedray.platform.catalog import load_config
 from fedray.platform.runtime.driver import resume_experiment, run_experiment
+from fedray.platform.runtime.session import RunAborted
 from fedray.platform.tracking.names import Metrics, Tags
 
 TESTS = Path(__file__).parent
@@ -52,8 +55,9 @@ def gated_overrides(gate: Path, **extra) -> list[str]:
 
 
 def start_run(tmp_path, *extra: str, **popen) -> subprocess.Popen:
+    # one ClientActor (the resume in this process trains on two: the numbers do not depend on it)
     return subprocess.Popen(
-        [*FEDRAY_RUN, "run", *gated_overrides(tmp_path / "gate"), "ray.num_cpus=2", *extra],
+        [*FEDRAY_RUN, "run", *gated_overrides(tmp_path / "gate"), "ray.num_cpus=1", *extra],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -166,57 +170,66 @@ def test_a_killed_driver_resumes_to_the_same_numbers(tmp_path, monkeypatch, undi
     resume_and_compare(tmp_path, monkeypatch, undisturbed)
 
 
-def coordinator_of(proc: subprocess.Popen) -> psutil.Process:
-    """The Coordinator among the run's own Ray processes (it carries FEDRAY_ROLE=coordinator)."""
-    for _ in range(100):
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            try:
-                if child.environ().get("FEDRAY_ROLE") == "coordinator":
-                    return child
-            except psutil.Error:
-                continue
-        time.sleep(0.1)
-    pytest.fail("no Coordinator process found")
+def kill_coordinator_at_gate(tmp_path, then_open: bool) -> list[int]:
+    """In a thread: once the run's Coordinator waits at the gate, SIGKILL it (its pid is in the gate
+    file), then open the gate if asked (for a restarted Coordinator's replay). Returns, once the
+    thread has run, the killed Coordinator's nice value."""
+    niceness: list[int] = []
+
+    def kill():
+        reached = tmp_path / "gate.reached"
+        while not reached.exists() or not reached.read_text():
+            time.sleep(0.05)
+        coordinator = psutil.Process(int(reached.read_text()))
+        niceness.append(coordinator.nice())
+        coordinator.kill()  # SIGKILL
+        coordinator.wait(timeout=60)
+        if then_open:
+            open_gate(tmp_path)
+
+    threading.Thread(target=kill, daemon=True).start()
+    return niceness
 
 
-def kill_coordinator(proc: subprocess.Popen) -> None:
-    coordinator = coordinator_of(proc)
-    assert coordinator.nice() == 0  # Ray's workers run at the user's priority, not Ray's nice 15
-    coordinator.kill()  # SIGKILL
-    coordinator.wait(timeout=60)
+# The Coordinator is killed under a driver in this process (the session's Ray): what is tested is
+# the Coordinator's death, so its driver need not be a command of its own.
 
 
-def test_a_dead_coordinator_restarts_from_its_checkpoint_to_the_same_numbers(tmp_path, undisturbed):
-    proc = start_run(tmp_path)
-    wait_at_gate(proc, tmp_path)
-    kill_coordinator(proc)
-    open_gate(tmp_path)  # for the restarted Coordinator's replay
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-2000:]
-    lines = (out + err).splitlines()
+@pytest.mark.usefixtures("ray_session")
+def test_a_dead_coordinator_restarts_from_its_checkpoint_to_the_same_numbers(
+    tmp_path, monkeypatch, capfd, undisturbed
+):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.chdir(tmp_path)  # the checkpoints, as under a command started here
+    niceness = kill_coordinator_at_gate(tmp_path, then_open=True)
+    result = run_experiment(load_config(None, gated_overrides(tmp_path / "gate")))
+    assert result.finished
+    assert niceness == [0]  # Ray's workers run at the user's priority, not Ray's nice 15
+    lines = capfd.readouterr().out.splitlines()  # the display's lines, as the command shows them
     assert any(
         line.startswith("the Coordinator died (") and line.endswith("restart 1 of 3") for line in lines
-    ), out + err
-    assert "restarted from round 3's checkpoint" in lines, out + err
+    ), lines
+    assert "restarted from round 3's checkpoint" in lines, lines
 
     client, run = only_run(tmp_path)
     assert run.info.status == "FINISHED" and run.data.tags[Tags.COORDINATOR_RESTARTS] == "1"
     assert round_metrics(client, run.info.run_id) == undisturbed  # round 4 recomputed, logged once
 
 
+@pytest.mark.usefixtures("ray_session")
 def test_a_dead_coordinator_past_its_restarts_is_one_line_and_resumes_to_the_same_numbers(
     tmp_path, monkeypatch, undisturbed
 ):
-    proc = start_run(tmp_path, "ray.max_coordinator_restarts=0")
-    wait_at_gate(proc, tmp_path)
-    kill_coordinator(proc)
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 1
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.chdir(tmp_path)
+    overrides = gated_overrides(tmp_path / "gate", **{"ray.max_coordinator_restarts": 0})
+    kill_coordinator_at_gate(tmp_path, then_open=False)
+    with pytest.raises(RunAborted) as stopped:
+        run_experiment(load_config(None, overrides))
     _, run = only_run(tmp_path)
-    last = err.strip().splitlines()[-1]
-    assert last.startswith("fedray: error: the Coordinator process died")
-    assert last.endswith(f"fedray run --resume {run.info.run_id}")
-    assert "Traceback" not in err
+    line = str(stopped.value)  # the CLI prints it as `fedray: error: <line>` (test_config_errors)
+    assert line.startswith("the Coordinator process died") and "\n" not in line
+    assert line.endswith(f"fedray run --resume {run.info.run_id}")
     assert run.info.status == "FAILED"
 
     resume_and_compare(tmp_path, monkeypatch, undisturbed)

@@ -224,12 +224,18 @@ def stream_rounds(
         done = bool(ray.wait([run_ref], timeout=0)[0])
         for event in ray.get(runtime.coordinator.poll.remote(0.0 if done else 0.5)):
             progress.handle(event)
-            if isinstance(event, RoundEnded) and event.round > logged[0]:
-                tracker.log_metrics(event.metrics, step=event.round)
-                logged[0] = event.round
-                if on_round is not None:
-                    on_round(event.round, event.metrics)
+            if isinstance(event, RoundEnded):
+                log_round(tracker, event.round, event.metrics, on_round, logged)
     return ray.get(run_ref)
+
+
+def log_round(tracker: RunTracker, rnd: int, metrics: dict[str, float], on_round, logged: list[int]) -> None:
+    """A round's metrics to MLflow and to ``on_round``, once: ``logged[0]`` is the last round logged."""
+    if rnd > logged[0]:
+        tracker.log_metrics(metrics, step=rnd)
+        logged[0] = rnd
+        if on_round is not None:
+            on_round(rnd, metrics)
 
 
 def log_unlogged_rounds(tracker: RunTracker, history: list[dict[str, float]]) -> None:
@@ -300,13 +306,13 @@ class CoordinatorHandle:
     def start(self, ckpt_dir: str, stop_after_round: int | None) -> None:
         self.run_ref = self.runtime.coordinator.run.remote(ckpt_dir, stop_after_round)
 
-    def restart(self, ckpt_dir: str) -> int:
+    def restart(self, ckpt_dir: str) -> list[dict[str, float]]:
         """A fresh Coordinator at the last checkpoint (or at the start, before the first one);
-        returns the round it goes on from. The rounds after it are recomputed to the same numbers."""
+        returns the checkpoint's rounds. The rounds after them are recomputed to the same numbers."""
         self.runtime.stop()
         self.runtime, self.ready = self.launch()
         ray.get(self.ready)
-        return len(self.load_checkpoint(ckpt_dir)) if has_checkpoint(ckpt_dir) else 0
+        return self.load_checkpoint(ckpt_dir) if has_checkpoint(ckpt_dir) else []
 
     def client_models(self) -> tuple[dict[int, dict[str, torch.Tensor]], str]:
         return ray.get(self.runtime.coordinator.client_models.remote(self.cfg.tracking.log_client_models))
@@ -371,12 +377,16 @@ def drive(
         while True:
             try:
                 if handle.run_ref is None:  # the Coordinator died: a fresh one, at the last checkpoint
-                    resumed_at = handle.restart(ckpt_dir)
+                    history = handle.restart(ckpt_dir)
                     progress.warn(
-                        f"restarted from round {resumed_at}'s checkpoint"
-                        if resumed_at
+                        f"restarted from round {len(history)}'s checkpoint"
+                        if history
                         else "restarted from the start (no checkpoint yet)"
                     )
+                    # the dead Coordinator ran ahead of the driver: rounds it checkpointed whose
+                    # events the driver had not fetched yet are logged from the checkpoint
+                    for rnd, metrics in enumerate(history, start=1):
+                        log_round(tracker, rnd, metrics, on_round, logged)
                     tracker.set_tags({Tags.COORDINATOR_RESTARTS: str(restarts)})
                     tracker.log_metrics({Metrics.RUN_COORDINATOR_RESTARTS: restarts}, step=logged[0])
                     handle.start(ckpt_dir, stop_after_round)
