@@ -29,7 +29,7 @@ from typing import Any, Literal
 from fedray.platform.catalog import build_config
 from fedray.platform.config import load_yaml, merge, parse_overrides
 from fedray.platform.errors import ConfigError
-from fedray.platform.tracking.names import Metrics
+from fedray.platform.tracking.names import Metrics, personal_on
 
 SPACES_DIR = Path(__file__).resolve().parent / "spaces"
 KINDS = ("grid", "choice", "uniform", "loguniform", "randint", "quniform")
@@ -176,10 +176,46 @@ def trial_config(base: dict[str, Any], point: dict[str, Any]):
 
 
 def check_space(space: SearchSpace, base: dict[str, Any], n: int = 8) -> None:
-    """Fail before Tune starts if a key is unknown or a value invalid for the experiment config."""
+    """Fail before Tune starts if a key is unknown or a value invalid for the experiment config, or if
+    the metric is one of the platform's that the rounds do not report."""
     points = space.grid_points()[:n] + space.sample_points(n)
     for point in points:
         try:
-            trial_config(base, point)
+            cfg = trial_config(base, point)
         except ConfigError as err:
             raise ConfigError(f"{space.path}: {err}") from None
+    check_metric(space, cfg.eval.clients)
+
+
+# The platform's metric families: a name in one of them is the platform's, so it can be checked here.
+# "loss/" is shared with the algorithms' own (``self.record("loss/prox", ...)``), checked once the
+# trials have reported (``tune_sweep.unreported_metric``).
+PLATFORM_FAMILIES = ("acc", "comm", "clients", "time", "system", "run", "best", "best_round", "final")
+
+
+def round_metrics(eval_clients: str) -> list[str]:
+    """What every round reports of the platform's (evaluation metrics in the rounds that evaluate; the
+    global model's only for algorithms that have one), the personalised ones under the name that
+    ``eval.clients`` gives them."""
+    personal = [
+        Metrics.ACC_PERSONAL_MEAN,
+        Metrics.ACC_PERSONAL_STD,
+        Metrics.ACC_PERSONAL_WEIGHTED,
+        Metrics.LOSS_PERSONAL,
+    ]
+    return [personal_on(m, eval_clients) for m in personal] + [
+        Metrics.ACC_GLOBAL, Metrics.LOSS_GLOBAL, Metrics.LOSS_TRAIN, Metrics.COMM_UP_BYTES,
+        Metrics.COMM_DOWN_BYTES, Metrics.COMM_UP_BYTES_CUM, Metrics.COMM_DOWN_BYTES_CUM,
+        Metrics.CLIENTS_SELECTED, Metrics.CLIENTS_FAILED, Metrics.CLIENTS_RETRIED,
+        Metrics.TIME_ROUND_S, Metrics.TIME_CLIENT_S,
+    ]  # fmt: skip
+
+
+def check_metric(space: SearchSpace, eval_clients: str) -> None:
+    reported = round_metrics(eval_clients)
+    platform = space.metric.split("/", 1)[0] in PLATFORM_FAMILIES or space.metric == Metrics.LOSS_PERSONAL
+    if platform and space.metric not in reported:
+        raise ConfigError(
+            f"{space.path}: metric={space.metric!r}: the rounds do not report it "
+            f"(eval.clients={eval_clients}); they report {', '.join(reported)} and the algorithm's own"
+        )

@@ -31,7 +31,14 @@ from fedray.platform.tracking.descriptions import sweep_description
 from fedray.platform.tracking.mlflow_run import RunTracker, tracking_uri
 from fedray.platform.tracking.names import RunKind, Tags, tag_filter
 from fedray.platform.tracking.views import DEFAULT_SERVER, runs_table_url, save_sweep_view
-from fedray.sweeps.space import SearchSpace, check_space, load_space, space_path, trial_config
+from fedray.sweeps.space import (
+    SearchSpace,
+    check_space,
+    load_space,
+    round_metrics,
+    space_path,
+    trial_config,
+)
 
 SWEEP_STATE = "fedray_sweep.json"  # parent run id and settings, for --resume
 
@@ -48,6 +55,21 @@ class SweepResult:
     best_config: dict[str, Any]
     path: Path
     max_concurrent: int = 0  # most trials that ran side by side
+
+
+def unreported_metric(
+    space: SearchSpace, results: list[dict[str, Any]], eval_clients: str
+) -> ConfigError | None:
+    """The sweep's error when its trials reported rounds but never its metric (an algorithm's own
+    name misspelt, or the global model's accuracy of an algorithm without one); None otherwise."""
+    reported = {key for result in results for key in result}
+    if "round" not in reported or tune_key(space.metric) in reported:
+        return None
+    platform = sorted(m for m in round_metrics(eval_clients) if tune_key(m) in reported)
+    return ConfigError(
+        f"{space.path}: metric={space.metric!r}: no trial reported it; they reported "
+        f"{', '.join(platform)} and the algorithm's own"
+    )
 
 
 # --------------------------------------------------------------------------------------------- resources
@@ -260,6 +282,10 @@ def run_sweep(
         trials = [grid[i] for i in range(len(grid))]
         finished = sum(1 for r in trials if (r.metrics or {}).get("done") or r.error)
         status = "FINISHED" if finished >= space.num_trials() else "KILLED"
+        unreported = unreported_metric(space, [r.metrics or {} for r in trials], base_cfg.eval.clients)
+        if unreported is not None:
+            status = "FAILED"
+            raise unreported
         if status == "KILLED":
             print(
                 f"sweep interrupted: resume with  fedray sweep --algo {algorithm} --resume (same arguments)"

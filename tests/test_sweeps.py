@@ -14,7 +14,7 @@ from fedray.platform.config import load_yaml
 from fedray.platform.errors import ConfigError
 from fedray.platform.tracking.names import Metrics, RunKind, Tags, tag_filter
 from fedray.sweeps.space import SPACES_DIR, check_space, load_space, trial_config
-from fedray.sweeps.tune_sweep import prepare_base, run_sweep
+from fedray.sweeps.tune_sweep import prepare_base, run_sweep, unreported_metric
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACE_FILES = sorted(SPACES_DIR.glob("*.yaml"))
@@ -66,6 +66,39 @@ def test_invalid_space_fails_in_one_line(tmp_path, params, needle, monkeypatch):
         run_sweep("fedprox", space_file=bad_space_file(tmp_path, params), overrides=tiny_overrides())
     assert needle in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / ".fedray").exists()
+
+
+BAD_METRICS = [
+    ("acc/globl", [], "'acc/globl': the rounds do not report it"),  # a platform name misspelt
+    ("acc/personal_mean", ["eval.clients=selected"], "acc/personal_mean_selected"),  # renamed by eval.clients
+    ("time/wall_s", [], "they report acc/personal_mean, "),  # once per run, not per round
+]
+
+
+@pytest.mark.parametrize(("metric", "overrides", "needle"), BAD_METRICS)
+def test_a_platform_metric_the_rounds_do_not_report_fails_in_one_line(tmp_path, metric, overrides, needle):
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump({"search": "grid", "metric": metric, "params": {"fedprox.mu": [0.1]}}))
+    base = prepare_base(None, "fedprox", [*tiny_overrides(), *overrides])
+    with pytest.raises(ConfigError) as err:
+        check_space(load_space(path), base)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_algorithms_own_metric_passes_and_is_checked_against_what_the_trials_reported(tmp_path):
+    path = tmp_path / "space.yaml"
+    path.write_text(
+        yaml.safe_dump({"search": "grid", "metric": "loss/proxx", "params": {"fedprox.mu": [0.1]}})
+    )
+    space = load_space(path)
+    check_space(space, prepare_base(None, "fedprox", tiny_overrides()))  # it may be fedprox's own
+    # what a fedprox trial reports to Tune each round (tune_key: "/" -> "_"), and Tune's own fields
+    results = [{"round": 2, "acc_global": 0.5, "loss_train": 1.2, "loss_prox": 0.01, "done": True}]
+    error = unreported_metric(space, results, "all")
+    assert "metric='loss/proxx': no trial reported it; they reported acc/global, loss/train" in str(error)
+    assert unreported_metric(space, [{"round": 1, "loss_proxx": 0.1}], "all") is None
+    # no round reported at all (every trial failed): the trials' errors say why, not the metric
+    assert unreported_metric(space, [{}], "all") is None
 
 
 def test_an_invalid_space_starts_no_ray(tmp_path):
