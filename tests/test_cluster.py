@@ -4,7 +4,9 @@ authentication.
 Two ``ray start --block`` processes on this machine (a head and a worker node, 1 CPU each, each with
 its own temp dir and working directory, both stopped by pid) form the cluster; a separate driver
 process joins it through ``RAY_ADDRESS``, as the README's cluster recipe does, runs an uninterrupted
-experiment, one stopped after round 2 and its resume, and reports what it saw as JSON. The test's own
+experiment, one stopped after round 2 and its resume, and reports what it saw as JSON. Its runs share
+their processes (``sharing_processes``, as ``fedray compare`` does): the first run's Coordinator and
+ClientActors, kept on both nodes, serve every later run. The test's own
 Ray (the session's ``ray_session`` fixture) is never touched. This is the suite's test that a resumed
 run ends with the numbers of an uninterrupted one (``test_run_signals`` resumes after a SIGTERM).
 
@@ -59,6 +61,7 @@ from ray.util.state import list_actors
 
 from fedray.platform.catalog import load_config
 from fedray.platform.runtime.driver import ensure_ray, resume_experiment, run_experiment
+from fedray.platform.runtime.processes import sharing_processes
 
 overrides, out_path, head_up = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
 note("imported")
@@ -76,8 +79,7 @@ note("joined, both nodes up")
 
 def all_cpus_free():
     # run_experiment sizes its pool by ray.available_resources(): wait until they show both nodes'
-    # CPUs (the worker node's appear a moment after it joins; ray.kill is asynchronous, so the last
-    # run's ClientActors may still hold theirs), or it starts a single ClientActor
+    # CPUs (the worker node's appear a moment after it joins), or it starts a single ClientActor
     deadline = time.monotonic() + 120
     while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -102,24 +104,9 @@ def record(result, before):
     }
 
 
-out = {"nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])}
-all_cpus_free()
-before = actors()
-out["full"] = record(run_experiment(load_config(None, overrides)), before)
-all_cpus_free()
-before = actors()
-out["stopped"] = record(run_experiment(load_config(None, overrides), stop_after_round=2), before)
-out["stopped_status"] = MlflowClient().get_run(out["stopped"]["run_id"]).info.status
-all_cpus_free()
-before = actors()
-out["resumed"] = record(resume_experiment(out["stopped"]["run_id"]), before)
-
-# the worker node lost mid-run: its raylet (with its object store) and its processes killed once
-# round 2 is logged, while round 3 trains; rounds 1-2 committed client states on both nodes. Six
-# rounds of 40 local epochs (a second or two each, so the driver, which logs behind the Coordinator,
-# kills the node with rounds to go), against an undisturbed run of the same config
 import psutil
 
+out = {"nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])}
 me = ray.get_runtime_context().get_node_id()
 other = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != me][0]
 out["driver_on_head"] = any("node:__internal_head__" in n["Resources"] for n in ray.nodes() if n["NodeID"] == me)
@@ -137,13 +124,25 @@ def lose_the_other_node(rnd, metrics):
             out["killed_node"] = True
 
 
-longer = [*overrides, "rounds=6", "train.local_epochs=40"]
-all_cpus_free()
-before = actors()
-out["full10"] = record(run_experiment(load_config(None, longer)), before)
-all_cpus_free()
-before = actors()
-out["node_lost"] = record(run_experiment(load_config(None, longer), on_round=lose_the_other_node), before)
+with sharing_processes():  # every run below starts on the last one's processes
+    all_cpus_free()
+    before = actors()
+    out["full"] = record(run_experiment(load_config(None, overrides)), before)
+    before = actors()
+    out["stopped"] = record(run_experiment(load_config(None, overrides), stop_after_round=2), before)
+    out["stopped_status"] = MlflowClient().get_run(out["stopped"]["run_id"]).info.status
+    before = actors()
+    out["resumed"] = record(resume_experiment(out["stopped"]["run_id"]), before)
+
+    # the worker node lost mid-run: its raylet (with its object store) and its processes killed once
+    # round 2 is logged, while round 3 trains; rounds 1-2 committed client states on both nodes. Six
+    # rounds of 40 local epochs (a second or two each, so the driver, which logs behind the
+    # Coordinator, kills the node with rounds to go), against an undisturbed run of the same config
+    longer = [*overrides, "rounds=6", "train.local_epochs=40"]
+    before = actors()
+    out["full10"] = record(run_experiment(load_config(None, longer)), before)
+    before = actors()
+    out["node_lost"] = record(run_experiment(load_config(None, longer), on_round=lose_the_other_node), before)
 with open(out_path, "w") as f:
     json.dump(out, f)
 """
@@ -321,11 +320,13 @@ def check(report: dict, mlflow_store: str, dirs: dict[str, Path]) -> None:
             i + 1 for i, h in enumerate(full["history"]) if key in h
         ], key
 
-    # every run's ClientActors (one per CPU: two) ran on both nodes, its Coordinator on the driver's
+    # the first run's ClientActors (one per CPU: two) ran on both nodes, its Coordinator on the
+    # driver's; the runs after it started no process: they ran on those, kept between runs
     assert len(report["nodes"]) == 2
-    for run in (full, stopped, resumed):
-        assert len(run["client_actor_nodes"]) == 2 and set(run["client_actor_nodes"]) == set(report["nodes"])
-        assert run["coordinator_nodes"] == [run["driver_node"]]  # the Coordinator runs beside the driver
+    assert len(full["client_actor_nodes"]) == 2 and set(full["client_actor_nodes"]) == set(report["nodes"])
+    assert full["coordinator_nodes"] == [full["driver_node"]]  # the Coordinator runs beside the driver
+    for run in (stopped, resumed, report["full10"]):
+        assert run["client_actor_nodes"] == [] and run["coordinator_nodes"] == []
 
     # the node lost in round 3 took a worker and the states it had committed in its object store;
     # the run went on with the other node's worker, from the copies held beside the Coordinator, to
@@ -334,8 +335,8 @@ def check(report: dict, mlflow_store: str, dirs: dict[str, Path]) -> None:
     assert report["driver_on_head"] and report["killed_node"]
     assert lost["finished"] and len(lost["history"]) == 6
     assert sum(h[Metrics.CLIENTS_RETRIED] for h in lost["history"]) >= 1  # the lost node's calls ran again
-    assert "not placed" in lost["client_actor_nodes"]  # its replacement waited for a node with room
-    assert lost["coordinator_nodes"] == [lost["driver_node"]]  # not restarted: it held the states
+    assert lost["client_actor_nodes"] == ["not placed"]  # its replacement waited for a node with room
+    assert lost["coordinator_nodes"] == []  # not restarted: it held the states
     assert all(h[Metrics.CLIENTS_FAILED] == 0 for h in lost["history"])
     uncounted = [
         {k: v for k, v in h.items() if k != Metrics.CLIENTS_RETRIED} for h in without_timing(lost["history"])
