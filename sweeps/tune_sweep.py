@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import pandas as pd
 import yaml
 from ray.tune import Callback
+from ray.tune.error import TuneError
 
 from fedray.platform.catalog import build_config
 from fedray.platform.config import ExperimentConfig, load_yaml, merge, parse_overrides
@@ -277,7 +278,15 @@ def run_sweep(
         state_file.write_text(json.dumps({"parent_run_id": parent.run_id, "algorithm": algorithm}))
     status = "FAILED"
     try:
-        grid = tuner.fit()
+        try:
+            grid = tuner.fit()
+        except (ValueError, TuneError) as err:  # Tune's check of the first result that lacks the metric
+            if f"metric(s) `{metric}`" not in str(err):
+                raise
+            raise ConfigError(
+                f"{space.path}: metric={space.metric!r}: a trial's round did not report it; "
+                "name a per-round metric of the platform's or one the algorithm records"
+            ) from None
         # Ctrl-C makes Tune save its state and return early: unfinished trials mean "interrupted"
         trials = [grid[i] for i in range(len(grid))]
         finished = sum(1 for r in trials if (r.metrics or {}).get("done") or r.error)
