@@ -13,15 +13,15 @@ import pytest
 from fedray.platform.tracking.names import Metrics
 
 # Files whose tests start processes of their own (a `fedray run`, a Ray node, a server), slowest first
-# (seconds in the suite, 2026-11-27). `make test` schedules them before the rest (xdist's
+# (seconds in a 574 s suite, 2026-11-27). `make test` schedules them before the rest (xdist's
 # --no-loadscope-reorder keeps this order): ordered by test count, as xdist does by default, they came
 # last, and one pytest process ran a two-minute file alone at the end while the other core idled.
 SLOW_FILES_FIRST = (
-    "test_run_signals.py",  # ~210 s
-    "test_tracking_outage.py",  # ~150 s
-    "test_sweeps.py",  # ~150 s
-    "test_cluster.py",  # ~120 s
-    "test_gpu_placement.py",  # ~90 s
+    "test_run_signals.py",  # ~135 s
+    "test_tracking_outage.py",  # ~120 s
+    "test_sweeps.py",  # ~140 s
+    "test_cluster.py",  # ~75 s
+    "test_gpu_placement.py",  # ~65 s
     "test_kept_runtime.py",
     "test_modalities.py",
     "test_lab_notebook.py",

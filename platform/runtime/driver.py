@@ -238,13 +238,13 @@ def log_round(tracker: RunTracker, rnd: int, metrics: dict[str, float], on_round
             on_round(rnd, metrics)
 
 
-def log_unlogged_rounds(tracker: RunTracker, history: list[dict[str, float]]) -> None:
-    """Rounds the checkpoint holds but MLflow missed (the driver was stopped while the Coordinator
-    ran ahead of it): logged now, so a resumed run's curves have no holes."""
-    logged = tracker.last_step(Metrics.COMM_UP_BYTES)
-    for step, metrics in enumerate(history, start=1):
-        if step > logged:
-            tracker.log_metrics(metrics, step=step)
+def log_unlogged_rounds(
+    tracker: RunTracker, history: list[dict[str, float]], logged: list[int], on_round=None
+) -> None:
+    """Rounds the checkpoint holds but MLflow missed (the Coordinator runs ahead of the driver, which
+    was stopped, or whose Coordinator died): logged now, once, so the curves have no holes."""
+    for rnd, metrics in enumerate(history, start=1):
+        log_round(tracker, rnd, metrics, on_round, logged)
 
 
 def record_new_run(tracker: RunTracker, cfg, fed, baseline, ckpt_dir: str) -> RunTracker:
@@ -357,7 +357,7 @@ def reopen_run(session: RunSession, handle: CoordinatorHandle, run_id: str) -> s
     missed logged. Returns the checkpoint folder."""
     tracker = session.reopen(run_id)
     ckpt_dir = checkpoint_dir_of(run_id, tracker.uri)
-    log_unlogged_rounds(tracker, handle.load_checkpoint(ckpt_dir))
+    log_unlogged_rounds(tracker, handle.load_checkpoint(ckpt_dir), [tracker.last_step(Metrics.COMM_UP_BYTES)])
     return ckpt_dir
 
 
@@ -383,10 +383,8 @@ def drive(
                         if history
                         else "restarted from the start (no checkpoint yet)"
                     )
-                    # the dead Coordinator ran ahead of the driver: rounds it checkpointed whose
-                    # events the driver had not fetched yet are logged from the checkpoint
-                    for rnd, metrics in enumerate(history, start=1):
-                        log_round(tracker, rnd, metrics, on_round, logged)
+                    # rounds the dead Coordinator checkpointed before the driver fetched their events
+                    log_unlogged_rounds(tracker, history, logged, on_round)
                     tracker.set_tags({Tags.COORDINATOR_RESTARTS: str(restarts)})
                     tracker.log_metrics({Metrics.RUN_COORDINATOR_RESTARTS: restarts}, step=logged[0])
                     handle.start(ckpt_dir, stop_after_round)
