@@ -6,6 +6,10 @@ class ConfigError(ValueError):
     """A config value a user has to fix. The message is one line."""
 
 
+def unknown_algorithm(name: str, available: list[str]) -> ConfigError:
+    return ConfigError(f"algorithm={name!r}: unknown algorithm; available: {', '.join(available)}")
+
+
 class ContractError(ConfigError):
     """An algorithm that breaks a rule of the platform's contract (a hook the worker loop does not
     call, a client that says it keeps nothing but does). The message is one line naming the rule;

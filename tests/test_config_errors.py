@@ -74,22 +74,77 @@ def test_a_run_that_cannot_go_on_is_one_line_and_exit_status_1(capsys, monkeypat
     )
 
 
-def test_bad_input_starts_no_ray(tmp_path):
-    """In a fresh process (this one's Ray may already run for other tests): after every bad
-    command, Ray is not initialised and the process has started no other process."""
+# answered from the platform's own sections, before the registries load torch and Lightning
+TYPOS = [
+    ["run", "trian.lr=0.1"],
+    ["run", "rouns=3"],
+    ["run", "train.lr=-1"],
+    ["run", "algorithm=nope"],
+    ["run", "configs/does-not-exist.yaml"],
+    ["sweep", "--algo", "fedcross", "ray.max_actors=0"],
+    ["sweep", "--algo", "fedcrossx"],
+]
+
+
+def test_bad_input_starts_no_ray_and_a_typo_loads_no_torch(tmp_path):
+    """In a fresh process (this one's Ray may already run for other tests): a typo's line comes
+    before torch is imported; after every bad command, Ray is not initialised and the process has
+    started no other process."""
     script = """
         import json, sys
-        import psutil, ray
         from fedray.platform.apps.cli import main
+        for args in json.loads(sys.argv[2]):
+            assert main(args) == 2, args
+            assert "torch" not in sys.modules, args
+        import psutil, ray
         for overrides, _ in json.loads(sys.argv[1]):
             assert main(["run", *overrides]) == 2, overrides
             assert not ray.is_initialized(), overrides
             assert psutil.Process().children(recursive=True) == [], overrides
         print("no Ray")
     """
-    done = run_fresh_python(script, json.dumps(CLI_CASES), cwd=tmp_path, env={"HOME": str(tmp_path)})
+    done = run_fresh_python(
+        script, json.dumps(CLI_CASES), json.dumps(TYPOS), cwd=tmp_path, env={"HOME": str(tmp_path)}
+    )
     assert done.returncode == 0 and done.stdout.split()[-2:] == ["no", "Ray"], done.stderr[-2000:]
+    errors = done.stderr.splitlines()
+    for needle in ("'trian'", "'rouns'", "train.lr=-1.0", "'nope': unknown algorithm", "does not exist",
+                   "ray.max_actors=0", "'fedcrossx': unknown algorithm"):  # fmt: skip
+        assert any(needle in line and line.startswith("fedray: error: ") for line in errors), needle
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_shipped_algorithm_is_its_module_so_configs_are_checked_without_importing_it():
+    from dataclasses import dataclass
+
+    from fedray.platform.api.algorithm import ClientModule, Server
+    from fedray.platform.api.registry import register, registered_by
+    from fedray.platform.config import AlgorithmConfig
+    from fedray.platform.config.algorithm_names import known_algorithm_names, shipped_modules
+
+    assert shipped_modules() == registered_by("fedray.algorithms")
+    assert known_algorithm_names() >= set(shipped_modules())
+    misnamed = dataclass(
+        type("MisnamedConfig", (AlgorithmConfig,), {"__module__": "fedray.algorithms.fedavg"})
+    )
+    with pytest.raises(
+        ValueError, match=r"'fedavg2' is registered in fedray.algorithms.fedavg: .*algorithms/fedavg2.py"
+    ):
+        register("fedavg2", server=Server, client=ClientModule)(misnamed)
+
+
+def test_with_an_algorithm_package_installed_any_mapping_may_be_its_section(monkeypatch):
+    """An entry point registers names only loading it shows: the first check leaves every mapping
+    it does not know to the registry, and still names a misspelt scalar key."""
+    from fedray.platform.config import algorithm_names, read_config
+
+    monkeypatch.setattr(algorithm_names.metadata, "entry_points", lambda group: ["theirs = their.module"])
+    assert algorithm_names.known_algorithm_names() is None
+    assert read_config(None, ["algorithm=theirs", "theirs.k=1"])["theirs"] == {"k": 1}
+    with pytest.raises(ConfigError, match="unknown config key 'rouns'"):
+        read_config(None, ["algorithm=theirs", "rouns=3"])
+    with pytest.raises(ConfigError, match=r"train\.lr=0\.0: must be > 0"):
+        read_config(None, ["algorithm=theirs", "train.lr=0"])
 
 
 def test_missing_config_file_is_clear(capsys):

@@ -16,13 +16,18 @@ entry-point group.
 from __future__ import annotations
 
 import importlib
-import pkgutil
 from dataclasses import dataclass
 from importlib import metadata
 
 from fedray.platform.api.algorithm import ClientModule, Server
 from fedray.platform.config.algorithm_config import AlgorithmConfig
-from fedray.platform.errors import ConfigError, ContractError
+from fedray.platform.config.algorithm_names import (
+    ENTRY_POINT_GROUP,
+    SHIPPED_PACKAGE,
+    note_registered,
+    shipped_modules,
+)
+from fedray.platform.errors import ContractError, unknown_algorithm
 
 
 @dataclass(frozen=True)
@@ -46,12 +51,20 @@ def register(name: str, *, server: type, client: type):
         if not issubclass(config_cls, AlgorithmConfig):
             raise TypeError(f"algorithm {name!r}: {config_cls.__name__} must derive from AlgorithmConfig")
         key = name.lower()
+        module = config_cls.__module__
+        if module.startswith(f"{SHIPPED_PACKAGE}.") and module != f"{SHIPPED_PACKAGE}.{key}":
+            # configs are checked against the shipped modules' names before any algorithm loads
+            raise ValueError(
+                f"algorithm {key!r} is registered in {module}: a shipped algorithm lives in "
+                f"algorithms/{key}.py, the module named after it"
+            )
         existing = _REGISTRY.get(key)
         if existing is not None and existing.module != config_cls.__module__:
             raise ValueError(
                 f"algorithm {key!r} registered twice ({existing.module}, {config_cls.__module__})"
             )
-        _REGISTRY[key] = AlgorithmSpec(key, server, client, config_cls, config_cls.__module__)
+        _REGISTRY[key] = AlgorithmSpec(key, server, client, config_cls, module)
+        note_registered(key)
         return config_cls
 
     return wrap
@@ -61,11 +74,9 @@ def _load_all() -> None:
     global _LOADED
     if _LOADED:
         return
-    algorithms = importlib.import_module("fedray.algorithms")
-    for info in pkgutil.iter_modules(algorithms.__path__):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"fedray.algorithms.{info.name}")
-    for ep in metadata.entry_points(group="fedray.algorithms"):
+    for name in shipped_modules():
+        importlib.import_module(f"{SHIPPED_PACKAGE}.{name}")
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         ep.load()
     _LOADED = True
 
@@ -87,7 +98,7 @@ def get(name: str) -> AlgorithmSpec:
     if key not in _REGISTRY:
         _load_all()
     if key not in _REGISTRY:
-        raise ConfigError(f"algorithm={name!r}: unknown algorithm; available: {', '.join(available())}")
+        raise unknown_algorithm(name, available())
     spec = _REGISTRY[key]
     if key not in _CHECKED:  # the contract rules a client class shows in its code, once per process
         check = getattr(spec.client_cls, "check_contract", None)

@@ -11,7 +11,7 @@ import gc
 import sys
 from pathlib import Path
 
-from fedray.platform.config import scale
+from fedray.platform.config import read_config, scale
 from fedray.platform.errors import ConfigError
 from fedray.platform.tracking.names import Metrics
 
@@ -19,8 +19,6 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.y
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fedray.platform.catalog import load_config
-
     if args.stop_after is not None and args.stop_after < 1:
         raise ConfigError(f"--stop-after {args.stop_after}: must be >= 1 round")
     if args.resume:
@@ -33,7 +31,10 @@ def _run(args: argparse.Namespace) -> int:
         config, overrides = args.config, list(args.overrides)
         if config and "=" in config:  # `fedray run rounds=5`: overrides only, default config
             config, overrides = None, [config, *overrides]
-        cfg = load_config(config, overrides)  # a config error's line comes before Ray and Lightning load
+        raw = read_config(config, overrides)  # a typo's line at once, before torch loads
+        from fedray.platform.catalog import build_config
+
+        cfg = build_config(raw)  # the algorithm's section, the dataset and the model; before Ray starts
         if args.scale is not None:
             cfg = scale(cfg, args.scale)
         from fedray.platform.runtime.driver import run_experiment
@@ -67,10 +68,11 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
+    read_config(config, [f"algorithm={args.algo}", *args.overrides])  # a typo's line before torch loads
     from fedray.platform.apps.tables import print_table, summary_table
     from fedray.sweeps.tune_sweep import run_sweep
 
-    config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
     result = run_sweep(
         args.algo,
         config_path=str(config) if config else None,

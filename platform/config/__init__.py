@@ -2,7 +2,14 @@
 (:mod:`.algorithm_config`) and loading (:mod:`.loading`). It imports no dataset, model or algorithm."""
 
 from fedray.platform.config.algorithm_config import AlgorithmConfig, client_count, round_count
-from fedray.platform.config.loading import Catalog, load_yaml, merge, parse_overrides, yaml_problem
+from fedray.platform.config.loading import (
+    Catalog,
+    load_yaml,
+    merge,
+    parse_overrides,
+    read_config,
+    yaml_problem,
+)
 from fedray.platform.config.schema import (
     DataConfig,
     EvalConfig,
@@ -44,6 +51,7 @@ __all__ = [
     "load_yaml",
     "merge",
     "parse_overrides",
+    "read_config",
     "round_count",
     "scale",
     "scaled_count",

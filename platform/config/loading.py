@@ -2,10 +2,14 @@
 
 The registries (algorithms, datasets, models) live above this layer, so what validation needs of
 them is handed in as a :class:`Catalog`; :mod:`fedray.platform.catalog` builds fedray's own.
+Loading the registries imports torch and Lightning (about 6 s on a 2-core machine), so the command
+line first reads a config with :func:`read_config`, which checks everything but the algorithm's
+section, the dataset and the model without them: a misspelt key or a bad value is one line at once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +18,9 @@ from typing import Any
 import yaml
 
 from fedray.platform.config.algorithm_config import AlgorithmConfig
-from fedray.platform.config.schema import ExperimentConfig, build_dataclass, validate
-from fedray.platform.errors import ConfigError
+from fedray.platform.config.algorithm_names import known_algorithm_names
+from fedray.platform.config.schema import ExperimentConfig, build_dataclass, check_fields, validate
+from fedray.platform.errors import ConfigError, unknown_algorithm
 
 
 @dataclass(frozen=True)
@@ -83,9 +88,40 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return raw
 
 
+def check_platform_sections(raw: dict[str, Any], algorithms: frozenset[str] | None) -> None:
+    """Every key of ``raw`` outside the algorithms' sections, its type and its range, and the algorithm's
+    name when ``algorithms`` lists them all (``None``: any mapping may be an algorithm's section)."""
+    algorithm = str(raw.get("algorithm", ExperimentConfig.algorithm)).lower()
+    if algorithms is not None and algorithm not in algorithms:
+        raise unknown_algorithm(algorithm, sorted(algorithms))
+    fields = {f.name for f in dataclasses.fields(ExperimentConfig)}
+
+    def algorithm_section(key: str, value: Any) -> bool:
+        if algorithms is not None:
+            return key.lower() in algorithms
+        return value is None or isinstance(value, dict)
+
+    platform = {k: v for k, v in raw.items() if k in fields or not algorithm_section(k, v)}
+    platform["algorithm"] = algorithm
+    cfg = build_dataclass(ExperimentConfig, platform)  # an unknown key's line names it
+    if cfg.data.partition.kind == "file":
+        cfg.data.train_subset = None  # compared with the split file's clients once the catalog reads it
+    check_fields(cfg)
+
+
+def read_config(path: str | Path | None, overrides: list[str] | None) -> dict[str, Any]:
+    """A YAML file (or none: the defaults) plus ``key=value`` overrides, as a nested dict whose platform
+    sections are checked without the registries (no torch): :func:`build_config` does the rest."""
+    raw = load_yaml(path) if path else {}
+    raw = merge(raw, parse_overrides(overrides or []))
+    check_platform_sections(raw, known_algorithm_names())
+    return raw
+
+
 def build_config(raw: dict[str, Any], catalog: Catalog) -> ExperimentConfig:
     """Turn a nested dict into a validated :class:`ExperimentConfig`."""
     raw = dict(raw)
+    check_platform_sections(raw, frozenset(catalog.algorithm_names()))
     algorithm = str(raw.get("algorithm", ExperimentConfig.algorithm)).lower()
     raw["algorithm"] = algorithm
     config_cls = catalog.algorithm_config(algorithm)  # raises ConfigError for an unknown name
@@ -103,6 +139,4 @@ def build_config(raw: dict[str, Any], catalog: Catalog) -> ExperimentConfig:
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None, catalog: Catalog) -> ExperimentConfig:
-    raw = load_yaml(path) if path else {}
-    raw = merge(raw, parse_overrides(overrides or []))
-    return build_config(raw, catalog)
+    return build_config(read_config(path, overrides), catalog)

@@ -283,9 +283,18 @@ def _check(ok: bool, message: str) -> None:
 
 
 def validate(cfg: ExperimentConfig, checks: Sequence[Callable[[ExperimentConfig], None]] = ()) -> None:
-    """Cheap checks that need no data and no Ray, then ``checks`` (those that need the dataset, model
-    and algorithm registries, handed in by the caller: :class:`~fedray.platform.config.loading.Catalog`),
-    then the algorithm's own. Data-dependent checks live in the data module."""
+    """:func:`check_fields`, then ``checks`` (those that need the dataset, model and algorithm
+    registries, handed in by the caller: :class:`~fedray.platform.config.loading.Catalog`), then the
+    algorithm's own. Data-dependent checks live in the data module."""
+    check_fields(cfg)
+    for check in checks:
+        check(cfg)
+    if cfg.algo is not None:
+        cfg.algo.validate(cfg)
+
+
+def check_fields(cfg: ExperimentConfig) -> None:
+    """The platform sections' values: cheap checks that need no registry, no data and no Ray."""
     d, p, s, t = cfg.data, cfg.data.partition, cfg.data.split, cfg.train
     _check(cfg.rounds >= 1, f"rounds={cfg.rounds}: must be >= 1")
     _check(cfg.eval_every >= 1, f"eval_every={cfg.eval_every}: must be >= 1")
@@ -363,10 +372,6 @@ def validate(cfg: ExperimentConfig, checks: Sequence[Callable[[ExperimentConfig]
         cfg.tracking.log_client_models >= 0,
         f"tracking.log_client_models={cfg.tracking.log_client_models}: must be >= 0 (0 = never)",
     )
-    for check in checks:
-        check(cfg)
-    if cfg.algo is not None:
-        cfg.algo.validate(cfg)
 
 
 def clients_per_round(cfg: ExperimentConfig) -> int:
