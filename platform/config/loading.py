@@ -98,7 +98,7 @@ def check_platform_sections(raw: dict[str, Any], algorithms: frozenset[str] | No
 
     def algorithm_section(key: str, value: Any) -> bool:
         if algorithms is not None:
-            return key.lower() in algorithms
+            return key in algorithms
         return value is None or isinstance(value, dict)
 
     platform = {k: v for k, v in raw.items() if k in fields or not algorithm_section(k, v)}
