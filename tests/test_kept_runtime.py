@@ -1,7 +1,8 @@
 """Runs in one driver share their processes (``KeptRuntime``): a run starts on the last finished
 run's Coordinator and ClientActors, emptied of that run, and computes what fresh processes compute.
 A run stopped early (Tune's scheduler) hands them on once its Coordinator halts between rounds. A run
-that fails, or that needs other worker resources, gets fresh ones."""
+that fails, or that needs other worker resources, gets fresh ones. The local Ray a run starts holds no
+process it does not use."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from conftest import tiny_overrides, without_timing
+from conftest import run_fresh_python, tiny_overrides, without_timing
 
 from fedray.platform.catalog import load_config
 from fedray.platform.runtime.driver import run_experiment
@@ -133,3 +134,31 @@ def test_a_run_stopped_early_hands_on_its_processes_once_its_coordinator_halts(t
     with pytest.raises(StoppedEarly):
         run_experiment(cfg, on_round=stop_after_round_1(gate, open_after_s=None))  # never opened
     assert KeptRuntime.kept is None and all_dead(first)
+
+
+def test_a_local_ray_starts_a_worker_process_per_actor_and_none_idle(tmp_path):
+    """Ray prestarts a worker per CPU when a driver connects (a 16-CPU GPU node with four GPU workers:
+    twelve idle processes of about 0.5 GB that imported torch and Lightning). The local Ray fedray
+    starts has one worker process for each actor and no other. In a fresh process: this one's Ray
+    serves the whole session."""
+    script = """
+        import os, psutil, ray
+        from fedray.platform.runtime.driver import start_local_ray
+
+        start_local_ray(2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+
+        @ray.remote(num_cpus=1)
+        class One:
+            def pid(self):
+                return os.getpid()
+
+        actor_pid = ray.get(One.remote().pid.remote())
+        # Ray prestarts in the raylet's handler of the driver's connection, before it hears of the actor
+        (raylet,) = [p for p in psutil.Process().children(recursive=True) if p.name() == "raylet"]
+        workers = [p.pid for p in raylet.children() if "agent" not in " ".join(p.cmdline()).lower()]
+        print(workers == [actor_pid], workers, actor_pid)
+        ray.shutdown()
+    """
+    done = run_fresh_python(script, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[0] == "True", done.stdout

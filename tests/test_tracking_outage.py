@@ -125,8 +125,8 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def fedray_run(tmp_path: Path, uri: str) -> subprocess.Popen:
-    # one CPU, one ClientActor: the outage is the driver's; Ray prestarts (and preloads) a worker per CPU
-    overrides = tiny_overrides(rounds=12, checkpoint_every=4, **{"ray.num_cpus": 1, "ray.max_actors": 1})
+    # one ClientActor: the outage is the driver's
+    overrides = tiny_overrides(rounds=12, checkpoint_every=4, **{"ray.max_actors": 1})
     args = [a for a in overrides if not a.startswith("progress")]
     return subprocess.Popen(
         [FEDRAY, "run", *args, "tracking.system_metrics_s=0"],

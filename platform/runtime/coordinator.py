@@ -297,8 +297,8 @@ class RoundLoop:
 
 
 # Two concurrent calls: run() in one thread, poll() from the driver in the other. The runtime env
-# gives the Coordinator a process of its own instead of one of the idle workers Ray prestarts (one
-# per CPU, preloaded for the ClientActors that need them), and hides the GPUs from it: the server
+# gives the Coordinator a process of its own instead of an idle worker (a cluster's Ray prestarts one
+# per CPU, for the ClientActors that need them), and hides the GPUs from it: the server
 # half computes on the CPU, and Ray does not hide them from an actor that asks for none.
 COORDINATOR_ENV = {"env_vars": {"FEDRAY_ROLE": "coordinator", "CUDA_VISIBLE_DEVICES": ""}}
 

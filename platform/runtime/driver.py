@@ -138,13 +138,20 @@ def federation_meta(fed: Federation) -> dict[str, Any]:
 
 
 # The local Ray's settings:
-# - Ray prestarts its worker processes at ray.init; preloading the client module there means torch,
-#   Lightning and torchvision (about 4 s of imports per process) are loaded while the driver is still
-#   partitioning data, not after the first ClientActor lands on a worker.
+# - Ray prestarts one worker process per CPU when the driver connects, and keeps them. A run uses one
+#   per ClientActor: on a 16-CPU GPU node with four 0.25-GPU workers, twelve more processes would
+#   import torch and Lightning (about 6 s of CPU and 0.3 GB each) and idle. Workers start for the
+#   actors the driver creates, right after Ray does.
+# - Each worker imports the client module before it registers (torch, Lightning, torchvision), so
+#   the ClientActors' set-up finds it loaded.
 # - Ray starts its workers at nice 15: beside any other busy process they get 1/28 of its CPU share
 #   (a 6 s run took 165 s beside two busy loops on 2 cores). The workers are the experiment, so they
 #   run at the user's own priority (as Ray Jobs run theirs).
-LOCAL_RAY_CONFIG = {"preload_python_modules": ["fedray.platform.runtime.worker"], "worker_niceness": 0}
+LOCAL_RAY_CONFIG = {
+    "prestart_worker_first_driver": False,
+    "preload_python_modules": ["fedray.platform.runtime.worker"],
+    "worker_niceness": 0,
+}
 
 
 def start_local_ray(num_cpus: int, **kwargs: Any) -> None:
