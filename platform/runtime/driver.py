@@ -161,7 +161,7 @@ def start_local_ray(num_cpus: int, **kwargs: Any) -> None:
 
 def ensure_ray(cfg: ExperimentConfig) -> None:
     """Join ``RAY_ADDRESS`` / ``ray.address`` if given; otherwise start a local Ray with this machine's CPUs
-    (Ray prestarts one worker process per CPU for the ClientActors)."""
+    (``LOCAL_RAY_CONFIG``: a worker process starts for each actor the run creates)."""
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS") or cfg.ray.address
         kwargs: dict[str, Any] = {
