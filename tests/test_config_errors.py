@@ -24,6 +24,7 @@ from fedray.platform.errors import ConfigError
         (["data.partition.kind=random"], "data.partition.kind='random': allowed values"),
         (["fedprox.mu=-1", "algorithm=fedprox"], "fedprox.mu=-1.0"),
         (["trian.lr=0.1"], "unknown config key 'trian'"),
+        (["algo.mu=0.1"], "unknown config key 'algo'"),  # the algorithm's section is under its name
         (["algorithm=fedavg", "model.group=fedssa_cnns"], "heterogeneous"),
         (["data.split.test=0.5"], "data.split: train+val+test"),
     ],

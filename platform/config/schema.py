@@ -174,8 +174,9 @@ class ExperimentConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    # hyperparameters of the chosen algorithm, as that algorithm's own dataclass
-    algo: AlgorithmConfig | None = None  # the algorithm's own section
+    # the chosen algorithm's hyperparameters, its own dataclass: built from the section under its name
+    # (`fedprox: {mu: 0.1}`), not a key of its own
+    algo: AlgorithmConfig | None = field(default=None, metadata={"not_a_key": True})
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict; the algorithm section appears under the algorithm's name."""
@@ -264,7 +265,7 @@ def build_dataclass(cls: type, values: Any, prefix: str = "") -> Any:
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix or cls.__name__}: expected a mapping, got {values!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("not_a_key")}
     kwargs = {}
     for key, value in values.items():
         dotted = f"{prefix}.{key}" if prefix else key
