@@ -104,13 +104,16 @@ def test_bad_input_starts_no_ray_and_a_typo_loads_no_torch(tmp_path):
             assert psutil.Process().children(recursive=True) == [], overrides
         print("no Ray")
     """
+    compare = tmp_path / "compare.yaml"
+    compare.write_text("runs: [fedavg, fedprox]\noverrides: {eval_evry: 2}\n")
+    typos = [*TYPOS, ["compare", str(compare)]]
     done = run_fresh_python(
-        script, json.dumps(CLI_CASES), json.dumps(TYPOS), cwd=tmp_path, env={"HOME": str(tmp_path)}
+        script, json.dumps(CLI_CASES), json.dumps(typos), cwd=tmp_path, env={"HOME": str(tmp_path)}
     )
     assert done.returncode == 0 and done.stdout.split()[-2:] == ["no", "Ray"], done.stderr[-2000:]
     errors = done.stderr.splitlines()
     for needle in ("'trian'", "'rouns'", "train.lr=-1.0", "'nope': unknown algorithm", "does not exist",
-                   "ray.max_actors=0", "'fedcrossx': unknown algorithm"):  # fmt: skip
+                   "ray.max_actors=0", "'fedcrossx': unknown algorithm", "'eval_evry'"):  # fmt: skip
         assert any(needle in line and line.startswith("fedray: error: ") for line in errors), needle
     assert not (tmp_path / "mlflow.db").exists()
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from fedray.platform.config import read_config, scale
+from fedray.platform.config.comparison import read_comparison
 from fedray.platform.errors import ConfigError
 from fedray.platform.tracking.names import Metrics
 
@@ -59,6 +60,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    read_comparison(args.config, args.overrides)  # a typo's line before torch loads
     from fedray.platform.apps.compare import run_comparison
     from fedray.platform.apps.tables import print_table, summary_table
 

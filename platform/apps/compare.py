@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from fedray.platform.catalog import build_config
-from fedray.platform.config import ExperimentConfig, load_yaml, merge, parse_overrides
-from fedray.platform.errors import ConfigError
+from fedray.platform.config import ExperimentConfig
+from fedray.platform.config.comparison import comparison_raws
 from fedray.platform.runtime.driver import run_experiment
 from fedray.platform.runtime.processes import sharing_processes
 from fedray.platform.runtime.progress import mb
@@ -39,10 +39,6 @@ class CompareEntry:
     config: ExperimentConfig
 
 
-def _dotted(mapping: dict[str, Any]) -> list[str]:
-    return [f"{k}={v}" for k, v in mapping.items()]
-
-
 def load_comparison(
     path: str | Path,
     overrides: list[str] | None = None,
@@ -52,31 +48,8 @@ def load_comparison(
 ) -> list[CompareEntry]:
     """Expand a compare file into one validated config per (entry, seed), before anything runs;
     ``name`` (the MLflow experiment) and ``seeds`` replace the file's."""
-    path = Path(path)
-    spec = load_yaml(path)
-    unknown = set(spec) - {"name", "base", "seeds", "overrides", "runs"}
-    if unknown:
-        raise ConfigError(
-            f"{path}: unknown compare keys {sorted(unknown)}; allowed: name, base, seeds, overrides, runs"
-        )
-    runs = spec.get("runs") or []
-    if not runs:
-        raise ConfigError(f"{path}: 'runs' must list at least one algorithm")
-    base = load_yaml(path.parent / spec["base"]) if spec.get("base") else {}
-    common = merge(parse_overrides(_dotted(spec.get("overrides") or {})), parse_overrides(overrides or []))
-    name = name or spec.get("name") or path.stem
-    seeds = seeds or spec.get("seeds") or [base.get("seed", 0)]
-    entries = []
-    for i, run in enumerate(runs):
-        run = {"algorithm": run} if isinstance(run, str) else dict(run)
-        if "algorithm" not in run:
-            raise ConfigError(f"{path}: runs[{i}] needs an 'algorithm'")
-        label = str(run.pop("label", run["algorithm"]))
-        for seed in seeds:
-            raw = merge(merge(base, common), parse_overrides(_dotted(run)))
-            raw = merge(raw, {"name": name, "seed": seed})
-            entries.append(CompareEntry(label, build_config(raw)))
-    return entries
+    raws = comparison_raws(path, overrides, name=name, seeds=seeds)
+    return [CompareEntry(label, build_config(raw)) for label, raw in raws]
 
 
 def run_comparison(path: str | Path, overrides: list[str] | None = None) -> list[dict[str, Any]]:
