@@ -62,13 +62,7 @@ from fedray.platform.data import ArrayDataset, normalize
 from fedray.platform.data.archive import cifar10_jpeg_archive, unpack_image_archive
 from fedray.platform.models import build_model
 from fedray.platform.runtime.coordinator import sample_clients
-from fedray.platform.runtime.driver import (
-    LOCAL_RAY_CONFIG,
-    Result,
-    ensure_ray,
-    prepare_federation,
-    run_experiment,
-)
+from fedray.platform.runtime.driver import Result, ensure_ray, prepare_federation, run_experiment
 from fedray.platform.runtime.memory import retain_freed_memory
 from fedray.platform.runtime.worker import evaluate_model
 from fedray.platform.tracking.names import Metrics
@@ -215,14 +209,7 @@ def timed_fedray(cfg) -> tuple[float, int, Result]:
 
     # a fresh Ray per repeat whose workers start (and import) before the clock: the warm figure. A
     # run's own local Ray starts a worker per actor instead, when the run creates them
-    ray.init(
-        num_cpus=os.cpu_count(),
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level="ERROR",
-        _system_config={**LOCAL_RAY_CONFIG, "prestart_worker_first_driver": True},
-    )
-    ensure_ray(cfg)
+    ensure_ray(cfg, prestart=True)
     try:
         return timed(run_experiment, cfg, include_ray=True)
     finally:

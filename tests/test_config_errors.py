@@ -25,6 +25,8 @@ from fedray.platform.errors import ConfigError
         (["fedprox.mu=-1", "algorithm=fedprox"], "fedprox.mu=-1.0"),
         (["trian.lr=0.1"], "unknown config key 'trian'"),
         (["algo.mu=0.1"], "unknown config key 'algo'"),  # the algorithm's section is under its name
+        (["algorithm=fedprox", "FedProx.mu=0.1"], "unknown config key 'FedProx'"),  # ... lower-case
+        (["fedprx.mu=0.1"], "or an algorithm's section, under its lower-case name (fedavg, fedcross,"),
         (["algorithm=fedavg", "model.group=fedssa_cnns"], "heterogeneous"),
         (["data.split.test=0.5"], "data.split: train+val+test"),
     ],
@@ -142,13 +144,14 @@ def test_with_an_algorithm_package_installed_any_mapping_may_be_its_section(monk
     it does not know to the registry, and still names a misspelt scalar key."""
     from fedray.platform.config import algorithm_names, read_config
 
-    monkeypatch.setattr(algorithm_names.metadata, "entry_points", lambda group: ["theirs = their.module"])
+    monkeypatch.setattr(algorithm_names.metadata, "entry_points", lambda **select: ["theirs = their.module"])
     assert algorithm_names.known_algorithm_names() is None
     assert read_config(None, ["algorithm=theirs", "theirs.k=1"])["theirs"] == {"k": 1}
     with pytest.raises(ConfigError, match="unknown config key 'rouns'"):
         read_config(None, ["algorithm=theirs", "rouns=3"])
     with pytest.raises(ConfigError, match=r"train\.lr=0\.0: must be > 0"):
         read_config(None, ["algorithm=theirs", "train.lr=0"])
+    read_config(None, ["algorithm=theirs", "theirs=3"])  # its own section's value: the registry's to judge
 
 
 def test_missing_config_file_is_clear(capsys):

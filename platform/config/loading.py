@@ -99,13 +99,20 @@ def check_platform_sections(raw: dict[str, Any], algorithms: frozenset[str] | No
     def algorithm_section(key: str, value: Any) -> bool:
         if algorithms is not None:
             return key in algorithms
-        return value is None or isinstance(value, dict)
+        return key == algorithm or value is None or isinstance(value, dict)
 
     platform = {k: v for k, v in raw.items() if k in fields or not algorithm_section(k, v)}
+    unknown = [k for k in platform if k not in fields]
+    if unknown:
+        listed = f" ({', '.join(sorted(algorithms))})" if algorithms else ""
+        raise ConfigError(
+            f"unknown config key {unknown[0]!r}; known keys here: {', '.join(fields)}; "
+            f"or an algorithm's section, under its lower-case name{listed}"
+        )
     platform["algorithm"] = algorithm
-    cfg = build_dataclass(ExperimentConfig, platform)  # an unknown key's line names it
-    if cfg.data.partition.kind == "file":
-        cfg.data.train_subset = None  # compared with the split file's clients once the catalog reads it
+    cfg = build_dataclass(ExperimentConfig, platform)
+    if cfg.data.partition.kind == "file":  # the split file sets the clients, read with the catalog
+        cfg.data.num_clients, cfg.data.train_subset = 1, None
     check_fields(cfg)
 
 
@@ -121,6 +128,8 @@ def read_config(path: str | Path | None, overrides: list[str] | None) -> dict[st
 def build_config(raw: dict[str, Any], catalog: Catalog) -> ExperimentConfig:
     """Turn a nested dict into a validated :class:`ExperimentConfig`."""
     raw = dict(raw)
+    # again, with the registry's names: a caller in Python comes here without read_config, and with
+    # an algorithm package installed read_config could not tell a misspelt section from the package's
     check_platform_sections(raw, frozenset(catalog.algorithm_names()))
     algorithm = str(raw.get("algorithm", ExperimentConfig.algorithm)).lower()
     raw["algorithm"] = algorithm

@@ -258,14 +258,15 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
 
 def build_dataclass(cls: type, values: Any, prefix: str = "") -> Any:
     """Build ``cls`` from a mapping, checking every key and converting every value."""
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("not_a_key")}
     if values is None:
         values = {}
     if dataclasses.is_dataclass(values) and not isinstance(values, type):
-        values = dataclasses.asdict(values)
+        skip = {f.name for f in dataclasses.fields(values) if f.metadata.get("not_a_key")}
+        values = {k: v for k, v in dataclasses.asdict(values).items() if k not in skip}
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix or cls.__name__}: expected a mapping, got {values!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("not_a_key")}
     kwargs = {}
     for key, value in values.items():
         dotted = f"{prefix}.{key}" if prefix else key

@@ -154,14 +154,17 @@ LOCAL_RAY_CONFIG = {
 }
 
 
-def start_local_ray(num_cpus: int, **kwargs: Any) -> None:
-    """A Ray of this machine only, owned by this process (its processes end with it)."""
-    ray.init(num_cpus=num_cpus, _system_config=LOCAL_RAY_CONFIG, **kwargs)
+def start_local_ray(num_cpus: int, prestart: bool = False, **kwargs: Any) -> None:
+    """A Ray of this machine only, owned by this process (its processes end with it). ``prestart``:
+    Ray's own worker per CPU, started and importing before any run (a benchmark's warm figure)."""
+    system = {**LOCAL_RAY_CONFIG, "prestart_worker_first_driver": True} if prestart else LOCAL_RAY_CONFIG
+    ray.init(num_cpus=num_cpus, _system_config=system, **kwargs)
 
 
-def ensure_ray(cfg: ExperimentConfig) -> None:
+def ensure_ray(cfg: ExperimentConfig, prestart: bool = False) -> None:
     """Join ``RAY_ADDRESS`` / ``ray.address`` if given; otherwise start a local Ray with this machine's CPUs
-    (``LOCAL_RAY_CONFIG``: a worker process starts for each actor the run creates)."""
+    (``LOCAL_RAY_CONFIG``: a worker process starts for each actor the run creates; ``prestart``:
+    :func:`start_local_ray`'s)."""
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS") or cfg.ray.address
         kwargs: dict[str, Any] = {
@@ -172,7 +175,7 @@ def ensure_ray(cfg: ExperimentConfig) -> None:
         if address:
             ray.init(address=address, **kwargs)
         else:
-            start_local_ray(cfg.ray.num_cpus or os.cpu_count() or 1, **kwargs)
+            start_local_ray(cfg.ray.num_cpus or os.cpu_count() or 1, prestart, **kwargs)
     set_up_driver()  # the shards and the global test set leave as raw bytes
 
 
