@@ -26,7 +26,8 @@ from fedray.platform.errors import ConfigError
         (["trian.lr=0.1"], "unknown config key 'trian'"),
         (["algo.mu=0.1"], "unknown config key 'algo'"),  # the algorithm's section is under its name
         (["algorithm=fedprox", "FedProx.mu=0.1"], "unknown config key 'FedProx'"),  # ... lower-case
-        (["fedprx.mu=0.1"], "or an algorithm's section, under its lower-case name (fedavg, fedcross,"),
+        (["fedprx.mu=0.1"], "known keys here: name, algorithm, seed, rounds, eval_every, checkpoint_every"),
+        (["fedprx.mu=0.1"], "tracking; or an algorithm's section, under its lower-case name ("),
         (["algorithm=fedavg", "model.group=fedssa_cnns"], "heterogeneous"),
         (["data.split.test=0.5"], "data.split: train+val+test"),
     ],

@@ -94,7 +94,7 @@ def check_platform_sections(raw: dict[str, Any], algorithms: frozenset[str] | No
     algorithm = str(raw.get("algorithm", ExperimentConfig.algorithm)).lower()
     if algorithms is not None and algorithm not in algorithms:
         raise unknown_algorithm(algorithm, sorted(algorithms))
-    fields = {f.name for f in dataclasses.fields(ExperimentConfig) if not f.metadata.get("not_a_key")}
+    fields = [f.name for f in dataclasses.fields(ExperimentConfig) if not f.metadata.get("not_a_key")]
 
     def algorithm_section(key: str, value: Any) -> bool:
         if algorithms is not None:
