@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fedray.platform.catalog import build_config
-from fedray.platform.config import load_yaml, merge, parse_overrides
+from fedray.platform.config import dotted_overrides, load_yaml, merge, parse_overrides
 from fedray.platform.errors import ConfigError
 from fedray.platform.tracking.names import Metrics, personal_on
 
@@ -172,7 +172,7 @@ def load_space(path: str | Path) -> SearchSpace:
 
 def trial_config(base: dict[str, Any], point: dict[str, Any]):
     """The experiment config of one trial: the base config with the sampled values on top."""
-    return build_config(merge(base, parse_overrides([f"{k}={v}" for k, v in point.items()])))
+    return build_config(merge(base, parse_overrides(dotted_overrides(point))))
 
 
 def check_space(space: SearchSpace, base: dict[str, Any], n: int = 8) -> None:

@@ -22,7 +22,7 @@ from ray.tune import Callback
 from ray.tune.error import TuneError
 
 from fedray.platform.catalog import build_config
-from fedray.platform.config import ExperimentConfig, load_yaml, merge, parse_overrides
+from fedray.platform.config import ExperimentConfig, merge, raw_config
 from fedray.platform.errors import ConfigError
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.driver import Trial, ensure_ray, require_gpus, run_experiment
@@ -161,8 +161,7 @@ def trial_label(point: dict[str, Any]) -> str:
 def prepare_base(config_path: str | None, algorithm: str, overrides: list[str]) -> dict[str, Any]:
     """The base experiment every trial starts from, with paths made absolute (trials run elsewhere)."""
 
-    raw = load_yaml(config_path) if config_path else {}
-    raw = merge(raw, parse_overrides([f"algorithm={algorithm}", *overrides]))
+    raw = raw_config(config_path, [f"algorithm={algorithm}", *overrides])
     cfg = build_config(raw)  # one-line errors for the base, before Tune
     raw = merge(
         raw,

@@ -59,10 +59,8 @@ def register(name: str, *, server: type, client: type):
                 f"algorithms/{key}.py, the module named after it"
             )
         existing = _REGISTRY.get(key)
-        if existing is not None and existing.module != config_cls.__module__:
-            raise ValueError(
-                f"algorithm {key!r} registered twice ({existing.module}, {config_cls.__module__})"
-            )
+        if existing is not None and existing.module != module:
+            raise ValueError(f"algorithm {key!r} registered twice ({existing.module}, {module})")
         _REGISTRY[key] = AlgorithmSpec(key, server, client, config_cls, module)
         note_registered(key)
         return config_cls

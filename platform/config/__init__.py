@@ -4,9 +4,11 @@
 from fedray.platform.config.algorithm_config import AlgorithmConfig, client_count, round_count
 from fedray.platform.config.loading import (
     Catalog,
+    dotted_overrides,
     load_yaml,
     merge,
     parse_overrides,
+    raw_config,
     read_config,
     yaml_problem,
 )
@@ -47,10 +49,12 @@ __all__ = [
     "client_count",
     "clients_per_round",
     "config_yaml",
+    "dotted_overrides",
     "flatten",
     "load_yaml",
     "merge",
     "parse_overrides",
+    "raw_config",
     "read_config",
     "round_count",
     "scale",

@@ -9,14 +9,16 @@ from pathlib import Path
 from typing import Any
 
 from fedray.platform.config.algorithm_names import known_algorithm_names
-from fedray.platform.config.loading import check_platform_sections, load_yaml, merge, parse_overrides
+from fedray.platform.config.loading import (
+    check_platform_sections,
+    dotted_overrides,
+    load_yaml,
+    merge,
+    parse_overrides,
+)
 from fedray.platform.errors import ConfigError
 
 COMPARE_KEYS = ("name", "base", "seeds", "overrides", "runs")
-
-
-def dotted(mapping: dict[str, Any]) -> list[str]:
-    return [f"{k}={v}" for k, v in mapping.items()]
 
 
 def comparison_raws(
@@ -32,12 +34,16 @@ def comparison_raws(
     spec = load_yaml(path)
     unknown = set(spec) - set(COMPARE_KEYS)
     if unknown:
-        raise ConfigError(f"{path}: unknown compare keys {sorted(unknown)}; allowed: {', '.join(COMPARE_KEYS)}")
+        raise ConfigError(
+            f"{path}: unknown compare keys {sorted(unknown)}; allowed: {', '.join(COMPARE_KEYS)}"
+        )
     runs = spec.get("runs") or []
     if not runs:
         raise ConfigError(f"{path}: 'runs' must list at least one algorithm")
     base = load_yaml(path.parent / spec["base"]) if spec.get("base") else {}
-    common = merge(parse_overrides(dotted(spec.get("overrides") or {})), parse_overrides(overrides or []))
+    common = merge(
+        parse_overrides(dotted_overrides(spec.get("overrides") or {})), parse_overrides(overrides or [])
+    )
     name = name or spec.get("name") or path.stem
     seeds = seeds or spec.get("seeds") or [base.get("seed", 0)]
     raws = []
@@ -47,7 +53,7 @@ def comparison_raws(
             raise ConfigError(f"{path}: runs[{i}] needs an 'algorithm'")
         label = str(run.pop("label", run["algorithm"]))
         for seed in seeds:
-            raw = merge(merge(base, common), parse_overrides(dotted(run)))
+            raw = merge(merge(base, common), parse_overrides(dotted_overrides(run)))
             raws.append((label, merge(raw, {"name": name, "seed": seed})))
     return raws
 

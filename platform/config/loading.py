@@ -56,6 +56,11 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return tree
 
 
+def dotted_overrides(mapping: dict[str, Any]) -> list[str]:
+    """``{"fedprox.mu": 0.1}`` -> ``["fedprox.mu=0.1"]``, for :func:`parse_overrides`."""
+    return [f"{k}={v}" for k, v in mapping.items()]
+
+
 def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in over.items():
@@ -116,11 +121,16 @@ def check_platform_sections(raw: dict[str, Any], algorithms: frozenset[str] | No
     check_fields(cfg)
 
 
-def read_config(path: str | Path | None, overrides: list[str] | None) -> dict[str, Any]:
-    """A YAML file (or none: the defaults) plus ``key=value`` overrides, as a nested dict whose platform
-    sections are checked without the registries (no torch): :func:`build_config` does the rest."""
+def raw_config(path: str | Path | None, overrides: list[str] | None) -> dict[str, Any]:
+    """A YAML file (or none: the defaults) plus ``key=value`` overrides, as a nested dict, unchecked."""
     raw = load_yaml(path) if path else {}
-    raw = merge(raw, parse_overrides(overrides or []))
+    return merge(raw, parse_overrides(overrides or []))
+
+
+def read_config(path: str | Path | None, overrides: list[str] | None) -> dict[str, Any]:
+    """:func:`raw_config` with its platform sections checked without the registries (no torch), for the
+    command line before it loads them: :func:`build_config` does the rest."""
+    raw = raw_config(path, overrides)
     check_platform_sections(raw, known_algorithm_names())
     return raw
 
@@ -148,4 +158,4 @@ def build_config(raw: dict[str, Any], catalog: Catalog) -> ExperimentConfig:
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None, catalog: Catalog) -> ExperimentConfig:
-    return build_config(read_config(path, overrides), catalog)
+    return build_config(raw_config(path, overrides), catalog)
