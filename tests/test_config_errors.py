@@ -92,7 +92,7 @@ TYPOS = [
 
 def test_bad_input_starts_no_ray_and_a_typo_loads_no_torch(tmp_path):
     """In a fresh process (this one's Ray may already run for other tests): a typo's line comes
-    before torch is imported; after every bad command, Ray is not initialised and the process has
+    before torch is imported, a GPU this machine lacks before Lightning; after every bad command, Ray is not initialised and the process has
     started no other process."""
     script = """
         import json, sys
@@ -100,6 +100,8 @@ def test_bad_input_starts_no_ray_and_a_typo_loads_no_torch(tmp_path):
         for args in json.loads(sys.argv[2]):
             assert main(args) == 2, args
             assert "torch" not in sys.modules, args
+        assert main(["run", "ray.num_gpus_per_client=0.25"]) == 2  # GPUs this machine lacks:
+        assert "lightning" not in sys.modules  # known from torch alone, before the algorithms load
         import psutil, ray
         for overrides, _ in json.loads(sys.argv[1]):
             assert main(["run", *overrides]) == 2, overrides
@@ -111,7 +113,11 @@ def test_bad_input_starts_no_ray_and_a_typo_loads_no_torch(tmp_path):
     compare.write_text("runs: [fedavg, fedprox]\noverrides: {eval_evry: 2}\n")
     typos = [*TYPOS, ["compare", str(compare)]]
     done = run_fresh_python(
-        script, json.dumps(CLI_CASES), json.dumps(typos), cwd=tmp_path, env={"HOME": str(tmp_path)}
+        script,
+        json.dumps(CLI_CASES),
+        json.dumps(typos),
+        cwd=tmp_path,
+        env={"HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""},
     )
     assert done.returncode == 0 and done.stdout.split()[-2:] == ["no", "Ray"], done.stderr[-2000:]
     errors = done.stderr.splitlines()

@@ -48,6 +48,7 @@ LAZY_IMPORTS = {
     ("fedray.platform.apps.cli", "fedray.dashboards.report"),
     ("fedray.platform.apps.cli", "fedray.platform.apps.ui"),
     ("fedray.platform.apps.cli", "fedray.platform.catalog"),
+    ("fedray.platform.apps.cli", "fedray.platform.runtime.devices"),  # torch, for GPUs asked for only
     # the same for the two commands whose parsers `fedray --help` builds: MLflow and the report's
     # plotting stack load when `fedray ui` or `fedray report` runs
     ("fedray.platform.apps.ui", "fedray.platform.tracking.mlflow_run"),

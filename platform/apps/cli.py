@@ -11,12 +11,22 @@ import gc
 import sys
 from pathlib import Path
 
-from fedray.platform.config import read_config, scale
+from fedray.platform.config import RayConfig, build_dataclass, read_config, scale
 from fedray.platform.config.comparison import read_comparison
 from fedray.platform.errors import ConfigError
 from fedray.platform.tracking.names import Metrics
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"  # in a checkout
+
+
+def require_gpus_here(raw: dict) -> None:
+    """GPUs asked for that this machine lacks: the line in a few seconds (torch alone), not after the
+    algorithms, the data and MLflow have loaded."""
+    ray_cfg = build_dataclass(RayConfig, raw.get("ray"), prefix="ray")
+    if ray_cfg.num_gpus_per_client > 0:
+        from fedray.platform.runtime.devices import require_visible_gpus
+
+        require_visible_gpus(ray_cfg.num_gpus_per_client, ray_cfg.address)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -33,6 +43,7 @@ def _run(args: argparse.Namespace) -> int:
         if config and "=" in config:  # `fedray run rounds=5`: overrides only, default config
             config, overrides = None, [config, *overrides]
         raw = read_config(config, overrides)  # a typo's line at once, before torch loads
+        require_gpus_here(raw)
         from fedray.platform.catalog import build_config
 
         cfg = build_config(raw)  # the algorithm's section, the dataset and the model; before Ray starts

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from fedray.platform.config import ExperimentConfig, TrainConfig
+from fedray.platform.errors import ConfigError
 
 # cuBLAS picks non-deterministic reductions unless its workspace is fixed before the first CUDA call
 CUBLAS_DETERMINISTIC = ":4096:8"
@@ -46,6 +47,25 @@ def assigned_gpu_ids() -> tuple[str, ...]:
         return tuple(str(i) for i in ray.get_gpu_ids())
     except Exception:  # the driver, or a Ray that cannot tell: no assignment
         return ()
+
+
+def missing_gpus(need: float, have: float, where: str) -> ConfigError:
+    return ConfigError(
+        f"ray.num_gpus_per_client={need:g}: {where} {have:g} GPUs; set ray.num_gpus_per_client=0 "
+        "to train on CPUs, or join a cluster with GPUs (RAY_ADDRESS)"
+    )
+
+
+def require_visible_gpus(need: float, address: str | None) -> None:
+    """A run that asks for GPUs and will start a local Ray needs this machine to have them (Ray would
+    otherwise wait forever to place a ClientActor no node can hold). Needs torch only, so the command
+    line checks it before the heavy imports; a cluster (``address`` or ``RAY_ADDRESS``) is asked once
+    joined."""
+    if need <= 0 or address or os.environ.get("RAY_ADDRESS"):
+        return
+    have = torch.cuda.device_count()
+    if have < need:
+        raise missing_gpus(need, have, "this machine has")
 
 
 def worker_device(

@@ -35,7 +35,7 @@ from fedray.platform.data import (
     normalize,
 )
 from fedray.platform.data.split_file import dumps_split, federation_to_split
-from fedray.platform.errors import ConfigError, first_line
+from fedray.platform.errors import first_line
 from fedray.platform.models import arch_for_client
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.checkpoint import (
@@ -45,6 +45,7 @@ from fedray.platform.runtime.checkpoint import (
     new_checkpoint_dir,
     saved_config_text,
 )
+from fedray.platform.runtime.devices import missing_gpus, require_visible_gpus
 from fedray.platform.runtime.events import RoundEnded
 from fedray.platform.runtime.process_roles import set_up_driver
 from fedray.platform.runtime.processes import KeptRuntime, Runtime, start_runtime
@@ -188,18 +189,12 @@ def require_gpus(cfg: ExperimentConfig, before_ray: bool = False) -> None:
     if need <= 0:
         return
     if before_ray:
-        if ray.is_initialized() or os.environ.get("RAY_ADDRESS") or cfg.ray.address:
-            return  # a running Ray or a cluster: asked after joining it
-        have = float(torch.cuda.device_count())
-        where = "this machine has"
-    else:
-        have = ray.cluster_resources().get("GPU", 0)
-        where = "the Ray cluster has"
+        if not ray.is_initialized():
+            require_visible_gpus(need, cfg.ray.address)
+        return
+    have = ray.cluster_resources().get("GPU", 0)
     if have < need:
-        raise ConfigError(
-            f"ray.num_gpus_per_client={need:g}: {where} {have:g} GPUs; set ray.num_gpus_per_client=0 "
-            "to train on CPUs, or join a cluster with GPUs (RAY_ADDRESS)"
-        )
+        raise missing_gpus(need, have, "the Ray cluster has")
 
 
 def log_partition(tracker: RunTracker, fed: Federation, baseline: dict[str, float], split: dict) -> None:
