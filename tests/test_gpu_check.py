@@ -175,7 +175,7 @@ def test_every_checkpoint_file_is_loaded_and_its_tensors_found(tmp_path):
 
 
 def test_only_takes_check_numbers():
-    assert gpu_check.parse_only("4,1,4") == [1, 4]
+    assert gpu_check.parse_only("4,1,4") == [4, 1]
     for bad in ("0", "10", "x", ""):
         with pytest.raises(Exception, match="check"):
             gpu_check.parse_only(bad)
