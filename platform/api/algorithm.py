@@ -56,7 +56,34 @@ def payload_nbytes(payload: Any) -> int:
 def cpu_state(module_or_state: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A detached CPU copy of a state dict, safe to ship and to keep while training goes on."""
     state = module_or_state.state_dict() if isinstance(module_or_state, nn.Module) else module_or_state
-    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+    return dict(zip(state, copy_to_cpu(list(state.values()), copy=True), strict=True))
+
+
+def copy_to_cpu(tensors: list[torch.Tensor], copy: bool) -> list[torch.Tensor]:
+    """``tensors`` detached and on the CPU, in order; with ``copy``, in memory the caller's tensors do
+    not share even where they already were on the CPU. Tensors on a GPU cross in one transfer per
+    device and dtype: a copy to the CPU waits for the device, and tensor by tensor a client's upload
+    waited ten times (2.7 ms of a 16.5 ms FedAvg-CNN client on an H200). Those come back as views of
+    one buffer, each its own region; CPU tensors are copied one by one, as before."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    on_device: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        if tensor.device.type == "cpu" or tensor.layout != torch.strided or tensor.is_quantized:
+            out[i] = tensor.detach().to("cpu", copy=copy)
+        else:
+            on_device.setdefault((tensor.device, tensor.dtype), []).append(i)
+    for group in on_device.values():
+        for i, part in zip(group, gathered_to_cpu([tensors[i] for i in group]), strict=True):
+            out[i] = part
+    return out  # type: ignore[return-value]
+
+
+def gathered_to_cpu(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Same-dtype tensors concatenated where they are, copied to the CPU at once, split back into
+    their shapes (any device: the CPU's too, which is how the tests check it)."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors]).to("cpu", copy=True)
+    parts = flat.split([t.numel() for t in tensors])
+    return [part.view(t.shape) for part, t in zip(parts, tensors, strict=True)]
 
 
 def seed_torch(seed: int, device: torch.device | None = None) -> None:

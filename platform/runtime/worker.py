@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from fedray.platform.api.algorithm import (
     ClientModule,
     Payload,
     commits_state,
+    copy_to_cpu,
     seed_torch,
     tests_with_global_model,
 )
@@ -179,13 +180,33 @@ def tensor_versions(tree: Any) -> list[int]:
 
 def to_cpu(tree: Any, copy: bool = False) -> Any:
     """A payload with every tensor on the CPU (payloads, states and checkpoints are CPU tensors);
-    with ``copy``, in memory of its own even where it already was on the CPU."""
+    with ``copy``, in memory of its own even where it already was on the CPU. The tensors a GPU
+    holds cross together (:func:`copy_to_cpu`)."""
+    found: list[torch.Tensor] = []
+    tensors_of(tree, found)
+    return with_tensors(tree, iter(copy_to_cpu(found, copy)))
+
+
+def tensors_of(tree: Any, found: list[torch.Tensor]) -> None:
+    """Every tensor in a payload (nested mappings and lists), in :func:`with_tensors`'s order."""
     if torch.is_tensor(tree):
-        return tree.detach().to("cpu", copy=copy)
+        found.append(tree)
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            tensors_of(value, found)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            tensors_of(value, found)
+
+
+def with_tensors(tree: Any, replacements: Iterator[torch.Tensor]) -> Any:
+    """``tree`` rebuilt with its tensors taken from ``replacements``, in :func:`tensors_of`'s order."""
+    if torch.is_tensor(tree):
+        return next(replacements)
     if isinstance(tree, dict):
-        return {k: to_cpu(v, copy) for k, v in tree.items()}
+        return {k: with_tensors(v, replacements) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(to_cpu(v, copy) for v in tree)
+        return type(tree)(with_tensors(v, replacements) for v in tree)
     return tree
 
 
