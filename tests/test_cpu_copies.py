@@ -56,6 +56,17 @@ def test_to_cpu_rebuilds_the_payload_around_its_tensors():
     assert moved["model"]["w"].data_ptr() != payload["model"]["w"].data_ptr()
 
 
+def test_without_room_to_gather_on_the_device_each_tensor_is_copied_alone(monkeypatch):
+    def no_room(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    given = assorted()
+    monkeypatch.setattr(torch, "cat", no_room)
+    got = gathered_to_cpu(given)
+    assert all(torch.equal(g, t) for g, t in zip(got, given, strict=True))
+    assert not set(regions(got)) & set(regions(given))
+
+
 def test_a_gathered_tensor_travels_as_its_own_bytes():
     part = gathered_to_cpu([torch.ones(1000), torch.full((3,), 2.0)])[1]
     wire = tensor_to_wire(part)

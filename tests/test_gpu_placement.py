@@ -19,6 +19,7 @@ import torch
 from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 
+from fedray.platform.apps.cli import main
 from fedray.platform.catalog import load_config
 from fedray.platform.errors import ConfigError
 from fedray.platform.runtime import driver as run_module
@@ -85,7 +86,9 @@ def test_a_trial_reserves_a_gpu_slice_per_client_actor_and_runs_that_many():
     assert factory.required_resources == {"CPU": 2.0, "GPU": 0.5}
 
 
-def test_gpus_asked_for_where_the_cluster_has_none_fail_in_one_line(ray_session, mlflow_store, monkeypatch):
+def test_gpus_asked_for_where_the_cluster_has_none_fail_in_one_line(
+    ray_session, mlflow_store, monkeypatch, capsys
+):
     started = []
     monkeypatch.setattr(run_module, "start_runtime", lambda *a, **k: started.append(a))
     with pytest.raises(ConfigError) as err:
@@ -94,6 +97,10 @@ def test_gpus_asked_for_where_the_cluster_has_none_fail_in_one_line(ray_session,
     assert "ray.num_gpus_per_client=0.25: the Ray cluster has 0 GPUs" in message and "\n" not in message
     assert started == []  # no actor was started to wait for a GPU
     assert MlflowClient(mlflow_store).search_experiments(filter_string="name = 'quickstart'") == []
+    # the command line in a process already joined to a cluster (its own ray.init) asks the cluster,
+    # not this machine
+    assert main(["run", *tiny_overrides(), "ray.num_gpus_per_client=0.25"]) == 2
+    assert "the Ray cluster has 0 GPUs" in capsys.readouterr().err
 
 
 PLACEMENT = textwrap.dedent(

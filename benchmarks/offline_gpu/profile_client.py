@@ -72,7 +72,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
-    gpu = args.device == "cuda"
+    if args.rounds < 2:
+        parser.error("--rounds: at least 2 (the first is warm-up)")
+    gpu = torch.device(args.device).type == "cuda"
     cfg = load_config(None, [*SHAPE, f"ray.num_gpus_per_client={0.25 if gpu else 0}"])
     devices.assigned_gpu_ids = lambda: ("0",) if gpu else ()  # what Ray would assign this worker
     fed = prepare_federation(cfg)

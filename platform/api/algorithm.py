@@ -54,7 +54,9 @@ def payload_nbytes(payload: Any) -> int:
 
 
 def cpu_state(module_or_state: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A detached CPU copy of a state dict, safe to ship and to keep while training goes on."""
+    """A detached CPU copy of a state dict, safe to ship and to keep while training goes on. A GPU
+    state's tensors come back as views of one CPU buffer (:func:`copy_to_cpu`): clone one to keep it
+    on its own, or ``torch.save`` it alone, without the rest."""
     state = module_or_state.state_dict() if isinstance(module_or_state, nn.Module) else module_or_state
     return dict(zip(state, copy_to_cpu(list(state.values()), copy=True), strict=True))
 
@@ -80,8 +82,14 @@ def copy_to_cpu(tensors: list[torch.Tensor], copy: bool) -> list[torch.Tensor]:
 
 def gathered_to_cpu(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Same-dtype tensors concatenated where they are, copied to the CPU at once, split back into
-    their shapes (any device: the CPU's too, which is how the tests check it)."""
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors]).to("cpu", copy=True)
+    their shapes (any device: the CPU's too, which is how the tests check it). The concatenation
+    needs their size again on the device: where that is not there, one copy per tensor."""
+    if len(tensors) == 1:
+        return [tensors[0].detach().to("cpu", copy=True)]
+    try:
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors]).to("cpu", copy=True)
+    except torch.cuda.OutOfMemoryError:
+        return [t.detach().to("cpu", copy=True) for t in tensors]
     parts = flat.split([t.numel() for t in tensors])
     return [part.view(t.shape) for part, t in zip(parts, tensors, strict=True)]
 
