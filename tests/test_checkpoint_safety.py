@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -144,3 +145,14 @@ def test_resume_refuses_a_server_state_saved_under_other_names_before_anything_r
         "was saved by another version of the algorithm)"
     )
     assert MlflowClient(mlflow_store).get_run(stopped.run_id).info.status == "KILLED"  # not reopened
+
+
+@pytest.mark.skipif(not hasattr(torch.serialization, "set_crc32_options"), reason="torch < 2.6 always sums")
+def test_states_are_saved_without_the_checksum_torch_load_never_checks(tmp_path):
+    state = {"module": {"w": torch.randn(300, 7), "n": torch.tensor(3)}, "optimizer": None}
+    path = tmp_path / "s.pt"
+    storage.save_torch(state, str(path))
+    assert {info.CRC for info in zipfile.ZipFile(path).infolist()} == {0}  # nothing summed
+    assert torch.serialization.get_crc32_options()  # the process's own saves still sum
+    loaded = storage.load_torch(str(path))
+    assert torch.equal(loaded["module"]["w"], state["module"]["w"]) and loaded["module"]["n"] == 3
