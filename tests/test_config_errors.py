@@ -78,6 +78,11 @@ def test_a_run_that_cannot_go_on_is_one_line_and_exit_status_1(capsys, monkeypat
     )
 
 
+# checked in a fresh process only: in the tests' own process a Ray may already be up, and a run joins it
+FRESH_CLI_CASES = [
+    (["ray.address=127.0.0.1:1"], "ray.address=127.0.0.1:1: nothing answers there"),  # no cluster there
+]
+
 # answered from the platform's own sections, before the registries load torch and Lightning
 TYPOS = [
     ["run", "trian.lr=0.1"],
@@ -92,8 +97,8 @@ TYPOS = [
 
 def test_bad_input_starts_no_ray_and_a_typo_loads_no_torch(tmp_path):
     """In a fresh process (this one's Ray may already run for other tests): a typo's line comes
-    before torch is imported, a GPU this machine lacks before Lightning; after every bad command, Ray is not initialised and the process has
-    started no other process."""
+    before torch is imported, a GPU this machine lacks before Lightning; after every bad command, Ray
+    is not initialised and the process has started no other process."""
     script = """
         import json, sys
         from fedray.platform.apps.cli import main
@@ -114,7 +119,7 @@ def test_bad_input_starts_no_ray_and_a_typo_loads_no_torch(tmp_path):
     typos = [*TYPOS, ["compare", str(compare)]]
     done = run_fresh_python(
         script,
-        json.dumps(CLI_CASES),
+        json.dumps(CLI_CASES + FRESH_CLI_CASES),
         json.dumps(typos),
         cwd=tmp_path,
         env={"HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""},
@@ -122,7 +127,8 @@ def test_bad_input_starts_no_ray_and_a_typo_loads_no_torch(tmp_path):
     assert done.returncode == 0 and done.stdout.split()[-2:] == ["no", "Ray"], done.stderr[-2000:]
     errors = done.stderr.splitlines()
     for needle in ("'trian'", "'rouns'", "train.lr=-1.0", "'nope': unknown algorithm", "does not exist",
-                   "ray.max_actors=0", "'fedcrossx': unknown algorithm", "'eval_evry'"):  # fmt: skip
+                   "ray.max_actors=0", "'fedcrossx': unknown algorithm", "'eval_evry'",
+                   *(needle for _, needle in FRESH_CLI_CASES)):  # fmt: skip
         assert any(needle in line and line.startswith("fedray: error: ") for line in errors), needle
     assert not (tmp_path / "mlflow.db").exists()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import socket
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from fedray.platform.data import (
     normalize,
 )
 from fedray.platform.data.split_file import dumps_split, federation_to_split
-from fedray.platform.errors import first_line
+from fedray.platform.errors import ConfigError, first_line
 from fedray.platform.models import arch_for_client
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.checkpoint import (
@@ -148,6 +149,8 @@ def federation_meta(fed: Federation) -> dict[str, Any]:
 # - Ray starts its workers at nice 15: beside any other busy process they get 1/28 of its CPU share
 #   (a 6 s run took 165 s beside two busy loops on 2 cores). The workers are the experiment, so they
 #   run at the user's own priority (as Ray Jobs run theirs).
+CONNECT_TIMEOUT_S = 10  # a cluster's head that has not answered by then is not there
+
 LOCAL_RAY_CONFIG = {
     "prestart_worker_first_driver": False,
     "preload_python_modules": ["fedray.platform.runtime.worker"],
@@ -174,10 +177,27 @@ def ensure_ray(cfg: ExperimentConfig, prestart: bool = False) -> None:
             "log_to_driver": os.environ.get("FEDRAY_RAY_LOGS", "0") == "1",
         }
         if address:
+            require_answer(address, "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "ray.address")
             ray.init(address=address, **kwargs)
         else:
             start_local_ray(cfg.ray.num_cpus or os.cpu_count() or 1, prestart, **kwargs)
     set_up_driver()  # the shards and the global test set leave as raw bytes
+
+
+def require_answer(address: str, source: str) -> None:
+    """A cluster address where nothing answers fails in one line at once: Ray itself retries for about
+    a minute, then fails with a stack trace. ``auto``, ``local`` and Ray Client's ``ray://`` addresses,
+    and anything not ``host:port``, are left to Ray."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as err:
+        raise ConfigError(
+            f"{source}={address}: nothing answers there ({err.strerror or err}); start the cluster's "
+            "head there (ray start --head) or give its address"
+        ) from None
 
 
 def require_gpus(cfg: ExperimentConfig, before_ray: bool = False) -> None:
