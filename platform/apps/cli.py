@@ -23,8 +23,7 @@ def require_gpus_here(raw: dict) -> None:
     """GPUs asked for that this machine lacks: the line in a few seconds (torch alone), not after the
     algorithms, the data and MLflow have loaded."""
     ray_cfg = build_dataclass(RayConfig, raw.get("ray"), prefix="ray")
-    joined = "ray" in sys.modules and sys.modules["ray"].is_initialized()  # a caller's own ray.init
-    if ray_cfg.num_gpus_per_client > 0 and not joined:
+    if ray_cfg.num_gpus_per_client > 0:  # only then torch
         from fedray.platform.runtime.devices import require_visible_gpus
 
         require_visible_gpus(ray_cfg.num_gpus_per_client, ray_cfg.address)

@@ -11,6 +11,7 @@ have, as the tests do); either way the run records what was used.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -59,9 +60,10 @@ def missing_gpus(need: float, have: float, where: str) -> ConfigError:
 def require_visible_gpus(need: float, address: str | None) -> None:
     """A run that asks for GPUs and will start a local Ray needs this machine to have them (Ray would
     otherwise wait forever to place a ClientActor no node can hold). Needs torch only, so the command
-    line checks it before the heavy imports; a cluster (``address`` or ``RAY_ADDRESS``) is asked once
-    joined."""
-    if need <= 0 or address or os.environ.get("RAY_ADDRESS"):
+    line checks it before the heavy imports; a cluster (``address``, ``RAY_ADDRESS``, or one this
+    process already joined with its own ``ray.init``) is asked once joined."""
+    joined = "ray" in sys.modules and sys.modules["ray"].is_initialized()  # without importing Ray
+    if need <= 0 or joined or address or os.environ.get("RAY_ADDRESS"):
         return
     have = torch.cuda.device_count()
     if have < need:

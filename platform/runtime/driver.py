@@ -209,8 +209,7 @@ def require_gpus(cfg: ExperimentConfig, before_ray: bool = False) -> None:
     if need <= 0:
         return
     if before_ray:
-        if not ray.is_initialized():
-            require_visible_gpus(need, cfg.ray.address)
+        require_visible_gpus(need, cfg.ray.address)
         return
     have = ray.cluster_resources().get("GPU", 0)
     if have < need:

@@ -1,6 +1,7 @@
 """Where a cross-device client's time goes on one worker, in one process (no Ray): the real
-``ClientHost`` and server half of FedAvg on the cross-device shape (1,000 clients of 50 images, 50
-a round, the FedAvg CNN, batch 10, 1 epoch), on the GPU when there is one.
+``ClientHost`` and server half of FedAvg on ``make gpu-check``'s cross-device shape (1,000 clients,
+50 a round, the FedAvg CNN, batch 10, 1 epoch; its synthetic 32x32 stand-in for CIFAR-10), on the GPU
+when there is one.
 
 Prints, per variant, the median time per client over the rounds after the first (the device
 synchronised at each round's end), the share of a round the GPU spent in kernels (torch profiler),
@@ -8,7 +9,7 @@ the CUDA calls that wait for the device, and cProfile's top functions. Variants:
 worker receives it (CPU tensors, copied to the device by every client) and the downlink moved to the
 device once per round. A development tool for the GPU path::
 
-    python benchmarks/offline_gpu/profile_client.py [--rounds 6] [--device cuda]
+    python benchmarks/profile_client.py [--rounds 6] [--device cuda]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from gpu_check import CROSS_DEVICE, SYNTHETIC
 
 from fedray.platform.catalog import load_config
 from fedray.platform.config import clients_per_round
@@ -30,36 +32,17 @@ from fedray.platform.runtime import devices
 from fedray.platform.runtime.coordinator import build_server, sample_clients
 from fedray.platform.runtime.driver import federation_meta, prepare_federation
 from fedray.platform.runtime.state_store import ClientTask
-from fedray.platform.runtime.worker import ClientHost
+from fedray.platform.runtime.worker import ClientHost, tensors_of, with_tensors
 
-SHAPE = [
-    "algorithm=fedavg",
-    "data.dataset=synthetic",
-    "data.synthetic_samples=50000",
-    "data.synthetic_image_size=32",
-    "data.num_clients=1000",
-    "data.partition.kind=iid",
-    "data.split.train=1.0",
-    "data.split.val=0",
-    "data.split.test=0",
-    "model.group=fedavg_cnn",
-    "train.fraction=0.05",
-    "train.lr=0.05",
-    "train.momentum=0",
-    "train.batch_size=10",
-    "train.local_epochs=1",
-]
+# check 5's cross-device shape, on the synthetic stand-in at CIFAR's size (no data to carry along)
+SHAPE = [*CROSS_DEVICE, *SYNTHETIC]
 
 
-def on(device: torch.device) -> Callable[[Any], Any]:
-    def move(tree: Any) -> Any:
-        if torch.is_tensor(tree):
-            return tree.to(device)
-        if isinstance(tree, dict):
-            return {k: move(v) for k, v in tree.items()}
-        return tree
-
-    return move
+def on(device: torch.device, tree: Any) -> Any:
+    """``tree`` with its tensors moved to ``device``."""
+    found: list[torch.Tensor] = []
+    tensors_of(tree, found)
+    return with_tensors(tree, iter([t.to(device) for t in found]))
 
 
 def sync(device: torch.device) -> None:
@@ -97,7 +80,10 @@ def main() -> None:
         server.aggregate(rnd, {r.client: r.uplink for r in results})
         return seconds / len(selected)
 
-    variants = {"downlink on the CPU (as received)": lambda p: p, "downlink on the device": on(host.device)}
+    variants = {
+        "downlink on the CPU (as received)": lambda p: p,
+        "downlink on the device": lambda p: on(host.device, p),
+    }
     rnd = 0
     for label, downlink in variants.items():
         times = []
