@@ -14,14 +14,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import store_in, tiny_overrides
 from mlflow.tracking import MlflowClient
 
 from fedray.platform.api.algorithm import Server, ServerContext
 from fedray.platform.catalog import load_config
 from fedray.platform.errors import CheckpointError, ContractError
 from fedray.platform.runtime import storage
+from fedray.platform.runtime.checkpoint import CheckpointWriter, LoopRecord, take_checkpoint
 from fedray.platform.runtime.driver import run_experiment
+from fedray.platform.runtime.state_store import StateStore
 
 FEDRAY = str(Path(sys.executable).with_name("fedray"))
 
@@ -98,7 +100,7 @@ def run_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+        env={**os.environ, "MLFLOW_TRACKING_URI": store_in(tmp_path)},
     )
 
 
@@ -156,3 +158,39 @@ def test_states_are_saved_without_the_checksum_torch_load_never_checks(tmp_path)
     assert torch.serialization.get_crc32_options()  # the process's own saves still sum
     loaded = storage.load_torch(str(path))
     assert torch.equal(loaded["module"]["w"], state["module"]["w"]) and loaded["module"]["n"] == 3
+
+
+class LiveServer:
+    """A server whose state_dict hands out its live tensors, as a module's does."""
+
+    def __init__(self) -> None:
+        self.w = torch.zeros(3)
+
+    def state_dict(self) -> dict:
+        return {"w": self.w}
+
+
+def test_a_checkpoint_holds_the_round_it_was_taken_after_whatever_the_next_rounds_change(tmp_path):
+    server, store, record = LiveServer(), StateStore(), LoopRecord()
+    record.history.append({"loss": 1.0})
+    written = []
+    writer = CheckpointWriter(lambda done, path: written.append((done, path)))
+    writer.submit(1, take_checkpoint(str(tmp_path), 1, server, store, record))
+    server.w += 5  # round 2 runs while round 1's checkpoint is written
+    record.history.append({"loss": 0.5})
+    writer.wait()
+    assert written == [(1, str(tmp_path / "checkpoint.pt"))]
+    state = storage.load_torch(written[0][1])
+    assert state["round"] == 1 and state["history"] == [{"loss": 1.0}]
+    assert torch.equal(state["server"]["w"], torch.zeros(3))
+
+
+def test_a_checkpoint_that_could_not_be_written_fails_the_run_at_the_next_one(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the run's folder should be")
+    writer = CheckpointWriter(lambda done, path: None)
+    checkpoint = take_checkpoint(str(blocked), 1, LiveServer(), StateStore(), LoopRecord())
+    writer.submit(1, checkpoint)
+    with pytest.raises(OSError):
+        writer.submit(2, checkpoint)  # one at a time: the next waits for the last, and hears how it went
+    writer.wait()  # said once

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import tiny_overrides
+from conftest import store_in, tiny_overrides
 from mlflow.tracking import MlflowClient
 from ui_helpers import browser_or_skip
 
@@ -98,7 +98,7 @@ def store(tmp_path_factory, ray_session):
     from fedray.platform.runtime.driver import run_experiment
 
     root = tmp_path_factory.mktemp("dash")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = store_in(root)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_TRACKING_URI", uri)
         mp.chdir(root)
@@ -287,7 +287,7 @@ def test_missing_experiment_fails_with_a_clear_message(store, tmp_path):
 
 
 def test_empty_experiment_and_missing_store_fail_with_clear_messages(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = store_in(tmp_path)
     client = MlflowClient(uri)
     client.create_experiment("empty")
     with pytest.raises(
@@ -349,7 +349,7 @@ def _log_trial(client, exp_id, parent, label, params, seed, final, tmp: Path) ->
 
 
 def test_sweep_report_draws_hyperparameters_and_logs_to_the_parent(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = store_in(tmp_path)
     client = MlflowClient(uri)
     exp_id = client.create_experiment("sweep", artifact_location=(tmp_path / "art").as_uri())
     parent = client.create_run(exp_id, run_name="sweep-fedcross").info.run_id
@@ -423,7 +423,7 @@ def test_accuracy_figure_draws_the_majority_class_floor_under_personalised_curve
 def test_report_of_runs_without_client_test_data_ranks_by_global_accuracy(tmp_path):
     """FedCross and FedSC train on every client sample: their runs log acc/global only. The report
     then ranks, targets and draws by global accuracy instead of refusing the experiment."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = store_in(tmp_path)
     client = MlflowClient(uri)
     eid = client.create_experiment("global_only", artifact_location=(tmp_path / "art").as_uri())
     finals = {}

@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import store_in, tiny_overrides
 from mlflow.tracking import MlflowClient
 
 from fedray.platform.apps.cli import main
@@ -151,7 +151,7 @@ def test_quarter_gpu_slices_put_client_actors_on_one_gpu(tmp_path):
         text=True,
         timeout=600,
         cwd=tmp_path,
-        env={**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+        env={**os.environ, "MLFLOW_TRACKING_URI": store_in(tmp_path)},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])

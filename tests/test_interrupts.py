@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from conftest import store_in
 from mlflow.tracking import MlflowClient
 
 from fedray.platform.catalog import load_config
@@ -100,7 +101,7 @@ def test_sigterm_at_any_moment_of_the_logging_leaves_the_sqlite_store_writable(t
     """The failure seen in CI: SIGTERM while the driver logged a round, then the run's closing writes
     found the database locked. Here SIGTERM lands at random moments of a stream of writes, and each
     time the run is then closed at once (no waiting: ``tracking.max_outage_s=0``)."""
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store_in(tmp_path))
     cfg = load_config(None, ["tracking.max_outage_s=0", "tracking.system_metrics_s=0"])
     draw = random.Random(0)
     for attempt in range(30):

@@ -12,7 +12,7 @@ import mlflow
 import mlflow.pytorch
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import store_in, tiny_overrides
 from mlflow.tracking import MlflowClient
 from ui_helpers import browser_or_skip, page_dom, ui_server
 
@@ -28,7 +28,7 @@ from fedray.platform.tracking.names import Metrics, Tags
 def two_runs(tmp_path_factory, ray_session):
     """A FedAvg run (a global model) and a Local run (client models) on the same split."""
     store = tmp_path_factory.mktemp("notebook")
-    uri = f"sqlite:///{store / 'mlflow.db'}"
+    uri = store_in(store)
     old_cwd, old_uri = os.getcwd(), os.environ.get("MLFLOW_TRACKING_URI")
     os.chdir(store)
     os.environ["MLFLOW_TRACKING_URI"] = uri
@@ -141,7 +141,7 @@ def test_fedray_ui_serves_one_worker_unless_told_otherwise(tmp_path, monkeypatch
     from fedray.platform.apps import ui
     from fedray.platform.apps.cli import build_parser
 
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    store = store_in(tmp_path)
     MlflowClient(store).create_experiment("x")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     monkeypatch.delenv("MLFLOW_WORKERS", raising=False)

@@ -24,7 +24,7 @@ import gate_algorithm  # noqa: F401  (registers fedavg_gate in this process, for
 import psutil
 import pytest
 import torch
-from conftest import only_run, tiny_overrides
+from conftest import only_run, store_in, tiny_overrides
 from mlflow.tracking import MlflowClient
 
 from fedray.platform.catalog import load_config
@@ -64,7 +64,7 @@ def start_run(tmp_path, *extra: str, **popen) -> subprocess.Popen:
         text=True,
         env={
             **os.environ,
-            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+            "MLFLOW_TRACKING_URI": store_in(tmp_path),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
         },
         **popen,
@@ -81,6 +81,19 @@ def wait_at_gate(proc: subprocess.Popen, tmp_path) -> None:
     reached = tmp_path / "gate.reached"
     while not reached.exists():
         assert proc.poll() is None, proc.stderr.read()[-2000:]
+        time.sleep(0.05)
+    wait_for_checkpoint(tmp_path)
+
+
+def wait_for_checkpoint(tmp_path) -> None:
+    """Round 3's checkpoint has landed: it is written while rounds 4 and 5 run (the Coordinator's
+    writer thread), so a stop at the gate could otherwise come before it, on a loaded machine."""
+    deadline = time.monotonic() + 300
+    while (
+        not list((tmp_path / ".fedray").rglob("checkpoint.pt"))
+        or checkpointed_rounds(tmp_path) < CHECKPOINT_EVERY
+    ):
+        assert time.monotonic() < deadline, "round 3's checkpoint never landed"
         time.sleep(0.05)
 
 
@@ -107,7 +120,7 @@ def checkpointed_rounds(tmp_path) -> int:
 def undisturbed(ray_session, tmp_path_factory) -> dict[str, list[tuple[int, float]]]:
     """The same run, never stopped (in this process, on the session's Ray)."""
     tmp = tmp_path_factory.mktemp("undisturbed")
-    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    uri = store_in(tmp)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_TRACKING_URI", uri)
         mp.chdir(tmp)
@@ -122,7 +135,7 @@ def resume_and_compare(tmp_path, monkeypatch, undisturbed):
     """Resume the stopped run from another directory, in this process (its Ray is up), and compare."""
     assert checkpointed_rounds(tmp_path) == CHECKPOINT_EVERY  # round 4 is replayed from round 3's state
     open_gate(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store_in(tmp_path))
     client, run = only_run(tmp_path)
     began = time.time()
     resumed = resume_experiment(run.info.run_id)
@@ -180,6 +193,7 @@ def kill_coordinator_at_gate(tmp_path, then_open: bool) -> list[int]:
         reached = tmp_path / "gate.reached"
         while not reached.exists() or not reached.read_text():
             time.sleep(0.05)
+        wait_for_checkpoint(tmp_path)
         coordinator = psutil.Process(int(reached.read_text()))
         niceness.append(coordinator.nice())
         coordinator.kill()  # SIGKILL
@@ -199,7 +213,7 @@ def kill_coordinator_at_gate(tmp_path, then_open: bool) -> list[int]:
 def test_a_dead_coordinator_restarts_from_its_checkpoint_to_the_same_numbers(
     tmp_path, monkeypatch, capfd, undisturbed
 ):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store_in(tmp_path))
     monkeypatch.chdir(tmp_path)  # the checkpoints, as under a command started here
     niceness = kill_coordinator_at_gate(tmp_path, then_open=True)
     result = run_experiment(load_config(None, gated_overrides(tmp_path / "gate")))
@@ -220,7 +234,7 @@ def test_a_dead_coordinator_restarts_from_its_checkpoint_to_the_same_numbers(
 def test_a_dead_coordinator_past_its_restarts_is_one_line_and_resumes_to_the_same_numbers(
     tmp_path, monkeypatch, undisturbed
 ):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store_in(tmp_path))
     monkeypatch.chdir(tmp_path)
     overrides = gated_overrides(tmp_path / "gate", **{"ray.max_coordinator_restarts": 0})
     kill_coordinator_at_gate(tmp_path, then_open=False)

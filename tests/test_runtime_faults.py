@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import killer_algorithm  # noqa: F401  (registers fedavg_killer in this process)
 import pytest
-from conftest import tiny_overrides
+from conftest import store_in, tiny_overrides
 from mlflow.tracking import MlflowClient
 
 from fedray.platform.catalog import load_config
@@ -34,7 +34,7 @@ def killer_run(tmp_path, stage: str, **extra):
 def undisturbed(ray_session, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("undisturbed")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp / 'mlflow.db'}")
+        mp.setenv("MLFLOW_TRACKING_URI", store_in(tmp))
         mp.chdir(tmp)
         return killer_run(tmp, "none")
 

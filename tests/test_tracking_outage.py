@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from conftest import free_port, tiny_overrides
+from conftest import free_port, store_in, tiny_overrides
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, RESOURCE_DOES_NOT_EXIST
 from mlflow.tracking import MlflowClient
@@ -92,7 +92,7 @@ def start_server(directory: Path, port: int) -> subprocess.Popen:
                 MLFLOW,
                 "server",
                 "--backend-store-uri",
-                f"sqlite:///{directory / 'server.db'}",
+                store_in(directory, "server.db"),
                 "--host",
                 "127.0.0.1",
                 "--port",

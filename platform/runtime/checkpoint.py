@@ -3,16 +3,20 @@ and finding a run's to resume.
 
 ``<storage path>/<run name>-<time>-<random>/`` holds ``config.yaml`` (the run's config, written
 before the MLflow run exists, whose tag points here), ``checkpoint.pt`` (the Coordinator's state
-after a round: :func:`save_checkpoint`) and ``states/`` (client states spilled by the store).
+after a round: :func:`take_checkpoint`, :func:`write_checkpoint`, in a thread of its own:
+:class:`CheckpointWriter`) and ``states/`` (client states spilled by the store).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
+import ray
 import torch
 
 from fedray.platform.api.algorithm import Payload, Server, payload_nbytes
@@ -79,22 +83,71 @@ class LoopRecord:
         }
 
 
-def save_checkpoint(directory: str, done: int, server: Server, store: StateStore, record: LoopRecord) -> str:
-    """The committed store (only states new since the last checkpoint are written), the server state
-    and the loop's record after round ``done``; the checkpoint file lands atomically, last. Returns its path."""
+@dataclass
+class Checkpoint:
+    """A round's checkpoint, taken (:func:`take_checkpoint`) and not yet written (:func:`write_checkpoint`)."""
+
+    path: str  # the checkpoint file
+    contents: memoryview  # its bytes: the server state, the store's manifest and the loop's record
+    states: list[tuple[int, str, Any]]  # (client, file, ObjectRef): states committed since the last one
+    superseded: list[str]  # state files no checkpoint lists once this one has landed
+
+
+def take_checkpoint(
+    directory: str, done: int, server: Server, store: StateStore, record: LoopRecord
+) -> Checkpoint:
+    """Everything the run holds after round ``done``, serialised now (the server and the record go on
+    changing); the client states are ObjectRefs, which never change."""
+    states, superseded = store.unwritten(directory)
     state = {
         "round": done,
         "server": server.state_dict(),
-        "states": store.write(directory),
+        "states": store.manifest(),
         "history": record.history,
         "cum": record.cum,
         "last_client_acc": record.client_acc,
         "torch_rng": torch.get_rng_state(),
     }
-    path = checkpoint_file(directory)
-    storage.save_torch(state, path)
-    store.prune(directory)
-    return path
+    return Checkpoint(checkpoint_file(directory), storage.torch_bytes(state), states, superseded)
+
+
+def write_checkpoint(checkpoint: Checkpoint) -> str:
+    """The new client states first, then the checkpoint file, atomically: a checkpoint cut short
+    leaves the last one whole. Then the states it no longer lists go. Returns its path."""
+    states = checkpoint.states
+    for start in range(0, len(states), 64):  # bounded batches: never every state in memory at once
+        batch = states[start : start + 64]
+        for (client, path, _), state in zip(batch, ray.get([ref for _, _, ref in batch])):
+            storage.save_torch(state, path, f"client {client}'s state")
+    storage.write_bytes(checkpoint.path, checkpoint.contents)
+    for path in checkpoint.superseded:
+        storage.delete(path)
+    return checkpoint.path
+
+
+class CheckpointWriter:
+    """Writes checkpoints in a thread of its own, one at a time, while the next rounds run: at 10,000
+    clients, a checkpoint's 50 new client states of 3.35 MB took the Coordinator about 0.45 s, which
+    every fifth round of 0.2 s waited for. A checkpoint is written before the next one is taken
+    (:meth:`wait`), and a run waits for its last before it returns; a write that failed raises there."""
+
+    def __init__(self, on_written: Callable[[int, str], None]) -> None:
+        self.on_written = on_written
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self.pending: Future | None = None
+
+    def submit(self, done: int, checkpoint: Checkpoint) -> None:
+        self.wait()
+        self.pending = self.executor.submit(self.write, done, checkpoint)
+
+    def write(self, done: int, checkpoint: Checkpoint) -> None:
+        self.on_written(done, write_checkpoint(checkpoint))
+
+    def wait(self) -> None:
+        """Until the checkpoint on its way has landed; raises what its write raised."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
 
 
 def load_checkpoint(directory: str, server: Server, store: StateStore) -> tuple[int, LoopRecord]:

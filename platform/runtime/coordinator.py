@@ -34,7 +34,7 @@ from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ContractError, RoundFailed
 from fedray.platform.models import arch_for_client
 from fedray.platform.runtime import results, storage
-from fedray.platform.runtime.checkpoint import LoopRecord, load_checkpoint, save_checkpoint
+from fedray.platform.runtime.checkpoint import CheckpointWriter, LoopRecord, load_checkpoint, take_checkpoint
 from fedray.platform.runtime.dispatch import TrainingDispatch
 from fedray.platform.runtime.evaluation import Evaluation, global_test_chunks
 from fedray.platform.runtime.events import (
@@ -187,11 +187,12 @@ def start_pool(
 class RoundLoop:
     """The coordinator's body: runs the rounds, handing each other job to a piece of its own: events
     (:class:`EventQueue`), training (:class:`TrainingDispatch`), :class:`Evaluation`, the checkpoint
-    (:func:`save_checkpoint`, :func:`load_checkpoint`), what a finished run hands back (:mod:`.results`).
+    (:class:`CheckpointWriter`, :func:`load_checkpoint`), what a finished run hands back (:mod:`.results`).
     Free of the ``@ray.remote`` decorator so its logic reads plainly."""
 
     def __init__(self) -> None:
         self.events = EventQueue()
+        self.checkpoints = CheckpointWriter(lambda done, path: self.events.emit(CheckpointSaved(done, path)))
 
     def setup(
         self, cfg: ExperimentConfig, meta: dict[str, Any], shard_refs: list, global_test: ArrayDataset,
@@ -223,17 +224,20 @@ class RoundLoop:
         self.checkpoint_dir = checkpoint_dir
         cfg = self.cfg
         k = clients_per_round(cfg)
-        for rnd in range(self.start_round, cfg.rounds):
-            metrics = self.run_round(rnd, sample_clients(cfg.seed, rnd, cfg.data.num_clients, k))
-            self.record.history.append(metrics)
-            done = rnd + 1
-            if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.rounds):
-                self.save_checkpoint(done)
-            self.events.emit(RoundEnded(done, metrics))
-            halted = self.halting or (stop_after_round is not None and done >= stop_after_round)
-            if halted and done < cfg.rounds:
-                return results.run_summary(False, self.server, self.record)
-        return results.run_summary(True, self.server, self.record)
+        try:
+            for rnd in range(self.start_round, cfg.rounds):
+                metrics = self.run_round(rnd, sample_clients(cfg.seed, rnd, cfg.data.num_clients, k))
+                self.record.history.append(metrics)
+                done = rnd + 1
+                if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.rounds):
+                    self.checkpoint(done)
+                self.events.emit(RoundEnded(done, metrics))
+                halted = self.halting or (stop_after_round is not None and done >= stop_after_round)
+                if halted and done < cfg.rounds:
+                    return results.run_summary(False, self.server, self.record)
+            return results.run_summary(True, self.server, self.record)
+        finally:
+            self.checkpoints.wait()  # however the run ends, its last checkpoint lands first
 
     def halt(self) -> float:
         """The driver's call, from its thread, when it stops the run early (Tune's scheduler): ``run``
@@ -270,9 +274,11 @@ class RoundLoop:
         metrics[Metrics.TIME_ROUND_S] = time.perf_counter() - start
         return metrics
 
-    def save_checkpoint(self, done: int) -> None:
-        path = save_checkpoint(self.checkpoint_dir, done, self.server, self.store, self.record)
-        self.events.emit(CheckpointSaved(done, path))
+    def checkpoint(self, done: int) -> None:
+        """Taken now, written while the next rounds run (:class:`CheckpointWriter`)."""
+        self.checkpoints.submit(
+            done, take_checkpoint(self.checkpoint_dir, done, self.server, self.store, self.record)
+        )
 
     def load_checkpoint(self, checkpoint_dir: str) -> list[dict[str, float]]:
         """Restore the run as the checkpoint left it; returns the rounds' metrics so far."""

@@ -43,8 +43,7 @@ class StateStore:
         self.refs: dict[int, Any] = {}  # client -> ObjectRef of its committed state
         self.version: dict[int, int] = {}
         self.holder: dict[int, tuple[int, int]] = {}  # client -> (worker slot, worker generation)
-        self.written: dict[int, int] = {}  # client -> version already in the checkpoint directory
-        self.superseded: list[str] = []  # state files no checkpoint will list once the next one lands
+        self.written: dict[int, int] = {}  # client -> version in the checkpoint directory (or on its way)
 
     def task(self, client: int, shard_ref) -> ClientTask:
         ref = self.refs.get(client)
@@ -59,27 +58,23 @@ class StateStore:
         return len(self.refs)
 
     # ---- checkpoints
-    def write(self, directory: str) -> dict[int, str]:
-        """Write the states committed since the last call; returns the manifest client -> file."""
-        changed = [c for c in self.refs if self.written.get(c) != self.version[c]]
-        for start in range(0, len(changed), 64):  # bounded batches: never every state in memory at once
-            batch = changed[start : start + 64]
-            for client, state in zip(batch, ray.get([self.refs[c] for c in batch])):
-                storage.save_torch(
-                    state,
-                    storage.join(directory, "states", self.file_name(client)),
-                    f"client {client}'s state",
-                )
-                if client in self.written:
-                    self.superseded.append(f"{client}-v{self.written[client]}.pt")
-                self.written[client] = self.version[client]
-        return {c: self.file_name(c) for c in sorted(self.refs)}
+    def unwritten(self, directory: str) -> tuple[list[tuple[int, str, Any]], list[str]]:
+        """What the next checkpoint must write: (client, file, ObjectRef) of each state committed since the
+        last call, and the files of the versions they replace (deleted once that checkpoint has
+        landed). From here on they count as written (:meth:`manifest` lists them)."""
+        new, superseded = [], []
+        for client in self.refs:
+            if self.written.get(client) == self.version[client]:
+                continue
+            if client in self.written:
+                superseded.append(storage.join(directory, "states", f"{client}-v{self.written[client]}.pt"))
+            new.append((client, storage.join(directory, "states", self.file_name(client)), self.refs[client]))
+            self.written[client] = self.version[client]
+        return new, superseded
 
-    def prune(self, directory: str) -> None:
-        """Delete the state files the checkpoint just written no longer lists."""
-        for name in self.superseded:
-            storage.delete(storage.join(directory, "states", name))
-        self.superseded.clear()
+    def manifest(self) -> dict[int, str]:
+        """The checkpoint's list: client -> the file of its current state."""
+        return {c: self.file_name(c) for c in sorted(self.refs)}
 
     def file_name(self, client: int) -> str:
         return f"{client}-v{self.version[client]}.pt"

@@ -104,11 +104,16 @@ HOLDS = (
 
 
 def save_torch(obj: Any, uri: str, what: str = "checkpoint") -> None:
+    write_bytes(uri, torch_bytes(obj, what))
+
+
+def torch_bytes(obj: Any, what: str = "checkpoint") -> memoryview:
+    """What :func:`save_torch` writes: ``obj`` checked to hold plain values only, saved by torch."""
     check_plain(obj, what)
     buffer = io.BytesIO()
     with no_crc32():
         torch.save(obj, buffer)
-    write_bytes(uri, buffer.getbuffer())
+    return buffer.getbuffer()
 
 
 @contextlib.contextmanager
