@@ -9,9 +9,9 @@ PORT ?= 5000
 EXP ?=
 OUT ?=
 PAPER ?=
-# the suite runs in this many pytest processes, a test file each at a time: one process leaves a core
-# idle while its tests wait on servers, subprocesses and a 30 s tracking outage; the slowest files
-# first, in the order tests/conftest.py gives (SLOW_FILES_FIRST)
+# the suite runs in this many pytest processes, a test file each at a time: on two cores, a third
+# keeps them busy while the others' tests wait on servers, subprocesses and a 30 s tracking outage;
+# the slowest files first, in the order tests/conftest.py gives (SLOW_FILES_FIRST)
 TEST_PROCESSES ?= 3
 
 .PHONY: install run compare sweep report test test-slow lint typecheck bench bench-scale gpu-check reproduce ui clean
