@@ -127,7 +127,10 @@ def store_in(directory, name: str = "mlflow.db") -> str:
     shutil.copyfile(_STORE_TEMPLATE[0], path)
     with contextlib.closing(sqlite3.connect(path)) as db, db:
         location = str(Path(directory).resolve() / "mlruns" / "0")
-        db.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0", (location,))
+        moved = db.execute(
+            "UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0", (location,)
+        )
+        assert moved.rowcount == 1, "MLflow's empty store has no experiment 0 (Default) any more"
     return f"sqlite:///{path}"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -20,9 +21,18 @@ from mlflow.tracking import MlflowClient
 from fedray.platform.api.algorithm import Server, ServerContext
 from fedray.platform.catalog import load_config
 from fedray.platform.errors import CheckpointError, ContractError
+from fedray.platform.runtime import checkpoint as checkpoint_module
 from fedray.platform.runtime import storage
-from fedray.platform.runtime.checkpoint import CheckpointWriter, LoopRecord, take_checkpoint
+from fedray.platform.runtime.checkpoint import (
+    CheckpointWriter,
+    LoopRecord,
+    load_checkpoint,
+    take_checkpoint,
+    write_checkpoint,
+)
+from fedray.platform.runtime.coordinator import RoundLoop
 from fedray.platform.runtime.driver import run_experiment
+from fedray.platform.runtime.events import CheckpointSaved
 from fedray.platform.runtime.state_store import StateStore
 
 FEDRAY = str(Path(sys.executable).with_name("fedray"))
@@ -169,18 +179,20 @@ class LiveServer:
     def state_dict(self) -> dict:
         return {"w": self.w}
 
+    def load_state_dict(self, state: dict) -> None:
+        self.w = state["w"]
+
+    def global_model(self) -> None:
+        return None
+
 
 def test_a_checkpoint_holds_the_round_it_was_taken_after_whatever_the_next_rounds_change(tmp_path):
-    server, store, record = LiveServer(), StateStore(), LoopRecord()
+    server, record = LiveServer(), LoopRecord()
     record.history.append({"loss": 1.0})
-    written = []
-    writer = CheckpointWriter(lambda done, path: written.append((done, path)))
-    writer.submit(1, take_checkpoint(str(tmp_path), 1, server, store, record))
-    server.w += 5  # round 2 runs while round 1's checkpoint is written
+    taken = take_checkpoint(str(tmp_path), 1, server, StateStore(), record)
+    server.w += 5  # round 2 runs before round 1's checkpoint is written
     record.history.append({"loss": 0.5})
-    writer.wait()
-    assert written == [(1, str(tmp_path / "checkpoint.pt"))]
-    state = storage.load_torch(written[0][1])
+    state = storage.load_torch(write_checkpoint(taken))
     assert state["round"] == 1 and state["history"] == [{"loss": 1.0}]
     assert torch.equal(state["server"]["w"], torch.zeros(3))
 
@@ -188,9 +200,52 @@ def test_a_checkpoint_holds_the_round_it_was_taken_after_whatever_the_next_round
 def test_a_checkpoint_that_could_not_be_written_fails_the_run_at_the_next_one(tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("a file where the run's folder should be")
-    writer = CheckpointWriter(lambda done, path: None)
+    written = []
+    writer = CheckpointWriter(lambda done, path: written.append(done))
     checkpoint = take_checkpoint(str(blocked), 1, LiveServer(), StateStore(), LoopRecord())
     writer.submit(1, checkpoint)
     with pytest.raises(OSError):
         writer.submit(2, checkpoint)  # one at a time: the next waits for the last, and hears how it went
     writer.wait()  # said once
+    assert written == []
+
+
+def test_a_checkpoint_cut_short_leaves_the_last_one_whole(tmp_path, ray_session, monkeypatch):
+    directory, server, store, record = str(tmp_path), LiveServer(), StateStore(), LoopRecord()
+    first = {"module": {"w": torch.ones(2)}, "optimizer": None}
+    store.commit(7, ray_session.put(first), (0, 0))
+    write_checkpoint(take_checkpoint(directory, 1, server, store, record))
+    store.commit(7, ray_session.put({"module": {"w": torch.zeros(2)}, "optimizer": None}), (0, 0))
+    second = take_checkpoint(directory, 2, server, store, record)
+
+    def refuse_the_checkpoint_file(uri, data, write=storage.write_bytes):
+        if uri.endswith("checkpoint.pt"):
+            raise OSError("disk full")
+        write(uri, data)
+
+    monkeypatch.setattr(storage, "write_bytes", refuse_the_checkpoint_file)
+    with pytest.raises(OSError, match="disk full"):
+        write_checkpoint(second)  # client 7's new state written, the checkpoint file not
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "states").iterdir()) == ["7-v1.pt", "7-v2.pt"]
+    resumed = StateStore()
+    done, _ = load_checkpoint(directory, LiveServer(), resumed)
+    assert done == 1 and resumed.version == {7: 1}
+    assert torch.equal(resumed.states([7])[7]["module"]["w"], torch.ones(2))
+
+
+def test_a_run_returns_once_its_last_checkpoint_has_landed(tmp_path, monkeypatch):
+    def slow_write(checkpoint, write=checkpoint_module.write_checkpoint):
+        time.sleep(1.0)  # a write still on its way when the last round ends
+        return write(checkpoint)
+
+    monkeypatch.setattr(checkpoint_module, "write_checkpoint", slow_write)
+    loop = RoundLoop()
+    loop.cfg = load_config(None, tiny_overrides(rounds=2, checkpoint_every=1))
+    loop.server, loop.store, loop.record = LiveServer(), StateStore(), LoopRecord()
+    loop.start_round, loop.halting = 0, False
+    loop.run_round = lambda rnd, selected: {"loss": float(rnd)}
+    loop.run(str(tmp_path))
+    assert storage.load_torch(str(tmp_path / "checkpoint.pt"))["round"] == 2
+    saved = [e for e in loop.events.poll(0) if isinstance(e, CheckpointSaved)]
+    assert [e.round for e in saved] == [1, 2]

@@ -9,6 +9,7 @@ after a round: :func:`take_checkpoint`, :func:`write_checkpoint`, in a thread of
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -21,11 +22,13 @@ import torch
 
 from fedray.platform.api.algorithm import Payload, Server, payload_nbytes
 from fedray.platform.config import ExperimentConfig, config_yaml
-from fedray.platform.errors import ConfigError
+from fedray.platform.errors import ConfigError, first_line
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.state_store import StateStore
 from fedray.platform.tracking.mlflow_run import recorded_checkpoint_dir, run_name
 from fedray.platform.tracking.names import Metrics
+
+logger = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.pt"
 CONFIG_FILE = "config.yaml"
@@ -98,7 +101,6 @@ def take_checkpoint(
 ) -> Checkpoint:
     """Everything the run holds after round ``done``, serialised now (the server and the record go on
     changing); the client states are ObjectRefs, which never change."""
-    states, superseded = store.unwritten(directory)
     state = {
         "round": done,
         "server": server.state_dict(),
@@ -108,7 +110,9 @@ def take_checkpoint(
         "last_client_acc": record.client_acc,
         "torch_rng": torch.get_rng_state(),
     }
-    return Checkpoint(checkpoint_file(directory), storage.torch_bytes(state), states, superseded)
+    contents = storage.torch_bytes(state)
+    states, superseded = store.claim_unwritten(directory)  # once nothing here can fail
+    return Checkpoint(checkpoint_file(directory), contents, states, superseded)
 
 
 def write_checkpoint(checkpoint: Checkpoint) -> str:
@@ -135,19 +139,34 @@ class CheckpointWriter:
         self.on_written = on_written
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self.pending: Future | None = None
+        self.last_write_s = 0.0  # how long the last write took: about how long one on its way may take
+
+    def busy_s(self) -> float:
+        """About how long the checkpoint on its way (if any) still needs."""
+        return self.last_write_s if self.pending is not None and not self.pending.done() else 0.0
 
     def submit(self, done: int, checkpoint: Checkpoint) -> None:
         self.wait()
         self.pending = self.executor.submit(self.write, done, checkpoint)
 
     def write(self, done: int, checkpoint: Checkpoint) -> None:
-        self.on_written(done, write_checkpoint(checkpoint))
+        start = time.perf_counter()
+        path = write_checkpoint(checkpoint)
+        self.last_write_s = time.perf_counter() - start
+        self.on_written(done, path)
 
-    def wait(self) -> None:
-        """Until the checkpoint on its way has landed; raises what its write raised."""
+    def wait(self, quietly: bool = False) -> None:
+        """Until the checkpoint on its way has landed; raises what its write raised, or with
+        ``quietly`` (the run is failing already) logs it as a warning."""
         pending, self.pending = self.pending, None
-        if pending is not None:
+        if pending is None:
+            return
+        try:
             pending.result()
+        except Exception as err:
+            if not quietly:
+                raise
+            logger.warning("the last checkpoint was not written: %s", first_line(err))
 
 
 def load_checkpoint(directory: str, server: Server, store: StateStore) -> tuple[int, LoopRecord]:

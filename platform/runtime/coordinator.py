@@ -220,31 +220,40 @@ class RoundLoop:
         return self.events.poll(timeout)
 
     def run(self, checkpoint_dir: str, stop_after_round: int | None = None) -> dict[str, Any]:
-        """Run rounds ``start_round .. rounds-1``; ``stop_after_round`` simulates an interruption."""
+        """Run rounds ``start_round .. rounds-1``; ``stop_after_round`` simulates an interruption.
+        However the run ends, its last checkpoint lands before this returns."""
         self.checkpoint_dir = checkpoint_dir
+        try:
+            summary = self.run_rounds(stop_after_round)
+        except BaseException:
+            self.checkpoints.wait(quietly=True)  # the round's error is the one the user is told
+            raise
+        self.checkpoints.wait()
+        return summary
+
+    def run_rounds(self, stop_after_round: int | None) -> dict[str, Any]:
         cfg = self.cfg
         k = clients_per_round(cfg)
-        try:
-            for rnd in range(self.start_round, cfg.rounds):
-                metrics = self.run_round(rnd, sample_clients(cfg.seed, rnd, cfg.data.num_clients, k))
-                self.record.history.append(metrics)
-                done = rnd + 1
-                if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.rounds):
-                    self.checkpoint(done)
-                self.events.emit(RoundEnded(done, metrics))
-                halted = self.halting or (stop_after_round is not None and done >= stop_after_round)
-                if halted and done < cfg.rounds:
-                    return results.run_summary(False, self.server, self.record)
-            return results.run_summary(True, self.server, self.record)
-        finally:
-            self.checkpoints.wait()  # however the run ends, its last checkpoint lands first
+        for rnd in range(self.start_round, cfg.rounds):
+            metrics = self.run_round(rnd, sample_clients(cfg.seed, rnd, cfg.data.num_clients, k))
+            self.record.history.append(metrics)
+            done = rnd + 1
+            if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.rounds):
+                self.checkpoint(done)
+            self.events.emit(RoundEnded(done, metrics))
+            halted = self.halting or (stop_after_round is not None and done >= stop_after_round)
+            if halted and done < cfg.rounds:
+                return results.run_summary(False, self.server, self.record)
+        return results.run_summary(True, self.server, self.record)
 
     def halt(self) -> float:
         """The driver's call, from its thread, when it stops the run early (Tune's scheduler): ``run``
         returns after the round in progress, leaving every process as a finished run leaves it.
-        Returns the last round's seconds: about how long the driver must wait for that."""
+        Returns the last round's seconds and a checkpoint's on its way: about how long the driver
+        must wait for that."""
         self.halting = True
-        return self.record.history[-1].get(Metrics.TIME_ROUND_S, 0.0) if self.record.history else 0.0
+        last_round_s = self.record.history[-1].get(Metrics.TIME_ROUND_S, 0.0) if self.record.history else 0.0
+        return last_round_s + self.checkpoints.busy_s()
 
     def run_round(self, rnd: int, selected: list[int]) -> dict[str, float]:
         start = time.perf_counter()

@@ -46,6 +46,9 @@ class JobRetried:
 
 @dataclass(frozen=True)
 class CheckpointSaved:
+    """A checkpoint has landed: it is written while the next rounds run, so this may come after
+    their :class:`RoundEnded`."""
+
     round: int
     path: str
 

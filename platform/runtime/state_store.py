@@ -58,10 +58,10 @@ class StateStore:
         return len(self.refs)
 
     # ---- checkpoints
-    def unwritten(self, directory: str) -> tuple[list[tuple[int, str, Any]], list[str]]:
+    def claim_unwritten(self, directory: str) -> tuple[list[tuple[int, str, Any]], list[str]]:
         """What the next checkpoint must write: (client, file, ObjectRef) of each state committed since the
         last call, and the files of the versions they replace (deleted once that checkpoint has
-        landed). From here on they count as written (:meth:`manifest` lists them)."""
+        landed). From here on they count as written: the next call leaves them out."""
         new, superseded = [], []
         for client in self.refs:
             if self.written.get(client) == self.version[client]:
