@@ -149,8 +149,6 @@ def federation_meta(fed: Federation) -> dict[str, Any]:
 # - Ray starts its workers at nice 15: beside any other busy process they get 1/28 of its CPU share
 #   (a 6 s run took 165 s beside two busy loops on 2 cores). The workers are the experiment, so they
 #   run at the user's own priority (as Ray Jobs run theirs).
-CONNECT_TIMEOUT_S = 10  # a cluster's head that has not answered by then is not there
-
 LOCAL_RAY_CONFIG = {
     "prestart_worker_first_driver": False,
     "preload_python_modules": ["fedray.platform.runtime.worker"],
@@ -182,6 +180,9 @@ def ensure_ray(cfg: ExperimentConfig, prestart: bool = False) -> None:
         else:
             start_local_ray(cfg.ray.num_cpus or os.cpu_count() or 1, prestart, **kwargs)
     set_up_driver()  # the shards and the global test set leave as raw bytes
+
+
+CONNECT_TIMEOUT_S = 10  # a cluster's head that has not answered by then is not there
 
 
 def require_answer(address: str, source: str) -> None:

@@ -67,7 +67,9 @@ class StateStore:
             if self.written.get(client) == self.version[client]:
                 continue
             if client in self.written:
-                superseded.append(storage.join(directory, "states", f"{client}-v{self.written[client]}.pt"))
+                superseded.append(
+                    storage.join(directory, "states", self.file_name(client, self.written[client]))
+                )
             new.append((client, storage.join(directory, "states", self.file_name(client)), self.refs[client]))
             self.written[client] = self.version[client]
         return new, superseded
@@ -76,8 +78,9 @@ class StateStore:
         """The checkpoint's list: client -> the file of its current state."""
         return {c: self.file_name(c) for c in sorted(self.refs)}
 
-    def file_name(self, client: int) -> str:
-        return f"{client}-v{self.version[client]}.pt"
+    def file_name(self, client: int, version: int | None = None) -> str:
+        """The file of a client's state: its current version's, or ``version``'s."""
+        return f"{client}-v{self.version[client] if version is None else version}.pt"
 
     def read(self, directory: str, manifest: dict[int, str]) -> None:
         """Load the states a checkpoint lists back into the object store."""
