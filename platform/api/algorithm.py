@@ -13,13 +13,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-import lightning as L
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fedray.platform.api.contract import check_client_class
+from fedray.platform.api.lightning_import import lightning as L
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.data import ArrayDataset

@@ -15,9 +15,9 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import lightning as L
 import torch
 
+from fedray.platform.api.lightning_import import lightning as L
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ContractError
 

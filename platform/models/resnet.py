@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchvision.models.resnet import BasicBlock
 
 from fedray.platform.models.base import init_like_torchvision_resnet
 from fedray.platform.models.registry import register_model
@@ -87,6 +86,9 @@ class ShallowResNet(nn.Module):
     """
 
     def __init__(self, in_channels: int, layers: list[int], style: str) -> None:
+        # imported here: torchvision costs every process that imports the model zoo a third of a second
+        from torchvision.models.resnet import BasicBlock
+
         super().__init__()
         widths = [64, 128, 256, 512][: len(layers)]
         if style == "imagenet":

@@ -1,0 +1,68 @@
+"""Lightning is imported without the whole of torchmetrics, and torchmetrics still works in full.
+
+Each check runs in a fresh process: which modules a process has loaded is what is being tested."""
+
+from __future__ import annotations
+
+from conftest import run_fresh_python
+
+
+def run(script: str, tmp_path) -> str:
+    done = run_fresh_python(script, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_the_algorithm_api_loads_lightning_without_every_metric_scipy_or_torchvision(tmp_path):
+    out = run(
+        """
+        import importlib.metadata, sys
+        from fedray.platform.api import ClientModule
+        import lightning, torchmetrics
+
+        assert issubclass(ClientModule, lightning.LightningModule)
+        assert torchmetrics.Metric.__module__ == "torchmetrics.metric"
+        assert torchmetrics.__version__ == importlib.metadata.version("torchmetrics")
+        print(sorted(m for m in ("torchmetrics.functional", "scipy.signal", "scipy.stats", "torchvision")
+                     if m in sys.modules))
+        """,
+        tmp_path,
+    )
+    assert out.split() == ["[]"], out
+
+
+def test_any_other_name_of_torchmetrics_loads_the_whole_package_and_computes(tmp_path):
+    out = run(
+        """
+        import sys, torch
+        import fedray.platform.api
+        import torchmetrics
+
+        metric = torchmetrics.Accuracy(task="multiclass", num_classes=3)
+        assert isinstance(metric, torchmetrics.Metric)  # one Metric class, loaded once
+        print(float(metric(torch.tensor([0, 1, 2, 2]), torch.tensor([0, 1, 1, 2]))))
+        print("torchmetrics.functional" in sys.modules, hasattr(torchmetrics, "no_such_name"))
+        from torchmetrics.classification import MulticlassF1Score
+        print(type(MulticlassF1Score(num_classes=3)).__name__)
+        """,
+        tmp_path,
+    )
+    assert out.split() == ["0.75", "True", "False", "MulticlassF1Score"], out
+
+
+def test_a_torchmetrics_the_light_import_does_not_fit_is_imported_whole(tmp_path):
+    # a package whose modules load in another order: the light import fails, so it is forgotten
+    # and torchmetrics is imported as Lightning would import it on its own
+    out = run(
+        """
+        import sys, types
+        sys.modules["torchmetrics.utilities"] = types.ModuleType("torchmetrics.utilities")
+        from fedray.platform.api import ClientModule
+        import lightning, torchmetrics
+
+        assert issubclass(ClientModule, lightning.LightningModule)
+        print("torchmetrics.functional" in sys.modules, torchmetrics.Accuracy.__name__)
+        """,
+        tmp_path,
+    )
+    assert out.split() == ["True", "Accuracy"], out
