@@ -4,12 +4,14 @@ notebook). Real Ray, a real sqlite store in a temporary folder, real headless Ch
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import warnings
 
 import mlflow
 import mlflow.pytorch
+import psutil
 import pytest
 import torch
 from conftest import store_in, tiny_overrides
@@ -132,9 +134,22 @@ def test_make_ui_prints_the_runs_table_and_the_page_lists_the_runs(two_runs, tmp
         match = re.search(rf"(http://127\.0\.0\.1:{port}/#/experiments/(\d+)/runs\S*)", line)
         assert match and match.group(2) == local.experiment_id, line
         dom = page_dom(browser, match.group(1), tmp_path / "profile")
+        # and no MLflow job runners beside it (eight processes that fedray's runs never use)
+        assert job_runners_of(port) == []
     for run in (fedavg, local):
         name = MlflowClient(uri).get_run(run.run_id).info.run_name
         assert name in dom, name
+
+
+def job_runners_of(port: int) -> list[int]:
+    """The processes of MLflow's job runner started by the UI server on ``port``."""
+    runners = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if "huey_consumer" in " ".join(proc.info["cmdline"] or []):
+            with contextlib.suppress(psutil.Error):
+                if any(f"--port {port}" in " ".join(p.cmdline()) for p in proc.parents()):
+                    runners.append(proc.pid)
+    return runners
 
 
 def test_fedray_ui_serves_one_worker_unless_told_otherwise(tmp_path, monkeypatch):
@@ -154,8 +169,12 @@ def test_fedray_ui_serves_one_worker_unless_told_otherwise(tmp_path, monkeypatch
         command = served.pop()
         return command[command.index("--workers") + 1] if "--workers" in command else None
 
+    monkeypatch.delenv("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", raising=False)
     assert workers() == "1"
+    assert os.environ["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"  # no job runners...
+    monkeypatch.setenv("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "true")
     assert workers("--workers", "4") == "4"
+    assert os.environ["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "true"  # ...unless asked for
     monkeypatch.setenv("MLFLOW_WORKERS", "3")
     assert workers() is None  # mlflow ui reads the variable itself
     with pytest.raises(ConfigError, match=r"^--workers 0: must be >= 1$"):

@@ -104,6 +104,7 @@ def start_server(directory: Path, port: int) -> subprocess.Popen:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # as fedray ui starts it
         )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
