@@ -6,6 +6,7 @@ process it does not use."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ import ray
 from conftest import run_fresh_python, tiny_overrides, without_timing
 
 from fedray.platform.catalog import load_config
-from fedray.platform.runtime.driver import run_experiment
+from fedray.platform.runtime.driver import CoordinatorHandle, run_experiment
 from fedray.platform.runtime.processes import KeptRuntime
 
 
@@ -162,3 +163,20 @@ def test_a_local_ray_starts_a_worker_process_per_actor_and_none_idle(tmp_path):
     done = run_fresh_python(script, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[0] == "True", done.stdout
+
+
+@ray.remote
+def _a_run_that_failed_as_it_halted():
+    raise OSError("no space left on device: checkpoint.pt")
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_run_that_failed_as_it_halted_is_not_reused_and_says_why(caplog):
+    # the Coordinator's run call, already returned with an error (its last checkpoint's write):
+    # its processes are not handed on, and the error, which nothing else reports, is logged
+    handle = object.__new__(CoordinatorHandle)
+    handle.run_ref = _a_run_that_failed_as_it_halted.remote()
+    ray.wait([handle.run_ref], timeout=60)
+    with caplog.at_level(logging.WARNING, logger="fedray.platform.runtime.driver"):
+        assert handle.halted() is False
+    assert "failed as it halted: OSError: no space left on device: checkpoint.pt" in caplog.text

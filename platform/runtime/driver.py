@@ -58,6 +58,8 @@ from fedray.platform.tracking.descriptions import run_description
 from fedray.platform.tracking.mlflow_run import RunTracker
 from fedray.platform.tracking.names import Metrics, Tags, best_of, best_round_of, final_of
 
+logger = logging.getLogger(__name__)
+
 FINAL_KEYS = (
     Metrics.ACC_PERSONAL_MEAN,
     Metrics.ACC_PERSONAL_STD,
@@ -345,7 +347,8 @@ class CoordinatorHandle:
     def halted(self) -> bool:
         """The Coordinator's ``run`` has returned, or returns at the end of its round: waited for about
         as long as a round takes, and at most ``HALT_WAIT_MAX_S`` (new processes start sooner than a
-        longer round ends). False if it did not, or failed."""
+        longer round ends). False if it did not, or failed: a failure (its last checkpoint's write,
+        say) is logged, since the run's own error has already been reported."""
         if self.run_ref is None:
             return True
         try:
@@ -354,7 +357,10 @@ class CoordinatorHandle:
                 ray.wait([self.run_ref], timeout=min(HALT_WAIT_MAX_S, 2 * last_round_s + 5))
             ray.get(self.run_ref, timeout=0)  # its error, or GetTimeoutError if still running
             return True
-        except ray.exceptions.RayError:
+        except ray.exceptions.GetTimeoutError:
+            return False
+        except ray.exceptions.RayError as err:
+            logger.warning("the stopped run's Coordinator failed as it halted: %s", first_line(err))
             return False
 
     def release(self, reusable: bool) -> None:
