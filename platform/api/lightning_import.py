@@ -61,7 +61,10 @@ def _forget(packages: tuple[str, ...]) -> None:
 
 
 if "torchmetrics" not in sys.modules and "lightning" not in sys.modules:
-    _package = _torchmetrics_not_yet_initialised()
+    try:
+        _package = _torchmetrics_not_yet_initialised()
+    except Exception:  # its metadata unreadable, say: it is imported whole
+        _package = None
     if _package is not None:
         sys.modules["torchmetrics"] = _package
 
