@@ -50,19 +50,70 @@ def test_any_other_name_of_torchmetrics_loads_the_whole_package_and_computes(tmp
     assert out.split() == ["0.75", "True", "False", "MulticlassF1Score"], out
 
 
-def test_a_torchmetrics_the_light_import_does_not_fit_is_imported_whole(tmp_path):
-    # a package whose modules load in another order: the light import fails, so it is forgotten
-    # and torchmetrics is imported as Lightning would import it on its own
+def test_threads_asking_for_names_while_the_package_init_runs_all_get_them(tmp_path):
     out = run(
         """
-        import sys, types
-        sys.modules["torchmetrics.utilities"] = types.ModuleType("torchmetrics.utilities")
+        import threading
+        import fedray.platform.api
+        import torchmetrics
+
+        names = ["Accuracy", "F1Score", "Precision", "Recall", "AUROC", "MeanSquaredError", "Metric"]
+        start, found, errors = threading.Barrier(len(names)), {}, []
+
+        def ask(name):
+            start.wait()
+            try:
+                found[name] = getattr(torchmetrics, name).__name__
+            except Exception as err:
+                errors.append(repr(err))
+
+        threads = [threading.Thread(target=ask, args=(n,)) for n in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        print(errors == [] and sorted(found.values()) == sorted(names), errors)
+        """,
+        tmp_path,
+    )
+    assert out.split()[0] == "True", out
+
+
+def test_a_package_init_that_failed_is_run_again_on_the_next_name(tmp_path):
+    out = run(
+        """
+        import sys
+        import fedray.platform.api
+        import torchmetrics
+
+        sys.modules["torchmetrics.functional"] = None  # its import fails once
+        try:
+            torchmetrics.Accuracy
+        except ImportError:
+            print("failed")
+        del sys.modules["torchmetrics.functional"]
+        print(torchmetrics.Accuracy.__name__)
+        """,
+        tmp_path,
+    )
+    assert out.split() == ["failed", "Accuracy"], out
+
+
+def test_a_torchmetrics_the_light_import_does_not_fit_is_imported_whole(tmp_path):
+    # a package whose modules load in another order: the light set-up fails, is forgotten, and
+    # torchmetrics and Lightning are imported once each, as Lightning would import them on its own
+    out = run(
+        """
+        import logging, sys, types
+        broken = sys.modules["torchmetrics.utilities"] = types.ModuleType("torchmetrics.utilities")
         from fedray.platform.api import ClientModule
         import lightning, torchmetrics
 
         assert issubclass(ClientModule, lightning.LightningModule)
-        print("torchmetrics.functional" in sys.modules, torchmetrics.Accuracy.__name__)
+        assert sys.modules["torchmetrics.utilities"] is not broken
+        handlers = [len(logging.getLogger(n).handlers) for n in ("torchmetrics", "lightning.pytorch")]
+        print("torchmetrics.functional" in sys.modules, torchmetrics.Accuracy.__name__, handlers)
         """,
         tmp_path,
     )
-    assert out.split() == ["True", "Accuracy"], out
+    assert out.split() == ["True", "Accuracy", "[1,", "1]"], out

@@ -4,74 +4,85 @@ Lightning needs two classes of torchmetrics (``Metric`` and ``MetricCollection``
 package, and torchmetrics' package init imports every metric it has, ``scipy.signal``, ``scipy.stats``
 and torchvision's models with them: about 1.5 s of CPU in every process that imports Lightning, and
 a run starts one per ClientActor beside the driver and the Coordinator. So, before Lightning is
-imported, ``torchmetrics`` is put in ``sys.modules`` as its package not yet initialised: the two
-classes load from their own modules, and any other name a user's code asks of the package runs the
-real package init first (``torchmetrics.Accuracy`` works as it always does). Where that cannot be
-set up (another torchmetrics layout), the package is imported whole, as before.
+imported, ``torchmetrics`` is put in ``sys.modules`` as its package not yet initialised, with the two
+classes loaded from their own modules; any other name a user's code asks of the package runs the
+real package init first (``torchmetrics.Accuracy`` works as it always does). Where the two classes
+do not load that way (another torchmetrics layout), the package is forgotten and imported whole.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import importlib.util
 import logging
-import os
 import sys
 import threading
+from importlib.machinery import ModuleSpec
 from types import ModuleType
 
 # what Lightning imports from the package, and the module each is defined in
-_LIGHT_NAMES = {"Metric": "torchmetrics.metric", "MetricCollection": "torchmetrics.collections"}
+LIGHT_NAMES = {"Metric": "torchmetrics.metric", "MetricCollection": "torchmetrics.collections"}
 
 
-def _torchmetrics_not_yet_initialised() -> ModuleType | None:
+class PackageInit:
+    """The package's ``__getattr__``: the first name it lacks runs its real init, once, whatever
+    the thread; a failed init raises its error and is tried again on the next name."""
+
+    def __init__(self, package: ModuleType, spec: ModuleSpec, handler: logging.Handler) -> None:
+        self.package, self.spec, self.handler = package, spec, handler
+        self.lock = threading.RLock()  # the init's own modules ask the package for names too
+        self.state = "light"  # "running" (in the thread holding the lock), then "whole"
+
+    def __call__(self, name: str) -> object:
+        with self.lock:
+            if self.state == "light" and name not in self.package.__dict__:
+                logging.getLogger("torchmetrics").removeHandler(self.handler)  # the init adds its own
+                self.state = "running"
+                try:
+                    self.spec.loader.exec_module(self.package)  # type: ignore[union-attr]
+                except BaseException:
+                    self.state = "light"  # tried again on the next name
+                    raise
+                self.state = "whole"
+        try:
+            return self.package.__dict__[name]  # there now, or set by another thread's init
+        except KeyError:
+            raise AttributeError(f"module 'torchmetrics' has no attribute {name!r}") from None
+
+
+def light_torchmetrics() -> bool:
+    """Put torchmetrics in ``sys.modules`` with only what Lightning uses loaded; False (and nothing
+    left behind) where that fails."""
     spec = importlib.util.find_spec("torchmetrics")
     if spec is None or spec.loader is None or spec.origin is None:
-        return None
+        return False
     package = importlib.util.module_from_spec(spec)  # __path__ set, __init__ not run
-    root = os.path.dirname(spec.origin)
-    # what torchmetrics' own modules read from the package while they load
-    package.__dict__.update(
-        __version__=importlib.metadata.version("torchmetrics"),
-        _logger=logging.getLogger("torchmetrics"),
-        _PACKAGE_ROOT=root,
-        _PROJECT_ROOT=os.path.dirname(root),
-    )
-    lock, whole = threading.RLock(), [False]
-
-    def __getattr__(name: str) -> object:
-        with lock:
-            if whole[0]:
-                raise AttributeError(f"module 'torchmetrics' has no attribute {name!r}")
-            if name in _LIGHT_NAMES:
-                importlib.import_module("torchmetrics.utilities")  # first, as the package init would
-                return getattr(importlib.import_module(_LIGHT_NAMES[name]), name)
-            whole[0] = True
-            spec.loader.exec_module(package)  # type: ignore[union-attr]
-            return getattr(package, name)
-
-    package.__dict__["__getattr__"] = __getattr__
-    return package
-
-
-def _forget(packages: tuple[str, ...]) -> None:
-    for name in [n for n in sys.modules if n.split(".")[0] in packages]:
-        del sys.modules[name]
+    sys.modules["torchmetrics"] = package
+    log, handler = logging.getLogger("torchmetrics"), logging.StreamHandler()
+    try:
+        # what the package init sets before it imports a metric, and what its modules read back
+        about = importlib.import_module("torchmetrics.__about__")
+        package.__dict__.update({name: getattr(about, name) for name in about.__all__})
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        package.__dict__["_logger"] = log
+        # torchmetrics.utilities first, as the package init imports it: torchmetrics.metric and
+        # torchmetrics.utilities import each other, and only that order completes
+        importlib.import_module("torchmetrics.utilities")
+        for name, module in LIGHT_NAMES.items():
+            package.__dict__[name] = getattr(importlib.import_module(module), name)
+    except Exception:  # a torchmetrics this does not fit: forget what it loaded
+        for name in [n for n in sys.modules if n == "torchmetrics" or n.startswith("torchmetrics.")]:
+            del sys.modules[name]
+        log.removeHandler(handler)
+        return False
+    package.__dict__["__getattr__"] = PackageInit(package, spec, handler)
+    return True
 
 
 if "torchmetrics" not in sys.modules and "lightning" not in sys.modules:
-    try:
-        _package = _torchmetrics_not_yet_initialised()
-    except Exception:  # its metadata unreadable, say: it is imported whole
-        _package = None
-    if _package is not None:
-        sys.modules["torchmetrics"] = _package
+    light_torchmetrics()
 
-try:
-    import lightning
-except Exception:  # a torchmetrics this does not fit: forget what it loaded, and import it whole
-    _forget(("torchmetrics", "lightning"))
-    import lightning
+import lightning  # noqa: E402  (after torchmetrics is in place)
 
 __all__ = ["lightning"]

@@ -348,7 +348,7 @@ class CoordinatorHandle:
         """The Coordinator's ``run`` has returned, or returns at the end of its round: waited for about
         as long as a round takes, and at most ``HALT_WAIT_MAX_S`` (new processes start sooner than a
         longer round ends). False if it did not, or failed: a failure (its last checkpoint's write,
-        say) is logged, since the run's own error has already been reported."""
+        say) is logged, as nothing else reports it."""
         if self.run_ref is None:
             return True
         try:
