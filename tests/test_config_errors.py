@@ -30,6 +30,7 @@ from fedray.platform.errors import ConfigError
         (["fedprx.mu=0.1"], "tracking; or an algorithm's section, under its lower-case name ("),
         (["algorithm=fedavg", "model.group=fedssa_cnns"], "heterogeneous"),
         (["data.split.test=0.5"], "data.split: train+val+test"),
+        (["ray.object_store_mb=50"], "ray.object_store_mb=50: must be >= 75 (Ray's smallest store)"),
     ],
 )
 def test_bad_config_value_is_one_line_error(overrides, needle):

@@ -141,12 +141,15 @@ def test_a_local_ray_starts_a_worker_process_per_actor_and_none_idle(tmp_path):
     """Ray prestarts a worker per CPU when a driver connects (a 16-CPU GPU node with four GPU workers:
     twelve idle processes of about 0.5 GB that imported torch and Lightning). The local Ray fedray
     starts has one worker process for each actor and no other. In a fresh process: this one's Ray
-    serves the whole session."""
+    serves the whole session. (Started as a run starts it, from a config that also caps its object
+    store: ``ray.object_store_mb``.)"""
     script = """
         import os, psutil, ray
-        from fedray.platform.runtime.driver import start_local_ray
+        from fedray.platform.catalog import load_config
+        from fedray.platform.runtime.driver import ensure_ray
 
-        start_local_ray(2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        ensure_ray(load_config(None, ["ray.num_cpus=2", "ray.object_store_mb=300"]))
+        assert ray.cluster_resources()["object_store_memory"] == 300 * 2**20, ray.cluster_resources()
 
         @ray.remote(num_cpus=1)
         class One:

@@ -119,6 +119,9 @@ class TrainConfig:
     memory_format: Literal["auto", "channels_last", "contiguous"] = "auto"
 
 
+MIN_OBJECT_STORE_MB = 75  # Ray refuses a smaller object store
+
+
 @dataclass
 class RayConfig:
     address: str | None = None  # join a cluster; RAY_ADDRESS wins when set
@@ -126,6 +129,9 @@ class RayConfig:
     num_gpus_per_client: float = 0.0  # fractions share a GPU between actors
     max_actors: int | None = None  # cap on the ClientActor pool (default: what the resources allow)
     num_cpus: int | None = None  # CPUs for a local Ray (default: the machine's)
+    # a local Ray's shared-memory object store, MB (default: Ray's, 30% of memory): the committed
+    # client states live there, and past it Ray spills the least recently used to disk
+    object_store_mb: int | None = None
     cache_clients: int = 32  # client modules a worker keeps between calls (a returning client loads nothing)
     # a Coordinator that dies is started again from the last checkpoint this many times (its rounds
     # since then recomputed to the same numbers); past that the run stops with the --resume line
@@ -361,6 +367,10 @@ def check_fields(cfg: ExperimentConfig) -> None:
     _check(r.num_gpus_per_client >= 0, f"ray.num_gpus_per_client={r.num_gpus_per_client}: must be >= 0")
     _check(r.max_actors is None or r.max_actors >= 1, f"ray.max_actors={r.max_actors}: must be >= 1")
     _check(r.cache_clients >= 1, f"ray.cache_clients={r.cache_clients}: must be >= 1")
+    _check(
+        r.object_store_mb is None or r.object_store_mb >= MIN_OBJECT_STORE_MB,
+        f"ray.object_store_mb={r.object_store_mb}: must be >= {MIN_OBJECT_STORE_MB} (Ray's smallest store)",
+    )
     _check(
         r.max_coordinator_restarts >= 0,
         f"ray.max_coordinator_restarts={r.max_coordinator_restarts}: must be >= 0 (0 = stop at the first death)",

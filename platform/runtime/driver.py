@@ -180,6 +180,8 @@ def ensure_ray(cfg: ExperimentConfig, prestart: bool = False) -> None:
             require_answer(address, "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "ray.address")
             ray.init(address=address, **kwargs)
         else:
+            if cfg.ray.object_store_mb is not None:
+                kwargs["object_store_memory"] = cfg.ray.object_store_mb * 2**20
             start_local_ray(cfg.ray.num_cpus or os.cpu_count() or 1, prestart, **kwargs)
     set_up_driver()  # the shards and the global test set leave as raw bytes
 
