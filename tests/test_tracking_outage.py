@@ -22,6 +22,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, RESOURCE_DOES_NOT_EXIST
 from mlflow.tracking import MlflowClient
 
+from fedray.platform.apps.ui import SERVER_ENV_DEFAULTS
 from fedray.platform.tracking import outage as tracking_outage
 from fedray.platform.tracking.names import Metrics, Tags
 from fedray.platform.tracking.outage import PatientCalls, TrackingUnavailable, unreachable
@@ -104,7 +105,7 @@ def start_server(directory: Path, port: int) -> subprocess.Popen:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # as fedray ui starts it
+            env={**os.environ, **SERVER_ENV_DEFAULTS},  # as fedray ui starts it
         )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:

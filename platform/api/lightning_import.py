@@ -31,31 +31,30 @@ class PackageInit:
     def __init__(self, package: ModuleType, spec: ModuleSpec, handler: logging.Handler) -> None:
         self.package, self.spec, self.handler = package, spec, handler
         self.lock = threading.RLock()  # the init's own modules ask the package for names too
-        self.state = "light"  # "running" (in the thread holding the lock), then "whole"
+        self.started = False  # the real init has run, or is running in the thread holding the lock
 
     def __call__(self, name: str) -> object:
         with self.lock:
-            if self.state == "light" and name not in self.package.__dict__:
+            if not self.started and name not in self.package.__dict__:
                 logging.getLogger("torchmetrics").removeHandler(self.handler)  # the init adds its own
-                self.state = "running"
+                self.started = True
                 try:
                     self.spec.loader.exec_module(self.package)  # type: ignore[union-attr]
                 except BaseException:
-                    self.state = "light"  # tried again on the next name
+                    self.started = False  # tried again on the next name
                     raise
-                self.state = "whole"
         try:
             return self.package.__dict__[name]  # there now, or set by another thread's init
         except KeyError:
             raise AttributeError(f"module 'torchmetrics' has no attribute {name!r}") from None
 
 
-def light_torchmetrics() -> bool:
-    """Put torchmetrics in ``sys.modules`` with only what Lightning uses loaded; False (and nothing
-    left behind) where that fails."""
+def light_torchmetrics() -> None:
+    """Put torchmetrics in ``sys.modules`` with only what Lightning uses loaded; where that fails,
+    nothing is left behind (Lightning then imports the whole package)."""
     spec = importlib.util.find_spec("torchmetrics")
     if spec is None or spec.loader is None or spec.origin is None:
-        return False
+        return
     package = importlib.util.module_from_spec(spec)  # __path__ set, __init__ not run
     sys.modules["torchmetrics"] = package
     log, handler = logging.getLogger("torchmetrics"), logging.StreamHandler()
@@ -75,9 +74,8 @@ def light_torchmetrics() -> bool:
         for name in [n for n in sys.modules if n == "torchmetrics" or n.startswith("torchmetrics.")]:
             del sys.modules[name]
         log.removeHandler(handler)
-        return False
+        return
     package.__dict__["__getattr__"] = PackageInit(package, spec, handler)
-    return True
 
 
 if "torchmetrics" not in sys.modules and "lightning" not in sys.modules:

@@ -19,6 +19,11 @@ from pathlib import Path
 from fedray.platform.errors import ConfigError
 from fedray.platform.tracking.views import DEFAULT_HOST, DEFAULT_PORT, latest_experiment, runs_table_url
 
+# MLflow's server also starts eight job-runner processes for its GenAI jobs (scorers, prompt
+# optimisation, trace roll-ups), which fedray's runs never queue: about 30 s of CPU and 0.5 GB here,
+# spent beside the page. Off by default in every MLflow server fedray starts.
+SERVER_ENV_DEFAULTS = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
 
 def find_experiment(uri: str, name: str | None) -> tuple[str, str] | None:
     from mlflow.tracking import MlflowClient
@@ -55,10 +60,8 @@ def ui_command(args: argparse.Namespace) -> int:
     where = ["--backend-store-uri", uri, "--host", args.host, "--port", str(args.port)]
     if args.workers is not None or "MLFLOW_WORKERS" not in os.environ:  # else mlflow reads the variable
         where += ["--workers", str(args.workers or 1)]
-    # MLflow's server also starts eight job-runner processes for its GenAI jobs (scorers, prompt
-    # optimisation, trace roll-ups), which fedray's runs never queue: about 30 s of CPU and 0.5 GB
-    # here, spent beside the page. Off unless the user turns them on.
-    os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+    for key, value in SERVER_ENV_DEFAULTS.items():  # unless the user set them
+        os.environ.setdefault(key, value)
     # the UI server replaces this process: Ctrl-C stops it
     os.execv(sys.executable, [sys.executable, "-m", "mlflow", "ui", *where])
     return 0  # not reached
