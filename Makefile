@@ -57,7 +57,7 @@ bench: install  ## fedray vs a plain PyTorch loop on real CIFAR-10
 bench-scale: install  ## FedSSA on CIFAR-10 at 100/1,000/10,000 clients, e.g. make bench-scale ARGS="--clients 100 --rounds 2"
 	$(BIN)/python benchmarks/bench_scale.py $(ARGS)
 
-gpu-check: install  ## on a GPU node: nine checks, one table, ~10 min on an H200 (no GPU: one line, exit 0), e.g. ARGS="--only 1,4"
+gpu-check: install  ## on a GPU node: nine checks, one table, ~8 min on an H200 (no GPU: one line, exit 0), e.g. ARGS="--only 1,4"
 	@$(BIN)/python benchmarks/gpu_check.py $(ARGS)
 
 reproduce: install  ## a paper's comparison (CIFAR-10 JPEGs, or LEAF's files by --data): make reproduce PAPER=fedssa [ARGS="--scale full"]

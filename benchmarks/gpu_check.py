@@ -1,8 +1,8 @@
 """fedray on a GPU node, checked in one command: nine checks, one table.
 
-About 14 cold commands of 40-55 s each on an H200 machine with 16 CPUs (2026-11-27: checks 9, 3, 1, 7,
-5 and 8 in 427 s, then 2 and 4 in 104 s more; 6, a sweep, was not timed), so all nine take about 10
-minutes; ``--only 9,3,1`` picks some, run in the order given.
+About 14 cold commands of 31-58 s each on an H200 machine with 16 CPUs (2026-11-27, third lease: all
+nine in 455 s, check 5 65 s of it); ``--only 9,3,1`` picks some, run in the order given; ``--share
+0.125`` runs the GPU checks on another slice (eight ClientActors on the GPU).
 
 Every check runs fedray as a user does: a fresh ``fedray run`` (or ``fedray sweep``) process that
 starts its own local Ray, with ``MLFLOW_TRACKING_URI`` on a sqlite file and ``storage_path`` in a
@@ -77,8 +77,7 @@ FEDRAY = str(Path(sys.executable).with_name("fedray"))
 QUICKSTART = "configs/quickstart.yaml"
 DEFAULT_OUT = ROOT / "reports" / "gpu-check.md"
 
-GPU_SHARE = 0.25  # ray.num_gpus_per_client of the GPU checks: four ClientActors share the GPU
-WORKERS_ON_ONE_GPU = 4
+GPU_SHARE = 0.25  # ray.num_gpus_per_client of the GPU checks (--share): four ClientActors share the GPU
 SWEEP_WORKERS = 2  # ray.max_actors of check 6's trials
 STOP_AFTER, RESUMED_ROUNDS = 2, 4  # check 7
 DEFAULT_CONFIG_ROUNDS = 5  # check 3: the built-in defaults (digits, no GPU asked for), shortened
@@ -361,6 +360,7 @@ class Context:
     smi_on: bool  # nvidia-smi is there and sampled
     data: str | None
     rounds: int
+    gpu_share: float = GPU_SHARE
     commands: list[Outcome] = field(default_factory=list)
     shared: dict[str, Run] = field(default_factory=dict)
 
@@ -375,7 +375,17 @@ class Context:
     @property
     def share(self) -> str:
         """The GPU slice of the GPU checks (none when pretending: this machine's Ray has no GPU)."""
-        return f"ray.num_gpus_per_client={0 if self.pretend else GPU_SHARE:g}"
+        return f"ray.num_gpus_per_client={0 if self.pretend else self.gpu_share:g}"
+
+    @property
+    def at(self) -> str:
+        """How the GPU checks' rows name their slice: "at 0.25 GPU"."""
+        return f"at {self.gpu_share:g} GPU"
+
+    @property
+    def workers_on_one_gpu(self) -> int:
+        """ClientActors that share the one GPU at this slice (on a node with a CPU for each)."""
+        return math.floor(1 / self.gpu_share + 1e-9)
 
     @property
     def gpu_unchecked(self) -> str | None:
@@ -682,20 +692,20 @@ def quickstart_on_gpu(ctx: Context) -> Run:
     """Check 1's run, made once: checks 2, 4 and 7 compare with it."""
     if "quickstart" not in ctx.shared:
         ctx.shared["quickstart"] = ctx.fedray(
-            "quickstart at 0.25 GPU", "run", QUICKSTART, ctx.share, ctx.storage
+            f"quickstart {ctx.at}", "run", QUICKSTART, ctx.share, ctx.storage
         )
     return ctx.shared["quickstart"]
 
 
 def check_quickstart_gpu(ctx: Context) -> list[Row]:
     """1: the quickstart on four ClientActors sharing the GPU."""
-    row = Row("1 quickstart, 4 workers at 0.25 GPU")
+    row = Row(f"1 quickstart, {ctx.workers_on_one_gpu} workers {ctx.at}")
     run = quickstart_on_gpu(ctx)
     record = judge_run(row, ctx, run, "cuda")
     if record is not None:
         show_gpu_use(row, ctx, run.outcome, [record], busy=True)
         workers = record.tags.get(Tags.WORKERS)
-        expected = str(WORKERS_ON_ONE_GPU)
+        expected = str(ctx.workers_on_one_gpu)
         row.expect(workers == expected, f"{expected} workers", workers, ctx.gpu_unchecked)
     return [row]
 
@@ -739,9 +749,9 @@ def check_default_config(ctx: Context) -> list[Row]:
 
 def check_rerun(ctx: Context) -> list[Row]:
     """4: check 1 again repeats every metric of every round."""
-    row = Row("4 quickstart at 0.25 GPU again")
+    row = Row(f"4 quickstart {ctx.at} again")
     first = quickstart_on_gpu(ctx).record
-    again = ctx.fedray("quickstart at 0.25 GPU, again", "run", QUICKSTART, ctx.share, ctx.storage)
+    again = ctx.fedray(f"quickstart {ctx.at}, again", "run", QUICKSTART, ctx.share, ctx.storage)
     record = judge_run(row, ctx, again, "cuda")
     if record is None:
         return [row]
@@ -802,7 +812,7 @@ def cross_device_data(arg: str | None, archives: tuple[Path, ...] = ARCHIVES) ->
 
 def check_cross_device(ctx: Context) -> list[Row]:
     """5: CIFAR-10 in the cross-device shape at 0.25 GPU per worker."""
-    row = Row(f"5 cross-device, 1,000 clients x 50 images, {ctx.rounds} rounds")
+    row = Row(f"5 cross-device, 1,000 clients x 50 images, {ctx.rounds} rounds {ctx.at}")
     try:
         data = cross_device_data(ctx.data)
     except DataMissing as err:
@@ -820,7 +830,7 @@ def check_cross_device(ctx: Context) -> list[Row]:
 
 def check_sweep(ctx: Context) -> list[Row]:
     """6: a two-trial sweep, each trial on two GPU workers."""
-    row = Row(f"6 sweep, 2 trials x {SWEEP_WORKERS} workers at 0.25 GPU")
+    row = Row(f"6 sweep, 2 trials x {SWEEP_WORKERS} workers {ctx.at}")
     space = ctx.tmp / "space.yaml"
     space.write_text(SWEEP_SPACE)
     argv = [FEDRAY, "sweep", "--algo", "fedprox", "--space", str(space), "--config", QUICKSTART]
@@ -966,7 +976,7 @@ def check_algorithms(ctx: Context) -> list[Row]:
     """8: two rounds of FedSC, FedL2G and FedProto on the GPU, one row each."""
     rows = []
     for name, config, extra in ALGORITHM_RUNS:
-        row = Row(f"{name}, 2 rounds at 0.25 GPU")
+        row = Row(f"{name}, 2 rounds {ctx.at}")
         run = ctx.fedray(name, "run", config, "rounds=2", *extra, ctx.share, ctx.storage)
         record = judge_run(row, ctx, run, "cuda")
         if record is not None:
@@ -1109,6 +1119,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--data", help="check 5: a CIFAR-10 JPEG tree, cifar10-jpeg.tar.gz, or 'synthetic'")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown report (default %(default)s)")
     parser.add_argument("--rounds", type=int, default=CROSS_DEVICE_ROUNDS, help="check 5's rounds")
+    parser.add_argument(
+        "--share",
+        type=float,
+        default=GPU_SHARE,
+        help="ray.num_gpus_per_client of the GPU checks (%(default)s)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, MLflow store)")
     # developer's: the same commands on a CPU machine, GPU expectations noted as not checked
     parser.add_argument("--pretend-gpu", action="store_true", help=argparse.SUPPRESS)
@@ -1116,6 +1132,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: must be >= 1")
+    if not 0 < args.share <= 1:
+        parser.error(f"--share {args.share:g}: a GPU slice in (0, 1]")
     return args
 
 
@@ -1130,7 +1148,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     tmp = Path(tempfile.mkdtemp(prefix="fedray-gpu-check-"))
     smi_on = not args.pretend_gpu and shutil.which("nvidia-smi") is not None
-    ctx = Context(tmp, args.pretend_gpu, smi_on, args.data, args.rounds)
+    ctx = Context(tmp, args.pretend_gpu, smi_on, args.data, args.rounds, args.share)
     progress(f"gpu-check: checks {','.join(map(str, args.only))}, work in {tmp}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []

@@ -181,6 +181,24 @@ def test_only_takes_check_numbers():
             gpu_check.parse_only(bad)
 
 
+def test_share_sets_the_slice_of_the_gpu_checks_and_the_workers_they_expect(tmp_path, capsys):
+    # Prepare / Act: the default and an eighth of the GPU, as parsed from the command line
+    default = gpu_check.parse_args([])
+    eighth = gpu_check.parse_args(["--share", "0.125"])
+    ctx = gpu_check.Context(
+        tmp_path, pretend=False, smi_on=False, data=None, rounds=1, gpu_share=eighth.share
+    )
+    # Assert: 0.25 by default; at 0.125 the runs ask for it and expect eight workers on the GPU
+    assert default.share == 0.25
+    assert ctx.share == "ray.num_gpus_per_client=0.125" and ctx.workers_on_one_gpu == 8
+    assert ctx.at == "at 0.125 GPU"
+    assert gpu_check.Context(tmp_path, False, False, None, 1, 1 / 3).workers_on_one_gpu == 3
+    for bad in ("0", "1.5", "-0.25"):
+        with pytest.raises(SystemExit):
+            gpu_check.parse_args(["--share", bad])
+        assert "--share" in capsys.readouterr().err
+
+
 def test_a_command_past_its_time_limit_is_killed_with_what_it_started(tmp_path):
     ctx = gpu_check.Context(tmp_path, pretend=True, smi_on=False, data=None, rounds=1)
     # a child that leaves the process group, as a daemon might: ended by pid afterwards

@@ -2,16 +2,20 @@
 # On a GPU machine without a package registry: the image's python3 (torch, lightning) plus what
 # bundle.sh packed into .devenv/; then gpu_check.py as `make gpu-check` runs it, its report and
 # log in $OUT (default reports/), the commands' logs in $OUT/logs.tgz. BUDGET: seconds before the
-# checks are interrupted (the report keeps the rows that finished).
+# checks are interrupted (the report keeps the rows that finished). Run again on the same machine (say
+# with other checks or --share, and another OUT), it skips the setup done by the first.
 set -o pipefail
 cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "${OUT:-reports}")
 mkdir -p "$OUT"
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-mkdir -p /tmp/site && tar -C /tmp/site -xJf .devenv/site.tar.xz || exit 3
 export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile .devenv/fedray-*.whl 2>&1 | grep -v WARNING
+if [ ! -e /tmp/site/.fedray-ready ]; then
+    mkdir -p /tmp/site && tar -C /tmp/site -xJf .devenv/site.tar.xz || exit 3
+    python3 -m pip install -q --no-index --no-deps --no-compile .devenv/fedray-*.whl 2>&1 | grep -v WARNING
+    touch /tmp/site/.fedray-ready
+fi
 python3 -c "import ray, mlflow, lightning, torch, sys; print(sys.executable, 'ray', ray.__version__, 'mlflow', mlflow.__version__, 'lightning', lightning.__version__, 'torch', torch.__version__, torch.cuda.is_available())" || exit 5
 ls "$(dirname "$(python3 -c 'import sys; print(sys.executable)')")/fedray" || exit 6
 echo "setup $(( $(date +%s) - t0 )) s"
