@@ -149,24 +149,27 @@ class CheckpointWriter:
         self.wait()
         self.pending = self.executor.submit(self.write, done, checkpoint)
 
-    def write(self, done: int, checkpoint: Checkpoint) -> None:
+    def write(self, done: int, checkpoint: Checkpoint) -> Checkpoint:
         start = time.perf_counter()
         path = write_checkpoint(checkpoint)
         self.last_write_s = time.perf_counter() - start
         self.on_written(done, path)
+        return checkpoint
 
-    def wait(self, quietly: bool = False) -> None:
-        """Until the checkpoint on its way has landed; raises what its write raised, or with
-        ``quietly`` (the run is failing already) logs it as a warning."""
+    def wait(self, quietly: bool = False) -> Checkpoint | None:
+        """Until the checkpoint on its way has landed, and that checkpoint (None: none was on its
+        way); raises what its write raised, or with ``quietly`` (the run is failing already) logs it
+        as a warning."""
         pending, self.pending = self.pending, None
         if pending is None:
-            return
+            return None
         try:
-            pending.result()
+            return pending.result()
         except Exception as err:
             if not quietly:
                 raise
             logger.warning("the last checkpoint was not written: %s", first_line(err))
+            return None
 
 
 def load_checkpoint(directory: str, server: Server, store: StateStore) -> tuple[int, LoopRecord]:

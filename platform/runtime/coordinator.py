@@ -206,7 +206,7 @@ class RoundLoop:
         self.server = build_server(cfg, meta)
         self.commits = commits_state(self.spec.client_cls, cfg)
         check_evaluable(cfg.algorithm, self.spec.client_cls, self.commits, self.server)
-        self.store = StateStore()
+        self.store = StateStore(cfg.ray.client_states_mb)
         self.pool, devices = start_pool(cfg, meta, workers, options, self.commits)
         self.training = TrainingDispatch(self.pool, self.store, shard_refs, meta["train_sizes"], self.commits)
         chunks = global_test_chunks(global_test)
@@ -284,7 +284,11 @@ class RoundLoop:
         return metrics
 
     def checkpoint(self, done: int) -> None:
-        """Taken now, written while the next rounds run (:class:`CheckpointWriter`)."""
+        """Taken now, written while the next rounds run (:class:`CheckpointWriter`), once the last one
+        has landed: the states that one wrote may then leave memory (``ray.client_states_mb``)."""
+        landed = self.checkpoints.wait()
+        if landed is not None:
+            self.store.landed(landed.states)
         self.checkpoints.submit(
             done, take_checkpoint(self.checkpoint_dir, done, self.server, self.store, self.record)
         )

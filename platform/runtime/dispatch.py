@@ -116,7 +116,7 @@ def accept_uplinks(
                 failed[result.client] = result.error
                 continue
             if state_ref is not None:
-                store.commit(result.client, state_ref, worker)
+                store.commit(result.client, state_ref, worker, result.state_nbytes)
             uplinks[result.client], stats[result.client] = result.uplink, result.stats
     for clients, error in trained.failed.items():
         failed.update(dict.fromkeys(clients, error))

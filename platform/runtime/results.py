@@ -33,7 +33,7 @@ def client_models(
     selected still has its initial model; above ``limit`` clients none are logged."""
     if tests_with_global_model(client_cls, server.eval_payload()):
         return {}, "client models not logged: clients are evaluated with the global model"
-    trained = sorted(store.refs)
+    trained = store.clients()
     if len(trained) > limit:
         return (
             {},

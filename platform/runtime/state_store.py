@@ -12,6 +12,11 @@ raised keeps its previous state, and a retry starts from it.
 Checkpoints are incremental: each committed state is written once, as ``states/<cid>-v<version>.pt``
 under the checkpoint directory, and the checkpoint file lists which version of each client is
 current, so a checkpoint of 1,000 clients rewrites only the clients that trained since the last one.
+
+With a memory budget (``ray.client_states_mb``), a state that a landed checkpoint holds may leave
+the object store: past the budget the oldest such states are dropped, and a dropped client's state is
+read back from its file when it is selected again. A resumed run reads the states it needs that way
+too, instead of loading every state the checkpoint lists.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 
 import ray
 
+from fedray.platform.api.algorithm import payload_nbytes
 from fedray.platform.runtime import storage
 
 
@@ -39,23 +45,43 @@ class ClientTask:
 
 
 class StateStore:
-    def __init__(self) -> None:
-        self.refs: dict[int, Any] = {}  # client -> ObjectRef of its committed state
-        self.version: dict[int, int] = {}
+    def __init__(self, memory_mb: int | None = None) -> None:
+        self.refs: dict[int, Any] = {}  # client -> ObjectRef of its committed state, while in memory
+        self.version: dict[int, int] = {}  # client -> commits so far: every client that ever committed
         self.holder: dict[int, tuple[int, int]] = {}  # client -> (worker slot, worker generation)
         self.written: dict[int, int] = {}  # client -> version in the checkpoint directory (or on its way)
+        self.files: dict[int, str] = {}  # client -> its current state's file, in a checkpoint that landed
+        self.resident: dict[int, int] = {}  # client -> bytes of its state in memory, oldest first
+        self.budget = None if memory_mb is None else memory_mb * 2**20
 
     def task(self, client: int, shard_ref) -> ClientTask:
-        ref = self.refs.get(client)
-        return ClientTask(client, [shard_ref], [] if ref is None else [ref], self.version.get(client, 0))
+        return ClientTask(client, [shard_ref], self.state_ref(client), self.version.get(client, 0))
 
-    def commit(self, client: int, state_ref, holder: tuple[int, int]) -> None:
+    def state_ref(self, client: int) -> list:
+        """``[ref]`` of a client's committed state (``[]``: never committed), read back from its file
+        when the budget had dropped it from memory."""
+        if client not in self.version:
+            return []
+        if client not in self.refs:
+            state = storage.load_torch(self.files[client])
+            self.refs[client] = ray.put(state)
+            self.resident[client] = payload_nbytes(state)
+        return [self.refs[client]]
+
+    def commit(self, client: int, state_ref, holder: tuple[int, int], nbytes: int = 0) -> None:
         self.refs[client] = state_ref
         self.version[client] = self.version.get(client, 0) + 1
         self.holder[client] = holder
+        self.files.pop(client, None)  # the file a checkpoint holds is an older version's now
+        self.resident.pop(client, None)
+        self.resident[client] = nbytes  # the newest last
+
+    def clients(self) -> list[int]:
+        """Every client that has committed a state, in order."""
+        return sorted(self.version)
 
     def __len__(self) -> int:
-        return len(self.refs)
+        return len(self.version)
 
     # ---- checkpoints
     def claim_unwritten(self, directory: str) -> tuple[list[tuple[int, str, Any]], list[str]]:
@@ -63,7 +89,7 @@ class StateStore:
         last call, and the files of the versions they replace (deleted once that checkpoint has
         landed). From here on they count as written: the next call leaves them out."""
         new, superseded = [], []
-        for client in self.refs:
+        for client in self.version:
             if self.written.get(client) == self.version[client]:
                 continue
             if client in self.written:
@@ -76,20 +102,42 @@ class StateStore:
 
     def manifest(self) -> dict[int, str]:
         """The checkpoint's list: client -> the file of its current state."""
-        return {c: self.file_name(c) for c in sorted(self.refs)}
+        return {c: self.file_name(c) for c in self.clients()}
 
     def file_name(self, client: int, version: int | None = None) -> str:
         """The file of a client's state: its current version's, or ``version``'s."""
         return f"{client}-v{self.version[client] if version is None else version}.pt"
 
+    def landed(self, written: list[tuple[int, str, Any]]) -> None:
+        """A checkpoint that wrote these (client, file, ObjectRef) has landed: a state still current is
+        safe on disk, and may leave memory (:meth:`drop_past_budget`)."""
+        for client, path, ref in written:
+            if self.refs.get(client) is ref:
+                self.files[client] = path
+        self.drop_past_budget()
+
+    def drop_past_budget(self) -> None:
+        """Over the budget, drop from memory the oldest states that a landed checkpoint holds (called
+        between rounds: no call in flight still needs a dropped ref)."""
+        if self.budget is None:
+            return
+        total = sum(self.resident.values())
+        for client in [c for c in self.resident if c in self.files]:
+            if total <= self.budget:
+                break
+            total -= self.resident.pop(client)
+            del self.refs[client]
+
     def read(self, directory: str, manifest: dict[int, str]) -> None:
-        """Load the states a checkpoint lists back into the object store."""
+        """Take over the states a checkpoint lists: each is read from its file when needed."""
         for client, name in manifest.items():
-            state = storage.load_torch(storage.join(directory, "states", name))
-            self.refs[client] = ray.put(state)
+            self.files[client] = storage.join(directory, "states", name)
             self.version[client] = int(name.rsplit("-v", 1)[1].removesuffix(".pt"))
             self.written[client] = self.version[client]
         self.holder.clear()  # a resumed run's workers cache nothing yet
 
     def states(self, clients: list[int]) -> dict[int, Any]:
-        return dict(zip(clients, ray.get([self.refs[c] for c in clients])))
+        """The committed states of ``clients``: from memory, or read from their files."""
+        held = [c for c in clients if c in self.refs]
+        got = dict(zip(held, ray.get([self.refs[c] for c in held])))
+        return {c: got[c] if c in got else storage.load_torch(self.files[c]) for c in clients}

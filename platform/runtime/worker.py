@@ -27,6 +27,7 @@ from fedray.platform.api.algorithm import (
     Payload,
     commits_state,
     copy_to_cpu,
+    payload_nbytes,
     seed_torch,
     tests_with_global_model,
 )
@@ -165,6 +166,7 @@ class ClientResult:
     uplink: Payload | None
     stats: dict[str, float]
     error: str | None = None
+    state_nbytes: int = 0  # of the new state it committed, when its algorithm keeps one
 
 
 def tensor_versions(tree: Any) -> list[int]:
@@ -399,8 +401,10 @@ class ClientHost:
                 if is_out_of_memory(err) or is_device_error(err):
                     raise DeviceError(f"client {task.client}: {first_line(err)}") from None
                 return ClientResult(task.client, None, {}, self.explained(err)), None
-            state = client_state(module) if self.keeps_state else None
-            return ClientResult(task.client, uplink, stats), state
+            if not self.keeps_state:
+                return ClientResult(task.client, uplink, stats), None
+            state = client_state(module)
+            return ClientResult(task.client, uplink, stats, state_nbytes=payload_nbytes(state)), state
         raise AssertionError("unreachable")
 
     def explained(self, err: Exception) -> str:
