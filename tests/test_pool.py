@@ -9,6 +9,28 @@ from fedray.platform.runtime.pool import Job, WorkerPool
 from fedray.platform.runtime.state_store import StateStore
 
 
+def test_a_jobs_arguments_are_made_when_it_is_first_sent_and_let_go_once_it_is_done():
+    made = []
+
+    class Worker:
+        class train:  # an actor method's shape: .options(...).remote(...)
+            @staticmethod
+            def options(num_returns):
+                return Worker.train
+
+            @staticmethod
+            def remote(*args):
+                return ("ref", args)
+
+    job = Job(0, "train", lambda: made.append(1) or ("state ref",))
+    assert made == []  # nothing read back, nothing put, until a worker takes the job
+    assert job.submit(Worker()) == (("ref", ("state ref",)),)
+    job.submit(Worker())  # a retry sends what the first call sent
+    assert made == [1] and job.args == ("state ref",)
+    job.done()
+    assert job.args == ()
+
+
 def jobs(*prefers):
     return [Job(key, "train", (), prefer) for key, prefer in enumerate(prefers)]
 
@@ -64,20 +86,20 @@ def test_a_broadcast_is_put_in_the_object_store_once_a_round(monkeypatch, commit
 
     jobs = training.jobs(0, clients, dict.fromkeys(clients, broadcast))
     assert stored == [broadcast]
-    sent = [boxed for job in jobs for boxed in job.args[2]]
+    sent = [boxed for job in jobs for boxed in job.args()[2]]
     assert len(sent) == 50 and all(boxed == ["ref1"] for boxed in sent)
 
     stored.clear()
     own = {c: {"model": f"state of {c}"} for c in clients}
     jobs = training.jobs(1, clients, own)
     assert stored == []
-    by_client = {c: boxed[0] for job in jobs for c, boxed in zip(job.key, job.args[2], strict=True)}
+    by_client = {c: boxed[0] for job in jobs for c, boxed in zip(job.key, job.args()[2], strict=True)}
     assert by_client == own
 
     halves = [{"model": "even"}, {"model": "odd"}]
     jobs = training.jobs(2, clients, {c: halves[c % 2] for c in clients})
     assert sorted(stored, key=str) == sorted(halves, key=str)
-    sent = {c: boxed[0] for job in jobs for c, boxed in zip(job.key, job.args[2], strict=True)}
+    sent = {c: boxed[0] for job in jobs for c, boxed in zip(job.key, job.args()[2], strict=True)}
     assert {sent[c] for c in clients[::2]} == {f"ref{stored.index(halves[0]) + 1}"}
 
 

@@ -55,9 +55,9 @@ def test_past_the_budget_the_oldest_states_a_landed_checkpoint_holds_leave_memor
     store.landed(taken.states)
     # Assert: the two oldest left memory; every state still reads as committed (from its file)
     assert sorted(store.refs) == [3] and store.clients() == [1, 2, 3] and len(store) == 3
-    assert [read_back(store, ray_session, c) for c in (1, 2, 3)] == [1.0, 2.0, 3.0]
-    assert sorted(store.refs) == [1, 2, 3]  # read back: in memory again until the next landing
     assert {c: float(s["module"]["w"][0]) for c, s in store.states([1, 2, 3]).items()} == {1: 1, 2: 2, 3: 3}
+    assert [read_back(store, ray_session, c) for c in (1, 2, 3)] == [1.0, 2.0, 3.0]
+    assert sorted(store.refs) == [3]  # a state read back for a call is the call's: it stays out
 
 
 def test_a_state_committed_after_its_checkpoint_was_taken_stays_until_its_own_lands(tmp_path, ray_session):
@@ -99,12 +99,21 @@ def test_the_budget_is_1000_mb_unless_set_and_a_negative_one_is_one_line():
 
 @pytest.mark.usefixtures("ray_session")
 def test_a_run_whose_states_leave_memory_repeats_the_run_that_keeps_them_and_resumes_to_it(mlflow_store):
-    # FedSSA: every client keeps its model; 2 of 4 clients a round, so clients come back to states
-    # that a budget of 0 MB has sent to disk (a checkpoint after every round)
-    overrides = tiny_overrides(rounds=4, checkpoint_every=1, algorithm="fedssa", **{"train.fraction": 0.5})
+    # FedSSA: every client keeps its model; 2 of 4 clients a round, each worker caching one module,
+    # so clients come back to, and every evaluation tests, states that a budget of 0 MB has sent to
+    # disk (a checkpoint after every round)
+    overrides = tiny_overrides(
+        rounds=5,
+        checkpoint_every=1,
+        algorithm="fedssa",
+        **{"train.fraction": 0.5, "train.local_epochs": 1, "ray.cache_clients": 1},
+    )
     kept = run_experiment(load_config(None, [*overrides, "ray.client_states_mb=null"]))
     on_disk = load_config(None, [*overrides, "ray.client_states_mb=0"])
+    whole = run_experiment(on_disk)
     stopped = run_experiment(on_disk, stop_after_round=2)
     resumed = run_experiment(on_disk, resume_run_id=stopped.run_id)
-    assert without_timing(resumed.history) == without_timing(kept.history)
-    assert resumed.client_acc == kept.client_acc
+    for run in (whole, resumed):
+        assert without_timing(run.history) == without_timing(kept.history)
+        assert run.client_acc == kept.client_acc
+    assert len(kept.client_acc) == 4  # every client tested, dropped or not

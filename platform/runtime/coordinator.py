@@ -286,12 +286,11 @@ class RoundLoop:
     def checkpoint(self, done: int) -> None:
         """Taken now, written while the next rounds run (:class:`CheckpointWriter`), once the last one
         has landed: the states that one wrote may then leave memory (``ray.client_states_mb``)."""
+        taken = take_checkpoint(self.checkpoint_dir, done, self.server, self.store, self.record)
         landed = self.checkpoints.wait()
         if landed is not None:
             self.store.landed(landed.states)
-        self.checkpoints.submit(
-            done, take_checkpoint(self.checkpoint_dir, done, self.server, self.store, self.record)
-        )
+        self.checkpoints.submit(done, taken)
 
     def load_checkpoint(self, checkpoint_dir: str) -> list[dict[str, float]]:
         """Restore the run as the checkpoint left it; returns the rounds' metrics so far."""

@@ -86,11 +86,17 @@ class TrainingDispatch:
         jobs = []
         for prefer, cids in by_worker.items():
             for group in call_groups(cids, sizes, len(self.pool)):
-                tasks = [self.store.task(c, self.shards[c]) for c in group]
                 payloads = [[stored(downlinks[c])] for c in group]
                 returns = 1 + len(group) if self.commits else 1
-                jobs.append(Job(tuple(group), "train", (rnd, tasks, payloads), prefer, returns=returns))
+                jobs.append(
+                    Job(tuple(group), "train", self.call_args(rnd, group, payloads), prefer, returns=returns)
+                )
         return sorted(jobs, key=lambda job: (-sizes[job.key[0]], job.key[0]))
+
+    def call_args(self, rnd: int, group: list[int], payloads: list[list]) -> Callable[[], tuple]:
+        """A training call's arguments, made when it is sent: a client state that left memory is read
+        back from its file only then (:meth:`StateStore.task`)."""
+        return lambda: (rnd, [self.store.task(c, self.shards[c]) for c in group], payloads)
 
     def affinity(self, cid: int) -> tuple[int, int] | None:
         """The worker that still caches this client: its own one when every client has a worker; none

@@ -118,15 +118,15 @@ class Evaluation:
         count = sum(map(len, by_worker.values()))
         per_job = max(1, min(EVAL_CLIENTS_PER_JOB, math.ceil(count / (4 * len(self.pool)))))
         return [
-            Job(
-                ("clients", group[0]),
-                "evaluate",
-                ([self.store.task(c, self.shards[c]) for c in group], payload_ref),
-                worker,
-            )
+            Job(("clients", group[0]), "evaluate", self.call_args(group, payload_ref), worker)
             for worker, cids in by_worker.items()
             for group in chunks(cids, per_job)
         ]
+
+    def call_args(self, group: list[int], payload_ref: Any) -> Callable[[], tuple]:
+        """An evaluation call's arguments, made when it is sent: a client state that left memory is read
+        back from its file only then, and leaves again once the call is done."""
+        return lambda: ([self.store.task(c, self.shards[c]) for c in group], payload_ref)
 
     def global_jobs(self, server: Server) -> list[Job]:
         """One job per chunk of the global test set, for a server with a global model."""

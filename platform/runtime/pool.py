@@ -35,18 +35,27 @@ LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
 
 @dataclass
 class Job:
-    """A call of a worker method; the first returned object is waited on, the others kept as refs."""
+    """A call of a worker method; the first returned object is waited on, the others kept as refs.
+
+    ``args`` may be a function that makes them: called when the job is first submitted (a retry
+    sends the same), so that what they put in the object store (a client state read back from its
+    file) is there only while the job runs; the pool lets go of them once the job is done."""
 
     key: Any  # what the results are keyed by (a client id, a chunk index)
     method: str
-    args: tuple
+    args: tuple | Callable[[], tuple]
     prefer: tuple[int, int] | None = None  # (slot, generation) of a worker that caches this job's client
     returns: int = 1
     attempts: int = 0
 
     def submit(self, worker) -> tuple:
+        if callable(self.args):
+            self.args = self.args()
         refs = getattr(worker, self.method).options(num_returns=self.returns).remote(*self.args)
         return tuple(refs) if self.returns > 1 else (refs,)
+
+    def done(self) -> None:
+        self.args = ()  # what it sent may leave the object store
 
 
 @dataclass
@@ -179,6 +188,7 @@ class WorkerPool:
                     what = "lost its device" if isinstance(cause, DeviceError) else "died"
                     if job.attempts > MAX_RETRIES:
                         out.failed[job.key] = f"its worker {what} {job.attempts} times: {first_line(err)}"
+                        job.done()
                     else:
                         out.retried.append(job.key)
                         queue.insert(0, job)
@@ -186,8 +196,10 @@ class WorkerPool:
                             on_retry(job.key, first_line(err))
                 else:  # the job's own code raised: reported, not retried
                     out.failed[job.key] = first_line(err)
+                    job.done()
             else:
                 out.results[job.key] = (value, held, (slot, generation))
+                job.done()
         return out
 
     def shutdown(self) -> None:

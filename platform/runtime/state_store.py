@@ -26,7 +26,6 @@ from typing import Any
 
 import ray
 
-from fedray.platform.api.algorithm import payload_nbytes
 from fedray.platform.runtime import storage
 
 
@@ -58,14 +57,13 @@ class StateStore:
         return ClientTask(client, [shard_ref], self.state_ref(client), self.version.get(client, 0))
 
     def state_ref(self, client: int) -> list:
-        """``[ref]`` of a client's committed state (``[]``: never committed), read back from its file
-        when the budget had dropped it from memory."""
+        """``[ref]`` of a client's committed state (``[]``: never committed). A state the budget
+        dropped from memory is read back from its file into an object of the call's own, gone once
+        the call is (a client that trains commits a new state anyway)."""
         if client not in self.version:
             return []
         if client not in self.refs:
-            state = storage.load_torch(self.files[client])
-            self.refs[client] = ray.put(state)
-            self.resident[client] = payload_nbytes(state)
+            return [ray.put(storage.load_torch(self.files[client]))]
         return [self.refs[client]]
 
     def commit(self, client: int, state_ref, holder: tuple[int, int], nbytes: int = 0) -> None:

@@ -27,7 +27,6 @@ from fedray.platform.api.algorithm import (
     Payload,
     commits_state,
     copy_to_cpu,
-    payload_nbytes,
     seed_torch,
     tests_with_global_model,
 )
@@ -187,6 +186,13 @@ def to_cpu(tree: Any, copy: bool = False) -> Any:
     found: list[torch.Tensor] = []
     tensors_of(tree, found)
     return with_tensors(tree, iter(copy_to_cpu(found, copy)))
+
+
+def tensor_nbytes(tree: Any) -> int:
+    """Bytes of the tensors in a state (its plain values, however odd, count nothing)."""
+    found: list[torch.Tensor] = []
+    tensors_of(tree, found)
+    return sum(t.numel() * t.element_size() for t in found)
 
 
 def tensors_of(tree: Any, found: list[torch.Tensor]) -> None:
@@ -404,7 +410,7 @@ class ClientHost:
             if not self.keeps_state:
                 return ClientResult(task.client, uplink, stats), None
             state = client_state(module)
-            return ClientResult(task.client, uplink, stats, state_nbytes=payload_nbytes(state)), state
+            return ClientResult(task.client, uplink, stats, state_nbytes=tensor_nbytes(state)), state
         raise AssertionError("unreachable")
 
     def explained(self, err: Exception) -> str:
