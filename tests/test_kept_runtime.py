@@ -16,7 +16,7 @@ import ray
 from conftest import run_fresh_python, tiny_overrides, without_timing
 
 from fedray.platform.catalog import load_config
-from fedray.platform.runtime.driver import CoordinatorHandle, run_experiment
+from fedray.platform.runtime.driver import CoordinatorHandle, run_experiment, wait_until_dead
 from fedray.platform.runtime.processes import KeptRuntime
 
 
@@ -183,3 +183,24 @@ def test_a_run_that_failed_as_it_halted_is_not_reused_and_says_why(caplog):
     with caplog.at_level(logging.WARNING, logger="fedray.platform.runtime.driver"):
         assert handle.halted() is False
     assert "failed as it halted: OSError: no space left on device: checkpoint.pt" in caplog.text
+
+
+@ray.remote(num_cpus=0)
+class _Idle:
+    def ping(self) -> bool:
+        return True
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_restart_waits_until_ray_reports_the_old_coordinator_dead(caplog):
+    # an actor still running is not dead: waited for (here briefly), and said so
+    alive = _Idle.remote()
+    assert ray.get(alive.ping.remote(), timeout=60)
+    with caplog.at_level(logging.WARNING, logger="fedray.platform.runtime.driver"):
+        assert wait_until_dead(alive, timeout_s=1.0) is False
+    assert "not reported dead within 1 s" in caplog.text
+    # killed (ray.kill only asks): returns once Ray says it is gone
+    ray.kill(alive)
+    assert wait_until_dead(alive, timeout_s=60.0) is True
+    with pytest.raises(ray.exceptions.ActorDiedError):
+        ray.get(alive.ping.remote(), timeout=10)

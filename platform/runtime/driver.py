@@ -13,6 +13,7 @@ import math
 import os
 import socket
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -303,6 +304,7 @@ class Trial:
 # so that its processes serve the driver's next run: a new Coordinator and ClientActors take 10-20 s
 # to start on a 2-core machine, so a longer round is cut and its processes stopped.
 HALT_WAIT_MAX_S = 30.0
+DEATH_WAIT_MAX_S = 60.0  # a restart waits this long at most for the old Coordinator to be gone
 
 
 class CoordinatorHandle:
@@ -338,7 +340,9 @@ class CoordinatorHandle:
     def restart(self, ckpt_dir: str) -> list[dict[str, float]]:
         """A fresh Coordinator at the last checkpoint (or at the start, before the first one);
         returns the checkpoint's rounds. The rounds after them are recomputed to the same numbers."""
+        old = self.runtime.coordinator
         self.runtime.stop()
+        wait_until_dead(old)
         self.runtime, self.ready = self.launch()
         ray.get(self.ready)
         return self.load_checkpoint(ckpt_dir) if has_checkpoint(ckpt_dir) else []
@@ -372,6 +376,25 @@ class CoordinatorHandle:
             KeptRuntime.put(self.runtime, self.trial.placement_group)
         else:
             self.runtime.stop()
+
+
+def wait_until_dead(actor: Any, timeout_s: float = DEATH_WAIT_MAX_S) -> bool:
+    """Until Ray reports ``actor`` dead (``ray.kill`` only asks), at most ``timeout_s``; False if it
+    was not. A Coordinator that was only unreachable (Ray's ``ActorUnavailableError`` is a
+    ``RayActorError`` too) could otherwise land a checkpoint under its successor, deleting state
+    files that the successor's store still lists."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            pass  # not dead yet
+        except ray.exceptions.RayError:
+            return True  # died (ActorDiedError), or its Ray went with it
+        if time.monotonic() >= deadline:
+            logger.warning("the old Coordinator was not reported dead within %.0f s", timeout_s)
+            return False
+        time.sleep(0.2)
 
 
 def preflight(cfg: ExperimentConfig) -> tuple[Federation, dict[str, float]]:
