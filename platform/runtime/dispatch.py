@@ -96,7 +96,7 @@ class TrainingDispatch:
     def call_args(self, rnd: int, group: list[int], payloads: list[list]) -> Callable[[], tuple]:
         """A training call's arguments, made when it is sent: a client state that left memory is read
         back from its file only then (:meth:`StateStore.task`)."""
-        return lambda: (rnd, [self.store.task(c, self.shards[c]) for c in group], payloads)
+        return lambda: (rnd, self.store.tasks(group, self.shards), payloads)
 
     def affinity(self, cid: int) -> tuple[int, int] | None:
         """The worker that still caches this client: its own one when every client has a worker; none

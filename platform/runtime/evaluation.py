@@ -126,7 +126,7 @@ class Evaluation:
     def call_args(self, group: list[int], payload_ref: Any) -> Callable[[], tuple]:
         """An evaluation call's arguments, made when it is sent: a client state that left memory is read
         back from its file only then, and leaves again once the call is done."""
-        return lambda: ([self.store.task(c, self.shards[c]) for c in group], payload_ref)
+        return lambda: (self.store.tasks(group, self.shards), payload_ref)
 
     def global_jobs(self, server: Server) -> list[Job]:
         """One job per chunk of the global test set, for a server with a global model."""

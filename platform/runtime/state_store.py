@@ -56,6 +56,10 @@ class StateStore:
     def task(self, client: int, shard_ref) -> ClientTask:
         return ClientTask(client, [shard_ref], self.state_ref(client), self.version.get(client, 0))
 
+    def tasks(self, clients: list[int], shard_refs: list) -> list[ClientTask]:
+        """One call's clients as tasks, made as the call is sent (a dropped state is read back then)."""
+        return [self.task(c, shard_refs[c]) for c in clients]
+
     def state_ref(self, client: int) -> list:
         """``[ref]`` of a client's committed state (``[]``: never committed). A state the budget
         dropped from memory is read back from its file into an object of the call's own, gone once
