@@ -9,6 +9,8 @@ server replaces the global model with the sample-weighted mean
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -27,30 +29,47 @@ from fedray.platform.api import (
 # elements of one entry summed over every state at a time: the float64 block stays in the cache while
 # each state adds its part (1.5x faster than whole tensors for 50 states of the FedAvg CNN, same bits)
 AVERAGE_BLOCK = 1 << 15
+# blocks are independent, so threads sum them at once, each in the same order (the same bits): the
+# server averages between rounds, while the clients' CPUs are idle (50 states of the FedAvg CNN: 50 ms
+# on one thread of a slow 2-core VM, a GPU left idle meanwhile)
+AVERAGE_THREADS = 4
 
 
 def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
     """Sample-weighted mean of state dicts.
 
     Floating entries are accumulated in float64, in the order given, and cast back (one pass per
-    state over each block of ``AVERAGE_BLOCK`` elements, no stacked copy); integer buffers
-    (BatchNorm's ``num_batches_tracked``) are not averageable and are taken from the first state.
+    state over each block of ``AVERAGE_BLOCK`` elements, no stacked copy; blocks on up to
+    ``AVERAGE_THREADS`` threads); integer buffers (BatchNorm's ``num_batches_tracked``) are not
+    averageable and are taken from the first state.
     """
     total = float(sum(weights))
     alphas = [weight / total for weight in weights]
-    out = {}
+    out, sums, blocks = {}, {}, []
     for key, first in states[0].items():
         if not first.is_floating_point():
             out[key] = first.clone()
             continue
         flats = [state[key].reshape(-1) for state in states]
-        acc = torch.zeros(first.numel(), dtype=torch.float64)
-        for lo in range(0, acc.numel(), AVERAGE_BLOCK):
-            block = acc[lo : lo + AVERAGE_BLOCK]
-            for flat, alpha in zip(flats, alphas, strict=True):
-                block.add_(flat[lo : lo + AVERAGE_BLOCK], alpha=alpha)
+        sums[key] = acc = torch.zeros(first.numel(), dtype=torch.float64)
+        blocks += [(acc, flats, lo) for lo in range(0, acc.numel(), AVERAGE_BLOCK)]
+
+    def add_block(acc: torch.Tensor, flats: list[torch.Tensor], lo: int) -> None:
+        block = acc[lo : lo + AVERAGE_BLOCK]
+        for flat, alpha in zip(flats, alphas, strict=True):
+            block.add_(flat[lo : lo + AVERAGE_BLOCK], alpha=alpha)
+
+    threads = min(AVERAGE_THREADS, len(os.sched_getaffinity(0)), len(blocks))
+    if threads > 1:
+        with ThreadPoolExecutor(threads, thread_name_prefix="fedavg-average") as pool:
+            list(pool.map(lambda job: add_block(*job), blocks))  # list(): an error raises here
+    else:
+        for job in blocks:
+            add_block(*job)
+    for key, acc in sums.items():
+        first = states[0][key]
         out[key] = acc.to(first.dtype).reshape(first.shape)
-    return out
+    return {key: out[key] for key in states[0]}
 
 
 class FedAvgServer(Server):

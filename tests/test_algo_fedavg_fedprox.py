@@ -41,6 +41,40 @@ def test_weighted_average_over_blocks_is_the_whole_tensor_sum_bit_for_bit():
         assert torch.equal(out[key], acc.float()), key
 
 
+def test_weighted_average_on_threads_is_the_one_thread_sum_bit_for_bit(monkeypatch):
+    """Blocks summed on several threads at once give the bits one thread gives, keys in order."""
+    import fedray.algorithms.fedavg as fedavg
+
+    gen = torch.Generator().manual_seed(1)
+    shapes = {"conv": (4, 3, 5, 5), "fc": (5, AVERAGE_BLOCK + 7), "steps": ()}
+    states = [
+        {
+            k: torch.randn(shape, generator=gen) if k != "steps" else torch.tensor(i)
+            for k, shape in shapes.items()
+        }
+        for i in range(6)
+    ]
+    weights = [5, 1, 2, 9, 3, 4]
+    monkeypatch.setattr(fedavg, "AVERAGE_THREADS", 1)
+    alone = weighted_average(states, weights)
+    started = []
+    real_executor = fedavg.ThreadPoolExecutor
+
+    def counted(threads, **kwargs):
+        started.append(threads)
+        return real_executor(threads, **kwargs)
+
+    monkeypatch.setattr(fedavg, "AVERAGE_THREADS", 4)
+    monkeypatch.setattr(fedavg.os, "sched_getaffinity", lambda pid: set(range(8)))  # a 1-CPU CI too
+    monkeypatch.setattr(fedavg, "ThreadPoolExecutor", counted)
+    threaded = weighted_average(states, weights)
+    assert started == [4]  # the fc entry's 6 blocks and conv's 1: four threads
+    assert list(threaded) == list(alone) == list(shapes)
+    for key in shapes:
+        assert torch.equal(threaded[key], alone[key]), key
+    assert threaded["steps"].item() == 0  # the first state's integer buffer
+
+
 def test_proximal_term_value_by_hand():
     # ||(1,2,3)-(0,0,1)||^2 = 1 + 4 + 4 = 9
     assert proximal_term(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.0, 0.0, 1.0])).item() == 9.0

@@ -7,7 +7,12 @@ import pickle
 import pytest
 import torch
 
-from fedray.platform.runtime.transport import tensor_from_wire, tensor_to_wire, use_fast_tensor_transport
+from fedray.platform.runtime.transport import (
+    WIRE_CHUNK,
+    tensor_from_wire,
+    tensor_to_wire,
+    use_fast_tensor_transport,
+)
 
 CASES = {
     "float32 matrix": torch.randn(4, 5),
@@ -46,6 +51,24 @@ def test_a_view_sends_only_its_own_bytes_and_keeps_requires_grad():
     leaf = torch.randn(3, requires_grad=True)
     back = tensor_from_wire(tensor_to_wire(leaf))
     assert back.requires_grad and torch.equal(back.detach(), leaf.detach())
+
+
+def test_a_large_tensor_travels_in_buffers_ray_copies_plainly():
+    """Ray copies a buffer over 1 MiB on six threads it starts for the copy (slow where cores are
+    few and busy): a model's large weight goes as chunks of at most ``WIRE_CHUNK``, and comes back
+    whole, exact, and in memory of its own."""
+    assert WIRE_CHUNK <= 1 << 20
+    weight = torch.randn(1600, 513)  # 3.3 MB, not a whole number of chunks
+    buffers: list = []
+    wire = pickle.loads(
+        pickle.dumps(tensor_to_wire(weight), protocol=5, buffer_callback=buffers.append), buffers=buffers
+    )
+    sizes = [b.raw().nbytes for b in buffers]
+    assert len(sizes) == 4 and max(sizes) <= WIRE_CHUNK and sum(sizes) == weight.numel() * 4
+    back = tensor_from_wire(wire)
+    assert back.shape == weight.shape and torch.equal(back, weight)
+    back += 1  # its own memory: the buffers it came in are untouched
+    assert torch.equal(torch.from_numpy(wire[1][0]).view(torch.float32)[:5], weight.reshape(-1)[:5])
 
 
 def test_sparse_tensors_fall_back_to_torch_pickling():
