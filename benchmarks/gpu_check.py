@@ -501,6 +501,16 @@ class RunRecord:
     def window(self) -> tuple[float, float] | None:
         return rounds_window(self.history.get(Metrics.TIME_ROUND_S, []))
 
+    def steady_windows(self) -> list[tuple[float, float]]:
+        """(start, end) in epoch seconds of each round after the first without evaluation: from the
+        time its metrics were logged back by its ``time/round_s`` (the logging's lag shifts them)."""
+        evaluated = {p.step for key, points in self.history.items() if key.startswith("acc/") for p in points}
+        return [
+            (p.ms / 1000 - p.value, p.ms / 1000)
+            for p in self.history.get(Metrics.TIME_ROUND_S, [])
+            if p.step > 1 and p.step not in evaluated
+        ]
+
 
 def read_run(uri: str, run_id: str) -> RunRecord:
     from mlflow.tracking import MlflowClient
@@ -824,7 +834,15 @@ def check_cross_device(ctx: Context) -> list[Row]:
     record = judge_run(row, ctx, run, "cuda")
     if record is not None:
         show_gpu_use(row, ctx, run.outcome, [record], busy=True)
-        row.notes.append(f"median {Metrics.TIME_CLIENT_S} {fmt(record.median(Metrics.TIME_CLIENT_S), 3)}")
+        steady = None if ctx.smi_unchecked else utilization(run.outcome.watched.util, record.steady_windows())
+        if steady is not None:
+            row.notes.append(f"GPU busy {steady[0]:.0f} % in rounds 2+ without evaluation")
+        medians = ", ".join(
+            f"{key} {fmt(record.median(key), 3)}"
+            for key in (Metrics.TIME_CLIENT_S, Metrics.TIME_TRAIN_S, Metrics.TIME_AGGREGATE_S)
+            if record.median(key) is not None
+        )
+        row.notes.append(f"median {medians}")
     return [row]
 
 

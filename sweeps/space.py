@@ -207,7 +207,7 @@ def round_metrics(eval_clients: str) -> list[str]:
         Metrics.ACC_GLOBAL, Metrics.LOSS_GLOBAL, Metrics.LOSS_TRAIN, Metrics.COMM_UP_BYTES,
         Metrics.COMM_DOWN_BYTES, Metrics.COMM_UP_BYTES_CUM, Metrics.COMM_DOWN_BYTES_CUM,
         Metrics.CLIENTS_SELECTED, Metrics.CLIENTS_FAILED, Metrics.CLIENTS_RETRIED,
-        Metrics.TIME_ROUND_S, Metrics.TIME_CLIENT_S,
+        Metrics.TIME_ROUND_S, Metrics.TIME_CLIENT_S, Metrics.TIME_TRAIN_S, Metrics.TIME_AGGREGATE_S,
     ]  # fmt: skip
 
 

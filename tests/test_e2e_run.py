@@ -56,6 +56,12 @@ def test_three_round_run_logs_params_metrics_and_artifacts(mlflow_store):
     assert h[Metrics.COMM_DOWN_BYTES] == h[Metrics.COMM_UP_BYTES] - 4 * 8  # uplinks also carry num_samples
     assert result.history[-1][Metrics.COMM_UP_BYTES_CUM] == 3 * h[Metrics.COMM_UP_BYTES]
 
+    # the round's parts: its clients over the pool and the server's aggregate, inside the round
+    for h in result.history:
+        parts = h[Metrics.TIME_TRAIN_S] + h[Metrics.TIME_AGGREGATE_S]
+        assert h[Metrics.TIME_AGGREGATE_S] > 0 and h[Metrics.TIME_CLIENT_S] < h[Metrics.TIME_TRAIN_S]
+        assert parts < h[Metrics.TIME_ROUND_S]
+
     artifacts = {a.path for a in client.list_artifacts(result.run_id)}
     assert {"config.yaml", "partition.csv", "partition.png", "client_accuracy.csv", "split.json"} <= artifacts
     mlflow.set_tracking_uri(mlflow_store)

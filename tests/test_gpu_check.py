@@ -73,6 +73,18 @@ def test_utilisation_is_taken_over_the_rounds_only():
     assert gpu_check.rounds_window([]) is None
 
 
+def test_steady_rounds_leave_out_round_1_and_the_evaluation_rounds():
+    rounds = [P(1, 2.0, 102_000), P(2, 0.5, 102_600), P(3, 0.5, 103_200), P(4, 0.8, 104_100)]
+    record = gpu_check.RunRecord("r", "FINISHED", {}, {
+        "time/round_s": rounds,
+        "acc/global": [P(4, 0.3, 104_100)],
+        "acc/majority_baseline": [P(0, 0.1, 100_000)],  # once, at step 0: not an evaluation round
+    })  # fmt: skip
+    assert record.steady_windows() == [pytest.approx((102.1, 102.6)), pytest.approx((102.7, 103.2))]
+    samples = [(101.0, 10.0), (102.3, 80.0), (102.65, 0.0), (103.0, 90.0), (104.0, 100.0)]
+    assert gpu_check.utilization(samples, record.steady_windows()) == (85.0, 90.0)
+
+
 def history(**metrics):
     """``acc_global=[0.5, 0.6]`` -> MLflow-like history, steps from 1 (``/`` written as ``_``)."""
     return {

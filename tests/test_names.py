@@ -39,6 +39,8 @@ STORED = {
         "CLIENTS_RETRIED": "clients/retried",
         "TIME_ROUND_S": "time/round_s",
         "TIME_CLIENT_S": "time/client_s",
+        "TIME_TRAIN_S": "time/train_s",
+        "TIME_AGGREGATE_S": "time/aggregate_s",
         "ACC_MAJORITY_BASELINE": "acc/majority_baseline",
         "ACC_MAJORITY_BASELINE_WEIGHTED": "acc/majority_baseline_weighted",
         "TIME_WALL_S": "time/wall_s",

@@ -3,7 +3,8 @@
 # bundle.sh packed into .devenv/; then gpu_check.py as `make gpu-check` runs it, its report and
 # log in $OUT (default reports/), the commands' logs in $OUT/logs.tgz. BUDGET: seconds before the
 # checks are interrupted (the report keeps the rows that finished). Run again on the same machine (say
-# with other checks or --share, and another OUT), it skips the setup done by the first.
+# with other checks or --share, and another OUT), it skips the setup done by the first. FEDRAY_WHEEL:
+# another build of fedray to check (ab.sh).
 set -o pipefail
 cd "$(dirname "$0")/../.."
 OUT=$(realpath -m "${OUT:-reports}")
@@ -13,8 +14,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 export PYTHONPATH=/tmp/site
 if [ ! -e /tmp/site/.fedray-ready ]; then
     mkdir -p /tmp/site && tar -C /tmp/site -xJf .devenv/site.tar.xz || exit 3
-    python3 -m pip install -q --no-index --no-deps --no-compile .devenv/fedray-*.whl 2>&1 | grep -v WARNING
     touch /tmp/site/.fedray-ready
+fi
+# fedray itself: bundle.sh's wheel, or FEDRAY_WHEEL (ab.sh switches builds), installed when it changed
+wheel=${FEDRAY_WHEEL:-$(ls .devenv/fedray-*.whl)}
+sum=$(sha1sum <"$wheel")
+if [ "$(cat /tmp/site/.fedray-wheel 2>/dev/null)" != "$sum" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --force-reinstall "$wheel" 2>&1 | grep -v WARNING
+    echo "$sum" >/tmp/site/.fedray-wheel
 fi
 python3 -c "import ray, mlflow, lightning, torch, sys; print(sys.executable, 'ray', ray.__version__, 'mlflow', mlflow.__version__, 'lightning', lightning.__version__, 'torch', torch.__version__, torch.cuda.is_available())" || exit 5
 ls "$(dirname "$(python3 -c 'import sys; print(sys.executable)')")/fedray" || exit 6

@@ -260,7 +260,9 @@ class RoundLoop:
         self.events.emit(RoundStarted(rnd + 1, selected))
         downlinks = self.server.configure(rnd, selected)
         on_retry = self.events.retry_reporter(rnd)
+        train_start = time.perf_counter()
         uplinks, stats, failed, retried = self.training.run(rnd, selected, downlinks, on_retry)
+        train_s = time.perf_counter() - train_start
         for cid, error in sorted(failed.items()):
             self.events.emit(ClientFailed(rnd + 1, cid, error))
         if selected and len(failed) == len(selected):
@@ -269,8 +271,11 @@ class RoundLoop:
                 f"round {rnd + 1}: all {len(selected)} selected clients failed (client {cid}: {error})"
             )
         check_uplinks(self.spec.name, self.server, uplinks)
+        aggregate_start = time.perf_counter()
         self.server.aggregate(rnd, uplinks)
+        aggregate_s = time.perf_counter() - aggregate_start
         metrics = mean_stats([stats[cid] for cid in sorted(stats)])
+        metrics[Metrics.TIME_TRAIN_S], metrics[Metrics.TIME_AGGREGATE_S] = train_s, aggregate_s
         metrics.update(self.record.count_traffic(uplinks.values(), [downlinks[cid] for cid in selected]))
         metrics[Metrics.CLIENTS_SELECTED], metrics[Metrics.CLIENTS_FAILED] = len(selected), len(failed)
         metrics[Metrics.CLIENTS_RETRIED] = retried
