@@ -110,10 +110,11 @@ PLACEMENT = textwrap.dedent(
     from mlflow.tracking import MlflowClient
     from fedray.platform.catalog import load_config
     from fedray.platform.runtime.coordinator import pool_size
-    from fedray.platform.runtime.driver import run_experiment
+    from fedray.platform.runtime.driver import run_experiment, start_local_ray
     from fedray.platform.tracking.names import Metrics, Tags
 
-    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    # fedray's local Ray (its workers at nice 0, not Ray's 15, which starves them on a loaded machine)
+    start_local_ray(2, num_gpus=1, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     cfg = load_config(None, json.loads(sys.argv[1]))
     free_gpu = []
     result = run_experiment(cfg, on_round=lambda rnd, m: free_gpu.append(ray.available_resources().get("GPU", 0.0)))
