@@ -35,6 +35,12 @@ AVERAGE_BLOCK = 1 << 15
 AVERAGE_THREADS = 4
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS says, else all of them)."""
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux only
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
 def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
     """Sample-weighted mean of state dicts.
 
@@ -59,16 +65,16 @@ def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]
         for flat, alpha in zip(flats, alphas, strict=True):
             block.add_(flat[lo : lo + AVERAGE_BLOCK], alpha=alpha)
 
-    threads = min(AVERAGE_THREADS, len(os.sched_getaffinity(0)), len(blocks))
+    threads = min(AVERAGE_THREADS, usable_cpus(), len(blocks))
     if threads > 1:
         with ThreadPoolExecutor(threads, thread_name_prefix="fedavg-average") as pool:
             list(pool.map(lambda job: add_block(*job), blocks))  # list(): an error raises here
     else:
         for job in blocks:
             add_block(*job)
-    for key, acc in sums.items():
+    for key in list(sums):
         first = states[0][key]
-        out[key] = acc.to(first.dtype).reshape(first.shape)
+        out[key] = sums.pop(key).to(first.dtype).reshape(first.shape)  # one float64 sum at a time left
     return {key: out[key] for key in states[0]}
 
 

@@ -1,5 +1,6 @@
 """FedAvg and FedProx math, checked against hand computations; no Ray, no Lightning trainer."""
 
+import pytest
 import torch
 from torch.testing import assert_close
 
@@ -65,7 +66,7 @@ def test_weighted_average_on_threads_is_the_one_thread_sum_bit_for_bit(monkeypat
         return real_executor(threads, **kwargs)
 
     monkeypatch.setattr(fedavg, "AVERAGE_THREADS", 4)
-    monkeypatch.setattr(fedavg.os, "sched_getaffinity", lambda pid: set(range(8)))  # a 1-CPU CI too
+    monkeypatch.setattr(fedavg, "usable_cpus", lambda: 8)  # a 1-CPU CI too
     monkeypatch.setattr(fedavg, "ThreadPoolExecutor", counted)
     threaded = weighted_average(states, weights)
     assert started == [4]  # the fc entry's 6 blocks and conv's 1: four threads
@@ -73,6 +74,13 @@ def test_weighted_average_on_threads_is_the_one_thread_sum_bit_for_bit(monkeypat
     for key in shapes:
         assert torch.equal(threaded[key], alone[key]), key
     assert threaded["steps"].item() == 0  # the first state's integer buffer
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a block failed")
+
+    monkeypatch.setattr(torch.Tensor, "add_", broken)
+    with pytest.raises(RuntimeError, match="a block failed"):  # an error in a thread is not lost
+        weighted_average(states, weights)
 
 
 def test_proximal_term_value_by_hand():

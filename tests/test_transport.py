@@ -71,6 +71,15 @@ def test_a_large_tensor_travels_in_buffers_ray_copies_plainly():
     assert torch.equal(torch.from_numpy(wire[1][0]).view(torch.float32)[:5], weight.reshape(-1)[:5])
 
 
+def test_a_tensor_of_exactly_one_chunk_stays_one_buffer_and_one_byte_more_is_two():
+    exact = torch.arange(WIRE_CHUNK // 4, dtype=torch.float32)  # WIRE_CHUNK bytes
+    assert not isinstance(tensor_to_wire(exact)[1], list)
+    over = torch.arange(WIRE_CHUNK + 1, dtype=torch.uint8)
+    wire = tensor_to_wire(over)
+    assert [chunk.nbytes for chunk in wire[1]] == [WIRE_CHUNK, 1]
+    assert torch.equal(tensor_from_wire(wire), over)
+
+
 def test_sparse_tensors_fall_back_to_torch_pickling():
     sparse = torch.eye(3).to_sparse()
     wire = tensor_to_wire(sparse)

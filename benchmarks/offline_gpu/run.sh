@@ -17,10 +17,12 @@ if [ ! -e /tmp/site/.fedray-ready ]; then
     touch /tmp/site/.fedray-ready
 fi
 # fedray itself: bundle.sh's wheel, or FEDRAY_WHEEL (ab.sh switches builds), installed when it changed
-wheel=${FEDRAY_WHEEL:-$(ls .devenv/fedray-*.whl)}
+wheel=${FEDRAY_WHEEL:-$(ls .devenv/fedray-*.whl | head -1)}
+[ -f "$wheel" ] || { echo "no wheel of fedray: '$wheel' (bundle.sh, or wheels.sh for FEDRAY_WHEEL)" >&2; exit 4; }
 sum=$(sha1sum <"$wheel")
 if [ "$(cat /tmp/site/.fedray-wheel 2>/dev/null)" != "$sum" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --force-reinstall "$wheel" 2>&1 | grep -v WARNING
+    rm -f /tmp/site/.fedray-wheel
+    python3 -m pip install -q --no-index --no-deps --no-compile --force-reinstall "$wheel" || exit 4
     echo "$sum" >/tmp/site/.fedray-wheel
 fi
 python3 -c "import ray, mlflow, lightning, torch, sys; print(sys.executable, 'ray', ray.__version__, 'mlflow', mlflow.__version__, 'lightning', lightning.__version__, 'torch', torch.__version__, torch.cuda.is_available())" || exit 5

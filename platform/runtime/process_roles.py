@@ -5,9 +5,12 @@ allocator thresholds (:mod:`.memory`) and Ray's serializers for tensors (:mod:`.
 role          torch threads                   keeps freed memory      tensors as raw bytes
 ============  ==============================  ======================  ==========================
 driver        the user's                      no                      shards, global test set
-coordinator   1 (small tensor math)           a round's uplinks       downlinks
+coordinator   1 (small tensor math) [#]_      a round's uplinks       downlinks
 worker        its CPUs (num_cpus_per_client)  a training step's       uplinks, client states
 ============  ==============================  ======================  ==========================
+
+.. [#] FedAvg's average sums its blocks on threads of its own (``algorithms/fedavg.py``): between
+   rounds the clients' CPUs are idle.
 
 A worker's thread count is set by :class:`~fedray.platform.runtime.worker.ClientHost` itself
 (:func:`set_worker_threads`), so a host driven without Ray (tests, benchmarks) trains as an actor does.

@@ -43,8 +43,9 @@ class Metrics:
     CLIENTS_RETRIED: Final = "clients/retried"  # clients re-run because their worker died or lost its GPU
     TIME_ROUND_S: Final = "time/round_s"  # the round in the Coordinator, evaluation included
     TIME_CLIENT_S: Final = "time/client_s"  # a client's receive, training and upload, mean over clients
-    # the round's parts: its clients over the worker pool (first call sent to last uplink in), and
-    # the server's aggregate; the rest of time/round_s is evaluation and the Coordinator's own work
+    # the round's parts: its clients over the worker pool (from making its calls to the last uplink
+    # in), and the server's aggregate; the rest of time/round_s is the server's configure,
+    # evaluation and the Coordinator's own work
     TIME_TRAIN_S: Final = "time/train_s"
     TIME_AGGREGATE_S: Final = "time/aggregate_s"
 
