@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from process_names import process_label
 
-from fedray.algorithms.fedavg import weighted_average
+from fedray.platform.api import weighted_average
 from fedray.platform.api.algorithm import batch_loader
 from fedray.platform.catalog import load_config
 from fedray.platform.config import clients_per_round

@@ -2,10 +2,16 @@
 
 import pytest
 import torch
+from torch import nn
 from torch.testing import assert_close
 
-from fedray.algorithms.fedavg import AVERAGE_BLOCK, weighted_average
+from fedray.algorithms.fedavg import FedAvgServer
 from fedray.algorithms.fedprox import proximal_term
+from fedray.platform.api import averaging
+from fedray.platform.api.algorithm import ServerContext
+from fedray.platform.api.averaging import AVERAGE_BLOCK, RunningMean, weighted_average
+from fedray.platform.catalog import load_config
+from fedray.platform.models import FedModel
 
 
 def test_weighted_average_matches_hand_computation():
@@ -19,6 +25,7 @@ def test_weighted_average_matches_hand_computation():
     assert_close(out["b"], torch.tensor([3.0]))
     assert out["n"].item() == 7  # integer buffers are not averaged
     assert out["w"].dtype == torch.float32
+    assert list(out) == ["w", "b", "n"]
 
 
 def test_weighted_average_equal_weights_is_plain_mean():
@@ -26,50 +33,56 @@ def test_weighted_average_equal_weights_is_plain_mean():
     assert_close(weighted_average(states, [2, 2, 2, 2])["w"], torch.full((3,), 1.5))
 
 
-def test_weighted_average_over_blocks_is_the_whole_tensor_sum_bit_for_bit():
-    # an entry of two blocks and a remainder, in a 2-d shape, and one smaller than a block
-    gen = torch.Generator().manual_seed(0)
-    shapes = {"big": (3, AVERAGE_BLOCK - 5), "small": (7,)}
-    states = [{k: torch.randn(shape, generator=gen) for k, shape in shapes.items()} for _ in range(5)]
-    weights = [3, 1, 4, 1, 5]
-    out = weighted_average(states, weights)
-    for key, shape in shapes.items():
-        # independently: each whole tensor added in float64 in the given order, then cast back
-        acc = torch.zeros(shape, dtype=torch.float64)
-        for state, weight in zip(states, weights, strict=True):
-            acc.add_(state[key], alpha=weight / sum(weights))
-        assert out[key].shape == shape and out[key].is_contiguous()
-        assert torch.equal(out[key], acc.float()), key
-
-
-def test_weighted_average_on_threads_is_the_one_thread_sum_bit_for_bit(monkeypatch):
-    """Blocks summed on several threads at once give the bits one thread gives, keys in order."""
-    import fedray.algorithms.fedavg as fedavg
-
-    gen = torch.Generator().manual_seed(1)
-    shapes = {"conv": (4, 3, 5, 5), "fc": (5, AVERAGE_BLOCK + 7), "steps": ()}
-    states = [
+def random_states(seed: int, shapes: dict, count: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
         {
             k: torch.randn(shape, generator=gen) if k != "steps" else torch.tensor(i)
             for k, shape in shapes.items()
         }
-        for i in range(6)
+        for i in range(count)
     ]
+
+
+def independent_mean(states, weights, key):
+    """Each whole tensor added in float64 in the given order, divided by the total, cast back."""
+    acc = torch.zeros(states[0][key].shape, dtype=torch.float64)
+    for state, weight in zip(states, weights, strict=True):
+        acc.add_(state[key], alpha=weight)
+    return (acc / float(sum(weights))).float()
+
+
+def test_weighted_average_over_blocks_is_the_whole_tensor_sum_bit_for_bit():
+    # an entry of two blocks and a remainder, in a 2-d shape, and one smaller than a block
+    shapes = {"big": (3, AVERAGE_BLOCK - 5), "small": (7,)}
+    states = random_states(0, shapes, 5)
+    weights = [3, 1, 4, 1, 5]
+    out = weighted_average(states, weights)
+    for key, shape in shapes.items():
+        assert out[key].shape == shape and out[key].is_contiguous()
+        assert torch.equal(out[key], independent_mean(states, weights, key)), key
+
+
+def test_weighted_average_on_threads_is_the_one_thread_sum_bit_for_bit(monkeypatch):
+    """Blocks summed on several threads at once give the bits one thread gives, keys in order."""
+    shapes = {"conv": (4, 3, 5, 5), "fc": (5, AVERAGE_BLOCK + 7), "steps": ()}
+    states = random_states(1, shapes, 6)
     weights = [5, 1, 2, 9, 3, 4]
-    monkeypatch.setattr(fedavg, "AVERAGE_THREADS", 1)
+    monkeypatch.setattr(averaging, "AVERAGE_THREADS", 1)
     alone = weighted_average(states, weights)
-    started = []
-    real_executor = fedavg.ThreadPoolExecutor
+    submitted = []
+    real_pool = averaging.average_pool()
 
-    def counted(threads, **kwargs):
-        started.append(threads)
-        return real_executor(threads, **kwargs)
+    class Counted:
+        def submit(self, fn, jobs):
+            submitted.append(len(jobs))
+            return real_pool.submit(fn, jobs)
 
-    monkeypatch.setattr(fedavg, "AVERAGE_THREADS", 4)
-    monkeypatch.setattr(fedavg, "usable_cpus", lambda: 8)  # a 1-CPU CI too
-    monkeypatch.setattr(fedavg, "ThreadPoolExecutor", counted)
+    monkeypatch.setattr(averaging, "AVERAGE_THREADS", 4)
+    monkeypatch.setattr(averaging, "usable_cpus", lambda: 8)  # a 1-CPU CI too
+    monkeypatch.setattr(averaging, "average_pool", Counted)
     threaded = weighted_average(states, weights)
-    assert started == [4]  # the fc entry's 6 blocks and conv's 1: four threads
+    assert sorted(submitted) == [1, 2, 2, 2]  # the fc entry's 6 blocks and conv's 1 over four threads
     assert list(threaded) == list(alone) == list(shapes)
     for key in shapes:
         assert torch.equal(threaded[key], alone[key]), key
@@ -81,6 +94,58 @@ def test_weighted_average_on_threads_is_the_one_thread_sum_bit_for_bit(monkeypat
     monkeypatch.setattr(torch.Tensor, "add_", broken)
     with pytest.raises(RuntimeError, match="a block failed"):  # an error in a thread is not lost
         weighted_average(states, weights)
+
+
+def test_a_mean_summed_in_parts_has_the_bits_of_one_sum():
+    """States added as they arrive (1, then 3, the last one by ``mean``) give exactly the one-call
+    mean; ``mean`` adds only what was not added under the same tag, then starts afresh."""
+    shapes = {"conv": (2, 3, 3), "fc": (2, AVERAGE_BLOCK + 3), "steps": ()}
+    states = random_states(2, shapes, 5)
+    weights = [7.0, 2.0, 9.0, 4.0, 3.0]
+    weighted = {10 + i: (s, w) for i, (s, w) in enumerate(zip(states, weights, strict=True))}
+    whole = weighted_average(states, weights)
+    running = RunningMean()
+    running.add(3, {10: weighted[10]})
+    running.add(3, {k: weighted[k] for k in (11, 12, 13)})
+    assert running.added == [10, 11, 12, 13]
+    parts = running.mean(3, weighted)
+    for key in shapes:
+        assert torch.equal(parts[key], whole[key]), key
+    assert running.added == [] and running.sums == {}  # cleared for the next round
+    # what was added is not a prefix of the mean's states (a client left out), or under another
+    # tag (last round's): the sum starts again from the states given
+    running.add(4, {10: weighted[10], 12: weighted[12]})
+    some = {k: weighted[k] for k in (10, 11, 12)}
+    assert torch.equal(running.mean(4, some)["fc"], weighted_average(states[:3], weights[:3])["fc"])
+    running.add(4, {10: weighted[10]})
+    assert torch.equal(running.mean(5, some)["fc"], weighted_average(states[:3], weights[:3])["fc"])
+
+
+def test_fedavg_server_aggregates_the_same_with_or_without_early_uplinks():
+    """``uplinks_arrived`` in parts then ``aggregate``, against ``aggregate`` alone: the same model;
+    the running sum is not server state (no ContractError from state_dict, only ``model`` saved)."""
+    cfg = load_config(None, ["algorithm=fedavg", "data.num_clients=4"])
+
+    def tiny_model(seed: int) -> FedModel:  # float parameters and buffers, and BatchNorm's int counter
+        torch.manual_seed(seed)
+        return FedModel(
+            nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3)), 3, 2, arch="tiny", in_channels=1, image_size=2
+        )
+
+    def server() -> FedAvgServer:
+        return FedAvgServer(ServerContext(cfg, 4, 2, ["tiny"] * 4, tiny_model))
+
+    states = [{k: v.clone() for k, v in tiny_model(seed).state_dict().items()} for seed in (1, 2, 3)]
+    uplinks = {c: {"model": states[i], "num_samples": 10 * (i + 1)} for i, c in enumerate((0, 2, 3))}
+    alone, early = server(), server()
+    alone.aggregate(1, uplinks)
+    early.uplinks_arrived(1, {0: uplinks[0]})
+    early.uplinks_arrived(1, {2: uplinks[2]})
+    early.aggregate(1, uplinks)
+    expected = weighted_average(states, [10, 20, 30])
+    for key, value in alone.model.state_dict().items():
+        assert torch.equal(value, expected[key]) and torch.equal(early.model.state_dict()[key], value), key
+    assert list(early.state_dict()) == ["model"]
 
 
 def test_proximal_term_value_by_hand():

@@ -123,3 +123,78 @@ def test_states_from_the_coordinators_node_are_taken_without_asking_ray(monkeypa
     assert coordinator.hold_here(("s1",), "other", here="here") == ("copy of value of s1",)
     assert coordinator.hold_here(("s2",), None, here="here") == ("copy of value of s2",)
     assert asked == [["s1"], ["s2"]]
+
+
+def test_uplinks_are_handed_on_in_client_order_as_soon_as_all_before_them_are_in():
+    """Calls end out of order; the server gets each accepted uplink once, in client-id order, as soon
+    as every smaller client has an outcome; a failed client (its own error, or its whole call) is
+    skipped, not waited for."""
+    from fedray.platform.runtime.worker import ClientResult
+
+    handed: list[dict] = []
+    in_order = dispatch.InOrder([7, 1, 4, 3, 9, 5], lambda uplinks: handed.append(uplinks))
+
+    def results(*clients, failed=()):
+        return [
+            ClientResult(c, None if c in failed else f"up{c}", {}, "boom" if c in failed else None)
+            for c in clients
+        ]
+
+    in_order.call_done((4, 5), results(4, 5))
+    assert handed == []  # 1 and 3 are still training
+    in_order.call_done((1,), results(1))
+    assert handed == [{1: "up1"}]
+    in_order.call_done((3, 7), results(3, 7, failed=(3,)))  # 3 raised: 4, 5 and 7 follow 1
+    assert handed == [{1: "up1"}, {4: "up4", 5: "up5", 7: "up7"}]
+    in_order.call_done((9,), None)  # its call failed: nothing to hand on
+    assert handed == [{1: "up1"}, {4: "up4", 5: "up5", 7: "up7"}]
+    assert in_order.next == 6 and in_order.outcomes == {}
+
+
+def test_a_job_is_done_once_with_its_value_after_its_worker_died_and_none_when_its_code_raised(monkeypatch):
+    """WorkerPool.run's on_done: the retried job of a killed worker reports only its final value; a
+    job whose own code raised reports None; each job exactly once."""
+    from fedray.platform.runtime import pool as pool_module
+
+    class OwnError(pool_module.ray.exceptions.RayError):
+        pass
+
+    outcomes = {"a": [pool_module.ray.exceptions.RayActorError(), "value a"], "b": [OwnError("b raised")]}
+
+    class Ref:
+        def __init__(self, key):
+            self.key = key
+
+    class Worker:
+        def __getattr__(self, method):
+            class Call:
+                @staticmethod
+                def options(num_returns):
+                    return Call
+
+                @staticmethod
+                def remote(key):
+                    return Ref(key)
+
+            return Call
+
+    def get(ref):
+        outcome = outcomes[ref.key].pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(
+        pool_module.ray, "wait", lambda refs, num_returns, timeout=None: ([refs[0]], refs[1:])
+    )
+    monkeypatch.setattr(pool_module.ray, "get", get)
+    monkeypatch.setattr(pool_module.ray, "kill", lambda actor, no_restart: None)
+    pool = WorkerPool([Worker()], spawn=lambda: (Worker(), None), pinned=False)
+    pool.placing = {}
+    done = []
+    pool.ready = lambda slot: True  # the replacement is placed at once
+    out = pool.run(
+        [Job("a", "train", ("a",)), Job("b", "train", ("b",))], on_done=lambda k, v: done.append((k, v))
+    )
+    assert sorted(done) == [("a", "value a"), ("b", None)]
+    assert out.retried == ["a"] and set(out.failed) == {"b"}

@@ -20,6 +20,7 @@ from fedray.platform.api.algorithm import (
     batch_loader,
     cpu_state,
 )
+from fedray.platform.api.averaging import RunningMean, weighted_average, weighted_models
 from fedray.platform.api.header import header_rows, load_header_rows
 from fedray.platform.api.prototypes import class_prototypes, masked_mean, scatter_rows
 from fedray.platform.api.registry import register
@@ -47,6 +48,7 @@ __all__ = [
     "FedModel",
     "Metrics",
     "Payload",
+    "RunningMean",
     "Server",
     "ServerContext",
     "batch_loader",
@@ -64,4 +66,6 @@ __all__ = [
     "seed_of",
     "stream",
     "torch_generator",
+    "weighted_average",
+    "weighted_models",
 ]

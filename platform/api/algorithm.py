@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedray.platform.api.averaging import RunningMean
 from fedray.platform.api.contract import check_client_class
 from fedray.platform.api.lightning_import import lightning as L
 from fedray.platform.config import ExperimentConfig
@@ -187,6 +188,12 @@ class Server:
         are still counted per client)."""
         return dict.fromkeys(selected, payload)
 
+    def uplinks_arrived(self, rnd: int, uplinks: dict[int, Payload]) -> None:
+        """Some of this round's uplinks, while other clients still train: the platform calls it with
+        each accepted uplink once, in client-id order, before ``aggregate`` gets them all. A server
+        may start its aggregate's work here (FedAvg sums them: :class:`RunningMean`); ``aggregate``
+        must give the same result when this was never called (tests call it alone)."""
+
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
         """Fold this round's uplinks (sorted by client id) into the server state."""
 
@@ -208,7 +215,8 @@ class Server:
         its own ``state_dict()``. A checkpoint holds tensors and plain values only (it is loaded with
         ``weights_only``), so an attribute of another kind needs these two methods overridden."""
         who = type(self).__name__
-        for k in sorted(vars(self).keys() - {"ctx", "hp"} - set(self.STATE)):
+        scratch = {k for k, v in vars(self).items() if isinstance(v, RunningMean)}  # a round's working memory
+        for k in sorted(vars(self).keys() - {"ctx", "hp"} - scratch - set(self.STATE)):
             raise ContractError(
                 f"{who}.{k} is not in {who}.STATE, the attributes a checkpoint keeps: a resumed run "
                 "would start it afresh (add it to STATE)"

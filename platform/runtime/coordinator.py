@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 
 from fedray.platform.api.algorithm import (
     ClientModule,
+    Payload,
     Server,
     ServerContext,
     commits_state,
@@ -261,7 +263,9 @@ class RoundLoop:
         downlinks = self.server.configure(rnd, selected)
         on_retry = self.events.retry_reporter(rnd)
         train_start = time.perf_counter()
-        uplinks, stats, failed, retried = self.training.run(rnd, selected, downlinks, on_retry)
+        uplinks, stats, failed, retried = self.training.run(
+            rnd, selected, downlinks, on_retry, self.arrived(rnd)
+        )
         train_s = time.perf_counter() - train_start
         for cid, error in sorted(failed.items()):
             self.events.emit(ClientFailed(rnd + 1, cid, error))
@@ -287,6 +291,16 @@ class RoundLoop:
             metrics[Metrics.CLIENTS_RETRIED] += retried
         metrics[Metrics.TIME_ROUND_S] = time.perf_counter() - start
         return metrics
+
+    def arrived(self, rnd: int) -> Callable[[dict[int, Payload]], None]:
+        """What takes a round's uplinks while its other clients train: the server, once they are
+        checked (its aggregate's work starts while the workers still have theirs)."""
+
+        def hand_on(uplinks: dict[int, Payload]) -> None:
+            check_uplinks(self.spec.name, self.server, uplinks)
+            self.server.uplinks_arrived(rnd, uplinks)
+
+        return hand_on
 
     def checkpoint(self, done: int) -> None:
         """Taken now, written while the next rounds run (:class:`CheckpointWriter`), once the last one

@@ -56,10 +56,13 @@ class TrainingDispatch:
         selected: list[int],
         downlinks: dict[int, Payload],
         on_retry: Callable[[Any, str], None],
+        on_uplinks: Callable[[dict[int, Payload]], None] | None = None,
     ) -> tuple[dict[int, Payload], dict[int, dict[str, float]], dict[int, str], int]:
         """Train the round's clients: their uplinks and statistics by client id, the clients that
-        failed with their line (:func:`accept_uplinks`), and how many clients were re-run."""
-        trained = self.pool.run(self.jobs(rnd, selected, downlinks), on_retry)
+        failed with their line (:func:`accept_uplinks`), and how many clients were re-run. Meanwhile
+        ``on_uplinks`` gets the accepted uplinks as they come, in client-id order (:class:`InOrder`)."""
+        on_done = None if on_uplinks is None else InOrder(selected, on_uplinks).call_done
+        trained = self.pool.run(self.jobs(rnd, selected, downlinks), on_retry, on_done)
         retried = sum(len(clients) for clients in trained.retried)
         return (*accept_uplinks(trained, self.store), retried)
 
@@ -104,6 +107,34 @@ class TrainingDispatch:
         if not self.commits:
             return None
         return self.pool.identity(cid) if self.pool.pinned else self.store.holder.get(cid)
+
+
+class InOrder:
+    """Hands a round's accepted uplinks on in client-id order while its calls end: each as soon as
+    every client before it has an outcome (a failed one is skipped), so what gets them in several
+    parts (``Server.uplinks_arrived``) sees one order however the calls were spread and timed."""
+
+    def __init__(self, selected: list[int], hand_on: Callable[[dict[int, Payload]], None]) -> None:
+        self.order = sorted(selected)
+        self.next = 0  # index in order of the first client not handed on
+        self.outcomes: dict[int, Payload | None] = {}  # arrived, not handed on; None: it failed
+        self.hand_on = hand_on
+
+    def call_done(self, clients: tuple[int, ...], results: list[ClientResult] | None) -> None:
+        """A training call's outcome: its clients' results, or None when the whole call failed."""
+        if results is None:
+            self.outcomes.update(dict.fromkeys(clients))
+        else:
+            self.outcomes.update({r.client: r.uplink if r.error is None else None for r in results})
+        ready = {}
+        while self.next < len(self.order) and self.order[self.next] in self.outcomes:
+            cid = self.order[self.next]
+            self.next += 1
+            uplink = self.outcomes.pop(cid)
+            if uplink is not None:
+                ready[cid] = uplink
+        if ready:
+            self.hand_on(ready)
 
 
 def accept_uplinks(

@@ -138,8 +138,14 @@ class WorkerPool:
         free = next((j for j in queue if j.prefer not in live), None)
         return free if free is not None else (queue[0] if queue else None)
 
-    def run(self, jobs: list[Job], on_retry: Callable[[Any, str], None] | None = None) -> Outcome:
-        """Run every job to an outcome; returns when all are done or failed.
+    def run(
+        self,
+        jobs: list[Job],
+        on_retry: Callable[[Any, str], None] | None = None,
+        on_done: Callable[[Any, Any], None] | None = None,
+    ) -> Outcome:
+        """Run every job to an outcome; returns when all are done or failed. ``on_done(key, value)``
+        is called as each job reaches its outcome: its value, or None when it failed.
 
         Each worker holds up to ``IN_FLIGHT`` calls: the next one is already queued in the worker when
         the current one ends, so a worker never waits for this process to collect a result and
@@ -188,7 +194,7 @@ class WorkerPool:
                     what = "lost its device" if isinstance(cause, DeviceError) else "died"
                     if job.attempts > MAX_RETRIES:
                         out.failed[job.key] = f"its worker {what} {job.attempts} times: {first_line(err)}"
-                        job.done()
+                        self.finish(job, None, on_done)
                     else:
                         out.retried.append(job.key)
                         queue.insert(0, job)
@@ -196,11 +202,17 @@ class WorkerPool:
                             on_retry(job.key, first_line(err))
                 else:  # the job's own code raised: reported, not retried
                     out.failed[job.key] = first_line(err)
-                    job.done()
+                    self.finish(job, None, on_done)
             else:
                 out.results[job.key] = (value, held, (slot, generation))
-                job.done()
+                self.finish(job, value, on_done)
         return out
+
+    @staticmethod
+    def finish(job: Job, value: Any, on_done: Callable[[Any, Any], None] | None) -> None:
+        job.done()
+        if on_done is not None:
+            on_done(job.key, value)
 
     def shutdown(self) -> None:
         for worker in self.workers:
