@@ -11,6 +11,7 @@ from fedray.platform.api import averaging
 from fedray.platform.api.algorithm import ServerContext
 from fedray.platform.api.averaging import AVERAGE_BLOCK, RunningMean, weighted_average
 from fedray.platform.catalog import load_config
+from fedray.platform.errors import ContractError
 from fedray.platform.models import FedModel
 
 
@@ -71,7 +72,8 @@ def test_weighted_average_on_threads_is_the_one_thread_sum_bit_for_bit(monkeypat
     monkeypatch.setattr(averaging, "AVERAGE_THREADS", 1)
     alone = weighted_average(states, weights)
     submitted = []
-    real_pool = averaging.average_pool()
+    monkeypatch.setattr(averaging, "AVERAGE_THREADS", 4)
+    real_pool = averaging.average_pool()  # (started once per process, with AVERAGE_THREADS threads)
 
     class Counted:
         def submit(self, fn, jobs):
@@ -107,11 +109,24 @@ def test_a_mean_summed_in_parts_has_the_bits_of_one_sum():
     running = RunningMean()
     running.add(3, {10: weighted[10]})
     running.add(3, {k: weighted[k] for k in (11, 12, 13)})
-    assert running.added == [10, 11, 12, 13]
+    assert [key for key, _, _ in running.added] == [10, 11, 12, 13]
+    added_by_mean = []
+    real_add = running.add
+    running.add = lambda tag, part, threads=1: (
+        added_by_mean.append(list(part)) or real_add(tag, part, threads)
+    )
     parts = running.mean(3, weighted)
+    assert added_by_mean == [[14]]  # the four summed early are not summed again
     for key in shapes:
         assert torch.equal(parts[key], whole[key]), key
     assert running.added == [] and running.sums == {}  # cleared for the next round
+    del running.add
+    # the same keys, another state (a subclass that clipped its uplinks first): summed afresh
+    running.add(6, {10: weighted[10]})
+    clipped = {10: ({k: v.clamp(-0.1, 0.1) for k, v in states[0].items()}, weights[0]), 11: weighted[11]}
+    assert torch.equal(
+        running.mean(6, clipped)["fc"], weighted_average([clipped[10][0], states[1]], weights[:2])["fc"]
+    )
     # what was added is not a prefix of the mean's states (a client left out), or under another
     # tag (last round's): the sum starts again from the states given
     running.add(4, {10: weighted[10], 12: weighted[12]})
@@ -119,6 +134,11 @@ def test_a_mean_summed_in_parts_has_the_bits_of_one_sum():
     assert torch.equal(running.mean(4, some)["fc"], weighted_average(states[:3], weights[:3])["fc"])
     running.add(4, {10: weighted[10]})
     assert torch.equal(running.mean(5, some)["fc"], weighted_average(states[:3], weights[:3])["fc"])
+
+
+def test_a_mean_of_weights_summing_to_zero_is_refused():
+    with pytest.raises(ValueError, match="weights sum to 0"):
+        weighted_average([{"w": torch.ones(2)}], [0])
 
 
 def test_fedavg_server_aggregates_the_same_with_or_without_early_uplinks():
@@ -146,6 +166,10 @@ def test_fedavg_server_aggregates_the_same_with_or_without_early_uplinks():
     for key, value in alone.model.state_dict().items():
         assert torch.equal(value, expected[key]) and torch.equal(early.model.state_dict()[key], value), key
     assert list(early.state_dict()) == ["model"]
+    # a sum still held when a checkpoint is taken would be lost on resume: refused
+    early.uplinks_arrived(2, {0: uplinks[0]})
+    with pytest.raises(ContractError, match=r"FedAvgServer\.summed still holds a sum"):
+        early.state_dict()
 
 
 def test_proximal_term_value_by_hand():

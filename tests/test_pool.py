@@ -189,12 +189,68 @@ def test_a_job_is_done_once_with_its_value_after_its_worker_died_and_none_when_i
     )
     monkeypatch.setattr(pool_module.ray, "get", get)
     monkeypatch.setattr(pool_module.ray, "kill", lambda actor, no_restart: None)
-    pool = WorkerPool([Worker()], spawn=lambda: (Worker(), None), pinned=False)
-    pool.placing = {}
-    done = []
+    holds = []
+
+    def hold(refs, node):  # the states of c's first call were on a node that is gone
+        holds.append(refs)
+        if len(holds) == 1:
+            raise pool_module.ray.exceptions.RayActorError()  # as when its node went first
+        return refs
+
+    outcomes["c"] = ["value c", "value c, again"]
+    pool = WorkerPool([Worker()], spawn=lambda: (Worker(), None), pinned=False, hold=hold)
     pool.ready = lambda slot: True  # the replacement is placed at once
+    done = []
+    out = pool.run([Job("c", "train", ("c",))], on_done=lambda k, v: done.append((k, v)))
+    assert done == [("c", "value c, again")] and out.retried == ["c"]  # its first value was fetched, not kept
+    done.clear()
     out = pool.run(
         [Job("a", "train", ("a",)), Job("b", "train", ("b",))], on_done=lambda k, v: done.append((k, v))
     )
     assert sorted(done) == [("a", "value a"), ("b", None)]
     assert out.retried == ["a"] and set(out.failed) == {"b"}
+
+
+def test_the_uplinks_the_last_outcome_releases_are_left_to_aggregate():
+    """Once every selected client has an outcome no client trains any more: what that last outcome
+    releases is not handed on early (the server's aggregate sums it, and time/aggregate_s shows it)."""
+    from fedray.platform.runtime.worker import ClientResult
+
+    handed: list[dict] = []
+    in_order = dispatch.InOrder([2, 0, 1], lambda uplinks: handed.append(uplinks))
+    in_order.call_done((1, 2), [ClientResult(c, f"up{c}", {}) for c in (1, 2)])
+    assert handed == []
+    in_order.call_done((0,), [ClientResult(0, "up0", {})])
+    assert handed == []  # 0, 1 and 2 all released by the round's last outcome
+
+
+def test_a_rounds_training_hands_its_uplinks_on_while_calls_end(monkeypatch):
+    """TrainingDispatch.run wires the pool's outcomes through InOrder to ``on_uplinks``: calls ending
+    out of order reach it in client-id order (what the last outcome releases left to aggregate), and
+    it returns every uplink."""
+    from fedray.platform.runtime.pool import Outcome
+    from fedray.platform.runtime.worker import ClientResult
+
+    class Pool:
+        pinned = False
+
+        def __len__(self):
+            return 2
+
+        def run(self, jobs, on_retry, on_done):
+            out = Outcome({}, {}, [])
+            for job in sorted(jobs, key=lambda j: [1, 5, 3, 4].index(j.key[0])):  # the order calls end in
+                value = [ClientResult(c, {"model": f"w{c}"}, {}) for c in job.key]
+                out.results[job.key] = (value, (), (0, 0))
+                on_done(job.key, value)
+            return out
+
+    monkeypatch.setattr(dispatch.ray, "put", lambda value: value)
+    monkeypatch.setattr(dispatch, "TRAIN_CLIENTS_PER_JOB", 1)  # a call per client
+    training = TrainingDispatch(Pool(), StateStore(), shards=[None] * 6, sizes=[5] * 6, commits=False)
+    handed = []
+    broadcast = {"model": "global"}
+    downlinks = {c: broadcast for c in [5, 1, 3, 4]}
+    uplinks, _, failed, _ = training.run(0, [5, 1, 3, 4], downlinks, lambda *a: None, handed.append)
+    assert handed == [{1: {"model": "w1"}}, {3: {"model": "w3"}}]  # 4 releases 4 and 5: the last outcome
+    assert list(uplinks) == [1, 3, 4, 5] and failed == {}

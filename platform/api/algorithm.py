@@ -216,6 +216,11 @@ class Server:
         ``weights_only``), so an attribute of another kind needs these two methods overridden."""
         who = type(self).__name__
         scratch = {k for k, v in vars(self).items() if isinstance(v, RunningMean)}  # a round's working memory
+        for k in sorted(k for k in scratch if getattr(self, k).added):
+            raise ContractError(
+                f"{who}.{k} still holds a sum when a checkpoint is taken: a RunningMean is a round's working "
+                "memory (mean() clears it); a sum kept across rounds belongs in STATE"
+            )
         for k in sorted(vars(self).keys() - {"ctx", "hp"} - scratch - set(self.STATE)):
             raise ContractError(
                 f"{who}.{k} is not in {who}.STATE, the attributes a checkpoint keeps: a resumed run "

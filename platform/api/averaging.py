@@ -12,10 +12,10 @@ when an uplink arrived.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
 from collections.abc import Hashable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -36,31 +36,35 @@ def usable_cpus() -> int:
 
 
 @functools.cache
-def average_pool() -> ThreadPoolExecutor:
+def average_pool() -> concurrent.futures.ThreadPoolExecutor:
     """The threads that sum blocks, started once per process (a round adds states several times)."""
-    return ThreadPoolExecutor(AVERAGE_THREADS, thread_name_prefix="fedray-average")
+    return concurrent.futures.ThreadPoolExecutor(AVERAGE_THREADS, thread_name_prefix="fedray-average")
 
 
 class RunningMean:
-    """The weighted mean of states added in order, under a tag (the round): ``add`` sums some,
-    ``mean`` adds the rest and returns the mean. Floating entries are summed in float64 (one pass
-    per block of ``AVERAGE_BLOCK`` elements over the states of one call, no stacked copy, blocks on up
-    to ``AVERAGE_THREADS`` threads) and cast back; integer buffers (BatchNorm's
+    """The weighted mean of states added in order, under a tag (the round): ``add`` sums some while
+    the round's other clients train (on one thread: the workers have the cores), ``mean`` adds the
+    rest (blocks on up to ``AVERAGE_THREADS`` threads: the workers wait) and returns the mean.
+    Floating entries are summed in float64, one pass per block of ``AVERAGE_BLOCK`` elements over
+    the states of one call (no stacked copy), and cast back; integer buffers (BatchNorm's
     ``num_batches_tracked``) are not averageable and are taken from the first state.
 
-    A round's working memory, not server state: ``Server.state_dict`` leaves it out."""
+    A round's working memory, not server state: ``Server.state_dict`` leaves it out, and refuses one
+    that still holds a sum when a checkpoint is taken (it would be lost on resume)."""
 
     def __init__(self) -> None:
         self.reset(None)
 
     def reset(self, tag: Hashable) -> None:
         self.tag = tag
-        self.added: list[Hashable] = []  # the keys of the states in the sum, in order
+        # what is in the sum, in order: (key, the state object, its weight), so that a mean over other
+        # states under the same keys (a subclass that changed them first) is not served this sum
+        self.added: list[tuple[Hashable, int, float]] = []
         self.total = 0.0
         self.sums: State = {}  # floating entries: float64 sums
         self.first: State = {}  # every entry of the first state (integer ones are the mean's)
 
-    def add(self, tag: Hashable, weighted: Mapping[Hashable, tuple[State, float]]) -> None:
+    def add(self, tag: Hashable, weighted: Mapping[Hashable, tuple[State, float]], threads: int = 1) -> None:
         """Add ``weighted`` (key -> (state, weight)), in its order, to the sum kept under ``tag``; a
         new tag starts a new sum."""
         if tag != self.tag:
@@ -87,24 +91,32 @@ class RunningMean:
                 for flat, weight in zip(flats, weights, strict=True):
                     block.add_(flat[lo : lo + AVERAGE_BLOCK], alpha=weight)
 
-        threads = min(AVERAGE_THREADS, usable_cpus(), len(blocks))
-        if threads > 1:
-            futures = [average_pool().submit(add_blocks, blocks[i::threads]) for i in range(threads)]
-            for future in futures:
-                future.result()  # an error in a thread raises here
-        else:
-            add_blocks(blocks)
-        self.added += list(weighted)
+        threads = min(threads, usable_cpus(), len(blocks))
+        try:
+            if threads > 1:
+                futures = [average_pool().submit(add_blocks, blocks[i::threads]) for i in range(threads)]
+                concurrent.futures.wait(futures)  # every thread done with the sums before an error is raised
+                for future in futures:
+                    future.result()
+            else:
+                add_blocks(blocks)
+        except BaseException:
+            self.reset(None)  # a half-added sum is never used
+            raise
+        self.added += [(key, id(state), weight) for key, (state, weight) in zip(weighted, weighted.values())]
         for weight in weights:
             self.total += weight
 
     def mean(self, tag: Hashable, weighted: Mapping[Hashable, tuple[State, float]]) -> State:
         """The weighted mean of every state of ``weighted``, in its order: those already added under
-        ``tag`` (a prefix of its keys) are not added again. The sum is then cleared."""
-        keys = list(weighted)
-        if tag != self.tag or self.added != keys[: len(self.added)]:
+        ``tag`` (the same states, a prefix of its keys) are not added again. The sum is then cleared."""
+        given = [(key, id(state), float(weight)) for key, (state, weight) in weighted.items()]
+        if tag != self.tag or self.added != given[: len(self.added)]:
             self.reset(tag)  # not the states summed so far: start again
-        self.add(tag, {k: weighted[k] for k in keys[len(self.added) :]})
+        keys = list(weighted)[len(self.added) :]
+        self.add(tag, {k: weighted[k] for k in keys}, threads=AVERAGE_THREADS)
+        if self.total <= 0:
+            raise ValueError(f"a weighted mean of {len(weighted)} states whose weights sum to {self.total}")
         out = {}
         for key, first in self.first.items():  # the first state's order of entries
             if key in self.sums:  # one float64 sum at a time left while cast back

@@ -112,7 +112,8 @@ class TrainingDispatch:
 class InOrder:
     """Hands a round's accepted uplinks on in client-id order while its calls end: each as soon as
     every client before it has an outcome (a failed one is skipped), so what gets them in several
-    parts (``Server.uplinks_arrived``) sees one order however the calls were spread and timed."""
+    parts (``Server.uplinks_arrived``) sees one order however the calls were spread and timed. Those
+    the round's last outcome would release are left to ``aggregate``: no client trains any more."""
 
     def __init__(self, selected: list[int], hand_on: Callable[[dict[int, Payload]], None]) -> None:
         self.order = sorted(selected)
@@ -133,7 +134,7 @@ class InOrder:
             uplink = self.outcomes.pop(cid)
             if uplink is not None:
                 ready[cid] = uplink
-        if ready:
+        if ready and self.next < len(self.order):
             self.hand_on(ready)
 
 

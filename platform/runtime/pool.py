@@ -145,7 +145,8 @@ class WorkerPool:
         on_done: Callable[[Any, Any], None] | None = None,
     ) -> Outcome:
         """Run every job to an outcome; returns when all are done or failed. ``on_done(key, value)``
-        is called as each job reaches its outcome: its value, or None when it failed.
+        is called once per job after its outcome: its value, or None when it failed (after the freed
+        worker has its next job: what it does never delays a worker).
 
         Each worker holds up to ``IN_FLIGHT`` calls: the next one is already queued in the worker when
         the current one ends, so a worker never waits for this process to collect a result and
@@ -154,6 +155,7 @@ class WorkerPool:
         running: dict[Any, tuple[int, int, Job, tuple]] = {}  # first ref -> (slot, generation, job, refs)
         load = [0] * len(self.workers)
         out = Outcome({}, {}, [])
+        ended: list[tuple[Any, Any]] = []  # (key, value) of jobs done, not yet given to on_done
         while queue or running:
             for _ in range(IN_FLIGHT):  # round-robin: the first jobs (the largest) spread over the workers
                 for slot in range(len(self.workers)):
@@ -164,6 +166,7 @@ class WorkerPool:
                     load[slot] += 1
                     refs = job.submit(self.workers[slot])
                     running[refs[0]] = (slot, self.generation[slot], job, refs)
+            self.report(ended, on_done)
             if not running and self.placing:
                 self.wait_for_placement(queue)
                 continue
@@ -194,7 +197,7 @@ class WorkerPool:
                     what = "lost its device" if isinstance(cause, DeviceError) else "died"
                     if job.attempts > MAX_RETRIES:
                         out.failed[job.key] = f"its worker {what} {job.attempts} times: {first_line(err)}"
-                        self.finish(job, None, on_done)
+                        self.finish(job, None, ended)
                     else:
                         out.retried.append(job.key)
                         queue.insert(0, job)
@@ -202,17 +205,24 @@ class WorkerPool:
                             on_retry(job.key, first_line(err))
                 else:  # the job's own code raised: reported, not retried
                     out.failed[job.key] = first_line(err)
-                    self.finish(job, None, on_done)
+                    self.finish(job, None, ended)
             else:
                 out.results[job.key] = (value, held, (slot, generation))
-                self.finish(job, value, on_done)
+                self.finish(job, value, ended)
+        self.report(ended, on_done)
         return out
 
     @staticmethod
-    def finish(job: Job, value: Any, on_done: Callable[[Any, Any], None] | None) -> None:
+    def finish(job: Job, value: Any, ended: list[tuple[Any, Any]]) -> None:
         job.done()
-        if on_done is not None:
-            on_done(job.key, value)
+        ended.append((job.key, value))
+
+    @staticmethod
+    def report(ended: list[tuple[Any, Any]], on_done: Callable[[Any, Any], None] | None) -> None:
+        while ended:
+            key, value = ended.pop(0)
+            if on_done is not None:
+                on_done(key, value)
 
     def shutdown(self) -> None:
         for worker in self.workers:
