@@ -190,9 +190,10 @@ class Server:
 
     def uplinks_arrived(self, rnd: int, uplinks: dict[int, Payload]) -> None:
         """Some of this round's uplinks, while other clients still train: the platform calls it with
-        each accepted uplink once, in client-id order, before ``aggregate`` gets them all. A server
-        may start its aggregate's work here (FedAvg sums them: :class:`RunningMean`); ``aggregate``
-        must give the same result when this was never called (tests call it alone)."""
+        accepted uplinks, each at most once, in client-id order, before ``aggregate`` gets them all
+        (the same objects: change none). A server may start its aggregate's work here (FedAvg sums
+        them: :class:`RunningMean`); ``aggregate`` must give the same result when this was never
+        called (tests call it alone). It runs on the loop that dispatches the calls: keep it short."""
 
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
         """Fold this round's uplinks (sorted by client id) into the server state."""
