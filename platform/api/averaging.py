@@ -132,8 +132,6 @@ def weighted_average(states: list[State], weights: list[float]) -> State:
     return RunningMean().mean(None, dict(enumerate(zip(states, weights, strict=True))))
 
 
-def weighted_models(
-    uplinks: Mapping[Any, Mapping[str, Any]], key: str = "model"
-) -> dict[Any, tuple[State, float]]:
-    """Uplinks carrying a state under ``key`` and their ``num_samples``, as ``RunningMean`` takes them."""
-    return {cid: (uplink[key], float(uplink["num_samples"])) for cid, uplink in uplinks.items()}
+def weighted_models(uplinks: Mapping[Any, Mapping[str, Any]]) -> dict[Any, tuple[State, float]]:
+    """Uplinks' ``model`` states and their ``num_samples``, as ``RunningMean`` takes them."""
+    return {cid: (uplink["model"], float(uplink["num_samples"])) for cid, uplink in uplinks.items()}

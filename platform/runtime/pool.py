@@ -219,10 +219,10 @@ class WorkerPool:
 
     @staticmethod
     def report(ended: list[tuple[Any, Any]], on_done: Callable[[Any, Any], None] | None) -> None:
-        while ended:
-            key, value = ended.pop(0)
-            if on_done is not None:
+        if on_done is not None:
+            for key, value in ended:
                 on_done(key, value)
+        ended.clear()
 
     def shutdown(self) -> None:
         for worker in self.workers:
