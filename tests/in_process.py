@@ -5,13 +5,14 @@ What ``fedray run`` does minus the processes, for tests that check a config or a
 from __future__ import annotations
 
 import math
+import tempfile
 
 import torch
 
 from fedray.platform.config import ExperimentConfig, clients_per_round
 from fedray.platform.runtime.coordinator import build_server, sample_clients
 from fedray.platform.runtime.driver import federation_meta, prepare_federation
-from fedray.platform.runtime.state_store import ClientTask
+from fedray.platform.runtime.state_store import ClientTask, state_file
 from fedray.platform.runtime.worker import ClientHost
 from fedray.platform.tracking.names import Metrics
 
@@ -26,12 +27,12 @@ def train_rounds(cfg: ExperimentConfig, rounds: int, first: int = 0) -> list[tup
     host.setup(meta)
     server = build_server(cfg, meta)
     n = len(fed.shards)
+    states = tempfile.TemporaryDirectory(prefix="fedray-test-states-")
     for rnd in range(first, first + rounds):
         selected = sample_clients(cfg.seed, rnd, n, clients_per_round(cfg))
         payloads = server.configure(rnd, selected)
-        tasks = [ClientTask(c, [fed.shards[c]]) for c in selected]
+        tasks = [client_task(c, fed.shards[c], states.name) for c in selected]
         results = host.train(rnd, tasks, [[payloads[c]] for c in selected])
-        results = results[0] if host.keeps_state else results
         assert [r.error for r in results] == [None] * len(selected)
         for r in results:  # every selected client trained: a finite training loss
             assert math.isfinite(r.stats[Metrics.LOSS_TRAIN]), r.stats
@@ -46,6 +47,13 @@ def train_rounds(cfg: ExperimentConfig, rounds: int, first: int = 0) -> list[tup
         moved = after.keys() != before.keys() or any(not torch.equal(after[k], before[k]) for k in after)
         assert moved or not before
     return host.evaluate(tasks, server.eval_payload())
+
+
+def client_task(client: int, shard, directory: str, version: int = 0) -> ClientTask:
+    """A training task as the run's state store makes it: the file of the client's committed state
+    (version > 0) and the file its next state goes to, under ``directory``."""
+    current = state_file(directory, client, version) if version else None
+    return ClientTask(client, [shard], current, version, state_file(directory, client, version + 1))
 
 
 def tensors(tree, prefix: str = "", copy: bool = False) -> dict[str, torch.Tensor]:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 from conftest import tiny_overrides
+from in_process import client_task
 
 from fedray.platform.catalog import load_config
 from fedray.platform.data.augment import crop_flip
-from fedray.platform.runtime import local_training
+from fedray.platform.runtime import local_training, storage
 from fedray.platform.runtime.driver import federation_meta, prepare_federation
-from fedray.platform.runtime.state_store import ClientTask
+from fedray.platform.runtime.state_store import state_file
 from fedray.platform.runtime.worker import ClientHost
 
 
@@ -32,7 +33,7 @@ def test_draws_follow_the_generator_and_cover_shifts_and_flips():
     assert unchanged < 32  # 1/81 of offsets are (4, 4), half of those unflipped: a few, not most
 
 
-def trained_state(augment: str):
+def trained_state(augment: str, directory):
     """Client 0's model after one round of local training (``local``: its own model, no downlink)."""
     cfg = load_config(
         None, tiny_overrides(algorithm="local", **{"data.augment": augment, "train.local_epochs": 1})
@@ -40,19 +41,19 @@ def trained_state(augment: str):
     fed = prepare_federation(cfg)
     host = ClientHost(cfg, num_threads=1)
     host.setup(federation_meta(fed))
-    (result,), state = host.train(0, [ClientTask(0, [fed.shards[0]])], [[{}]])
+    (result,) = host.train(0, [client_task(0, fed.shards[0], str(directory))], [[{}]])
     assert result.error is None
-    return state["module"]
+    return storage.load_torch(state_file(str(directory), 0, 1))["module"]
 
 
-def test_augmentation_changes_training_and_repeats_exactly():
-    plain, aug = trained_state("none"), trained_state("crop_flip")
+def test_augmentation_changes_training_and_repeats_exactly(tmp_path):
+    plain, aug = trained_state("none", tmp_path), trained_state("crop_flip", tmp_path)
     assert any(not torch.equal(plain[k], aug[k]) for k in plain)
-    again = trained_state("crop_flip")
+    again = trained_state("crop_flip", tmp_path)
     assert all(torch.equal(aug[k], again[k]) for k in aug)
 
 
-def test_evaluation_batches_are_never_augmented(monkeypatch):
+def test_evaluation_batches_are_never_augmented(monkeypatch, tmp_path):
     calls = []
     real = local_training.crop_flip
 
@@ -70,10 +71,10 @@ def test_evaluation_batches_are_never_augmented(monkeypatch):
         host = ClientHost(cfg, num_threads=1)
         host.setup(federation_meta(fed))
         if augment == "crop_flip":  # the same host trains with augmentation: the spy sees it
-            (result,), state = host.train(0, [ClientTask(0, [fed.shards[0]])], [[{}]])
+            (result,) = host.train(0, [client_task(0, fed.shards[0], str(tmp_path))], [[{}]])
             assert result.error is None and sum(calls) > 0
             calls.clear()
-        task = ClientTask(0, [fed.shards[0]], [state], version=1)  # the trained client, committed
+        task = client_task(0, fed.shards[0], str(tmp_path), version=1)  # the trained client, committed
         scores[augment] = host.evaluate([task], None)
         assert calls == []  # evaluation drew no crop or flip
     assert scores["crop_flip"] == scores["none"]  # and scores exactly as an unaugmented run would

@@ -210,12 +210,20 @@ def test_a_checkpoint_that_could_not_be_written_fails_the_run_at_the_next_one(tm
     assert written == []
 
 
-def test_a_checkpoint_cut_short_leaves_the_last_one_whole(tmp_path, ray_session, monkeypatch):
+def test_a_checkpoint_cut_short_leaves_the_last_one_whole(tmp_path, monkeypatch):
     directory, server, store, record = str(tmp_path), LiveServer(), StateStore(), LoopRecord()
-    first = {"module": {"w": torch.ones(2)}, "optimizer": None}
-    store.commit(7, ray_session.put(first), (0, 0))
+    store.directory = directory
+
+    def trains(value: float) -> None:  # a worker writes client 7's new state, the Coordinator commits it
+        storage.save_torch(
+            {"module": {"w": torch.full((2,), value)}, "optimizer": None}, store.task(7, None).commit_file
+        )
+        store.commit(7, (0, 0))
+
+    trains(1.0)
     write_checkpoint(take_checkpoint(directory, 1, server, store, record))
-    store.commit(7, ray_session.put({"module": {"w": torch.zeros(2)}, "optimizer": None}), (0, 0))
+    store.landed()
+    trains(0.0)
     second = take_checkpoint(directory, 2, server, store, record)
 
     def refuse_the_checkpoint_file(uri, data, write=storage.write_bytes):
@@ -225,7 +233,7 @@ def test_a_checkpoint_cut_short_leaves_the_last_one_whole(tmp_path, ray_session,
 
     monkeypatch.setattr(storage, "write_bytes", refuse_the_checkpoint_file)
     with pytest.raises(OSError, match="disk full"):
-        write_checkpoint(second)  # client 7's new state written, the checkpoint file not
+        write_checkpoint(second)  # client 7's new state is on disk, the checkpoint file is not
     monkeypatch.undo()
     assert sorted(p.name for p in (tmp_path / "states").iterdir()) == ["7-v1.pt", "7-v2.pt"]
     resumed = StateStore()

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 
 import pytest
 import torch
 from conftest import tiny_overrides
+from in_process import client_task
 
 from fedray.platform.api.algorithm import ClientModule, Server, ServerContext
 from fedray.platform.api.registry import available, register
@@ -15,8 +17,9 @@ from fedray.platform.catalog import load_config
 from fedray.platform.config import clients_per_round
 from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.errors import ContractError
+from fedray.platform.runtime import storage
 from fedray.platform.runtime.driver import federation_meta, prepare_federation
-from fedray.platform.runtime.state_store import ClientTask
+from fedray.platform.runtime.state_store import ClientTask, state_file
 from fedray.platform.runtime.worker import ClientHost, make_client_model
 
 
@@ -49,8 +52,8 @@ def host_for(*overrides: str, **settings):
 
 
 def uplink(host: ClientHost, fed, cid: int, rnd: int, payload=None):
-    results = host.train(rnd, [ClientTask(cid, [fed.shards[cid]])], [[payload or {}]])
-    result = (results[0] if host.keeps_state else results)[0]
+    with tempfile.TemporaryDirectory() as states:
+        (result,) = host.train(rnd, [client_task(cid, fed.shards[cid], states)], [[payload or {}]])
     assert result.error is None, result.error
     return result.uplink
 
@@ -165,17 +168,19 @@ def test_a_hook_the_loop_does_not_call_is_refused_before_the_run(capsys):
     )
 
 
-def test_clients_that_keep_nothing_share_one_model_and_commit_nothing():
+def test_clients_that_keep_nothing_share_one_model_and_commit_nothing(tmp_path):
     _, fed, host = host_for(algorithm="fedavg")
     payload = {"model": {k: v.clone() for k, v in host.arch_model("cnn_small").state_dict().items()}}
-    tasks = [ClientTask(c, [fed.shards[c]]) for c in (0, 1)]
+    tasks = [client_task(c, fed.shards[c], str(tmp_path)) for c in (0, 1)]
     results = host.train(0, tasks, [[payload], [payload]])
     assert [r.client for r in results] == [0, 1] and all(r.error is None for r in results)
     assert len(host.modules) == 0 and list(host.arch_models) == ["cnn_small"]  # no per-client module
 
     _, _, stateful = host_for(algorithm="fedavg", **{"train.keep_optimizer_state": True})
-    results, *states = stateful.train(0, tasks, [[payload], [payload]])
-    assert len(states) == 2 and set(states[0]) == {"module", "optimizer"}  # momentum kept: committed
+    assert list(tmp_path.iterdir()) == []  # nothing written
+    stateful.train(0, tasks, [[payload], [payload]])
+    states = [storage.load_torch(state_file(str(tmp_path), c, 1)) for c in (0, 1)]
+    assert set(states[0]) == {"module", "optimizer"} and states[0]["optimizer"]  # momentum kept: committed
     assert sorted(stateful.modules) == [0, 1]
 
 

@@ -3,17 +3,21 @@ clients, or drawn per client. Checked on the models a worker builds and trains (
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 from conftest import tiny_overrides
+from in_process import client_task
 
 from fedray.algorithms.fedcross import FedCrossServer
 from fedray.platform.api.algorithm import ServerContext, seed_torch
 from fedray.platform.catalog import load_config
 from fedray.platform.errors import ConfigError
 from fedray.platform.models import arch_for_client, build_for
+from fedray.platform.runtime import storage
 from fedray.platform.runtime.driver import federation_meta, prepare_federation
-from fedray.platform.runtime.state_store import ClientTask
+from fedray.platform.runtime.state_store import state_file
 from fedray.platform.runtime.worker import ClientHost, make_client_model
 from fedray.platform.seeds import derive_seed
 from fedray.platform.tracking.descriptions import run_description
@@ -30,7 +34,7 @@ def setup(*overrides: str, **settings):
     return cfg, fed, federation_meta(fed)
 
 
-def test_shared_clients_of_one_architecture_start_alike_and_part_after_training():
+def test_shared_clients_of_one_architecture_start_alike_and_part_after_training(tmp_path):
     cfg, fed, meta = setup(algorithm="fedproto", **{"train.local_epochs": 1})
     assert cfg.model.init == "shared"  # the default
     first, second = make_client_model(cfg, 0, meta), make_client_model(cfg, 1, meta)
@@ -39,7 +43,7 @@ def test_shared_clients_of_one_architecture_start_alike_and_part_after_training(
     host = ClientHost(cfg, num_threads=1)
     host.setup(meta)
     for cid in (0, 1):
-        host.train(1, [ClientTask(cid, [fed.shards[cid]])], [[{}]])
+        host.train(1, [client_task(cid, fed.shards[cid], str(tmp_path))], [[{}]])
     trained = [host.modules.take(cid)[1].model for cid in (0, 1)]
     assert not states_equal(trained[0], first)  # it trained from the shared start ...
     assert not states_equal(trained[0], trained[1])  # ... on its own data
@@ -122,9 +126,10 @@ def test_a_new_client_on_a_worker_that_trained_many_starts_as_on_a_fresh_one(ini
     last = 11
 
     def trained_state(host: ClientHost, cid: int):
-        results, state = host.train(1, [ClientTask(cid, [fed.shards[cid]])], [[{}]])
-        assert results[0].error is None, results[0].error
-        return results[0].uplink, state
+        with tempfile.TemporaryDirectory() as directory:
+            results = host.train(1, [client_task(cid, fed.shards[cid], directory)], [[{}]])
+            assert results[0].error is None, results[0].error
+            return results[0].uplink, storage.load_torch(state_file(directory, cid, 1))
 
     used = ClientHost(cfg, num_threads=1)
     used.setup(meta)

@@ -13,20 +13,16 @@ def test_a_jobs_arguments_are_made_when_it_is_first_sent_and_let_go_once_it_is_d
     made = []
 
     class Worker:
-        class train:  # an actor method's shape: .options(...).remote(...)
-            @staticmethod
-            def options(num_returns):
-                return Worker.train
-
+        class train:  # an actor method's shape: .remote(...)
             @staticmethod
             def remote(*args):
                 return ("ref", args)
 
-    job = Job(0, "train", lambda: made.append(1) or ("state ref",))
-    assert made == []  # nothing read back, nothing put, until a worker takes the job
-    assert job.submit(Worker()) == (("ref", ("state ref",)),)
+    job = Job(0, "train", lambda: made.append(1) or ("tasks",))
+    assert made == []  # nothing made until a worker takes the job
+    assert job.submit(Worker()) == ("ref", ("tasks",))
     job.submit(Worker())  # a retry sends what the first call sent
-    assert made == [1] and job.args == ("state ref",)
+    assert made == [1] and job.args == ("tasks",)
     job.done()
     assert job.args == ()
 
@@ -81,7 +77,9 @@ def test_a_broadcast_is_put_in_the_object_store_once_a_round(monkeypatch, commit
     monkeypatch.setattr(dispatch.ray, "put", lambda value: stored.append(value) or f"ref{len(stored)}")
     pool = WorkerPool(["w0", "w1"], spawn=lambda: ("new", None), pinned=False)
     clients = list(range(50))
-    training = TrainingDispatch(pool, StateStore(), [f"shard{c}" for c in clients], [50] * 50, commits)
+    store = StateStore()
+    store.directory = "/the/run"
+    training = TrainingDispatch(pool, store, [f"shard{c}" for c in clients], [50] * 50, commits)
     broadcast = {"model": "the global state"}
 
     jobs = training.jobs(0, clients, dict.fromkeys(clients, broadcast))
@@ -101,28 +99,6 @@ def test_a_broadcast_is_put_in_the_object_store_once_a_round(monkeypatch, commit
     assert sorted(stored, key=str) == sorted(halves, key=str)
     sent = {c: boxed[0] for job in jobs for c, boxed in zip(job.key, job.args()[2], strict=True)}
     assert {sent[c] for c in clients[::2]} == {f"ref{stored.index(halves[0]) + 1}"}
-
-
-def test_states_from_the_coordinators_node_are_taken_without_asking_ray(monkeypatch):
-    """hold_here asks Ray where a call's states are (an RPC) only when the worker that made them runs
-    on another node, or its node is not known; states from another node are copied here."""
-    from fedray.platform.runtime import coordinator
-
-    asked = []
-
-    def locations(refs):
-        asked.append(list(refs))
-        return {r: {"node_ids": ["other"]} for r in refs}
-
-    monkeypatch.setattr(coordinator.ray.experimental, "get_object_locations", locations)
-    monkeypatch.setattr(coordinator.ray, "get", lambda refs: [f"value of {r}" for r in refs])
-    monkeypatch.setattr(coordinator.ray, "put", lambda value: f"copy of {value}")
-
-    assert coordinator.hold_here(("s1", "s2"), "here", here="here") == ("s1", "s2")
-    assert asked == []
-    assert coordinator.hold_here(("s1",), "other", here="here") == ("copy of value of s1",)
-    assert coordinator.hold_here(("s2",), None, here="here") == ("copy of value of s2",)
-    assert asked == [["s1"], ["s2"]]
 
 
 def test_uplinks_are_handed_on_in_client_order_as_soon_as_all_before_them_are_in():
@@ -169,10 +145,6 @@ def test_a_job_is_done_once_with_its_value_after_its_worker_died_and_none_when_i
         def __getattr__(self, method):
             class Call:
                 @staticmethod
-                def options(num_returns):
-                    return Call
-
-                @staticmethod
                 def remote(key):
                     return Ref(key)
 
@@ -189,21 +161,9 @@ def test_a_job_is_done_once_with_its_value_after_its_worker_died_and_none_when_i
     )
     monkeypatch.setattr(pool_module.ray, "get", get)
     monkeypatch.setattr(pool_module.ray, "kill", lambda actor, no_restart: None)
-    holds = []
-
-    def hold(refs, node):  # the states of c's first call were on a node that is gone
-        holds.append(refs)
-        if len(holds) == 1:
-            raise pool_module.ray.exceptions.RayActorError()  # as when its node went first
-        return refs
-
-    outcomes["c"] = ["value c", "value c, again"]
-    pool = WorkerPool([Worker()], spawn=lambda: (Worker(), None), pinned=False, hold=hold)
+    pool = WorkerPool([Worker()], spawn=lambda: (Worker(), None), pinned=False)
     pool.ready = lambda slot: True  # the replacement is placed at once
     done = []
-    out = pool.run([Job("c", "train", ("c",))], on_done=lambda k, v: done.append((k, v)))
-    assert done == [("c", "value c, again")] and out.retried == ["c"]  # its first value was fetched, not kept
-    done.clear()
     out = pool.run(
         [Job("a", "train", ("a",)), Job("b", "train", ("b",))], on_done=lambda k, v: done.append((k, v))
     )
@@ -241,7 +201,7 @@ def test_a_rounds_training_hands_its_uplinks_on_while_calls_end(monkeypatch):
             out = Outcome({}, {}, [])
             for job in sorted(jobs, key=lambda j: [1, 5, 3, 4].index(j.key[0])):  # the order calls end in
                 value = [ClientResult(c, {"model": f"w{c}"}, {}) for c in job.key]
-                out.results[job.key] = (value, (), (0, 0))
+                out.results[job.key] = (value, (0, 0))
                 on_done(job.key, value)
             return out
 

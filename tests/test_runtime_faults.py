@@ -66,3 +66,17 @@ def test_out_of_memory_is_retried_in_place(undisturbed, mlflow_store, tmp_path):
     assert disturbed.client_acc == undisturbed.client_acc
     assert sum(h[Metrics.CLIENTS_RETRIED] for h in disturbed.history) == 0  # no worker was replaced
     assert all(h[Metrics.CLIENTS_FAILED] == 0 for h in disturbed.history)
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_worker_killed_mid_round_loses_no_committed_client_state(mlflow_store, tmp_path):
+    """Clients that keep state (FedAvg keeping its optimizer's state): a worker writes each client's
+    new state to its file before its call returns, so a SIGKILL'd worker loses none, and the clients
+    re-run on its replacement (reading their states from their files) repeat the undisturbed run."""
+    extra = {"train.keep_optimizer_state": True, "train.momentum": 0.9}
+    undisturbed = killer_run(tmp_path, "none", **extra)
+    disturbed = killer_run(tmp_path, "train", **extra)
+    assert (tmp_path / "train.killed").is_file() and disturbed.finished
+    assert comparable(disturbed.history) == comparable(undisturbed.history)
+    assert disturbed.client_acc == undisturbed.client_acc
+    assert sum(h[Metrics.CLIENTS_RETRIED] for h in disturbed.history) >= 1

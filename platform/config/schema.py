@@ -129,13 +129,9 @@ class RayConfig:
     num_gpus_per_client: float = 0.0  # fractions share a GPU between actors
     max_actors: int | None = None  # cap on the ClientActor pool (default: what the resources allow)
     num_cpus: int | None = None  # CPUs for a local Ray (default: the machine's)
-    # a local Ray's shared-memory object store, MB (default: Ray's, 30% of memory): the committed
-    # client states live there, and past it Ray spills the least recently used to disk
+    # a local Ray's shared-memory object store, MB (default: Ray's, 30% of memory): the shards,
+    # downlinks and uplinks travel there (client states go to files under storage_path)
     object_store_mb: int | None = None
-    # committed client states kept in memory, MB (null: all): past it the oldest states that a landed
-    # checkpoint holds leave the object store, read back from their files when their client returns
-    # (with checkpoint_every=0 nothing holds them, and every state stays)
-    client_states_mb: int | None = 1000
     cache_clients: int = 32  # client modules a worker keeps between calls (a returning client loads nothing)
     # a Coordinator that dies is started again from the last checkpoint this many times (its rounds
     # since then recomputed to the same numbers); past that the run stops with the --resume line
@@ -374,10 +370,6 @@ def check_fields(cfg: ExperimentConfig) -> None:
     _check(
         r.object_store_mb is None or r.object_store_mb >= MIN_OBJECT_STORE_MB,
         f"ray.object_store_mb={r.object_store_mb}: must be >= {MIN_OBJECT_STORE_MB} (Ray's smallest store)",
-    )
-    _check(
-        r.client_states_mb is None or r.client_states_mb >= 0,
-        f"ray.client_states_mb={r.client_states_mb}: must be >= 0 or null (keep every state in memory)",
     )
     _check(
         r.max_coordinator_restarts >= 0,

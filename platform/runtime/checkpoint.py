@@ -4,7 +4,8 @@ and finding a run's to resume.
 ``<storage path>/<run name>-<time>-<random>/`` holds ``config.yaml`` (the run's config, written
 before the MLflow run exists, whose tag points here), ``checkpoint.pt`` (the Coordinator's state
 after a round: :func:`take_checkpoint`, :func:`write_checkpoint`, in a thread of its own:
-:class:`CheckpointWriter`) and ``states/`` (client states spilled by the store).
+:class:`CheckpointWriter`) and ``states/`` (the client states, each written by the worker that trained
+it: :mod:`.state_store`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
-import ray
 import torch
 
 from fedray.platform.api.algorithm import Payload, Server, payload_nbytes
@@ -92,15 +91,13 @@ class Checkpoint:
 
     path: str  # the checkpoint file
     contents: memoryview  # its bytes: the server state, the store's manifest and the loop's record
-    states: list[tuple[int, str, Any]]  # (client, file, ObjectRef): states committed since the last one
-    superseded: list[str]  # state files no checkpoint lists once this one has landed
 
 
 def take_checkpoint(
     directory: str, done: int, server: Server, store: StateStore, record: LoopRecord
 ) -> Checkpoint:
     """Everything the run holds after round ``done``, serialised now (the server and the record go on
-    changing); the client states are ObjectRefs, which never change."""
+    changing); the client states are on disk already, and the checkpoint lists their versions."""
     state = {
         "round": done,
         "server": server.state_dict(),
@@ -110,22 +107,12 @@ def take_checkpoint(
         "last_client_acc": record.client_acc,
         "torch_rng": torch.get_rng_state(),
     }
-    contents = storage.torch_bytes(state)
-    states, superseded = store.claim_unwritten(directory)  # once nothing here can fail
-    return Checkpoint(checkpoint_file(directory), contents, states, superseded)
+    return Checkpoint(checkpoint_file(directory), storage.torch_bytes(state))
 
 
 def write_checkpoint(checkpoint: Checkpoint) -> str:
-    """The new client states first, then the checkpoint file, atomically: a checkpoint cut short
-    leaves the last one whole. Then the states it no longer lists go. Returns its path."""
-    states = checkpoint.states
-    for start in range(0, len(states), 64):  # bounded batches: never every state in memory at once
-        batch = states[start : start + 64]
-        for (client, path, _), state in zip(batch, ray.get([ref for _, _, ref in batch])):
-            storage.save_torch(state, path, f"client {client}'s state")
+    """The checkpoint file, atomically: a checkpoint cut short leaves the last one whole. Returns its path."""
     storage.write_bytes(checkpoint.path, checkpoint.contents)
-    for path in checkpoint.superseded:
-        storage.delete(path)
     return checkpoint.path
 
 

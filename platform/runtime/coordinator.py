@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -33,10 +32,16 @@ from fedray.platform.api.contract import check_uplinks
 from fedray.platform.api.registry import get as get_algorithm
 from fedray.platform.config import ExperimentConfig, clients_per_round
 from fedray.platform.data import ArrayDataset
-from fedray.platform.errors import ContractError, RoundFailed
+from fedray.platform.errors import ConfigError, ContractError, RoundFailed
 from fedray.platform.models import arch_for_client
 from fedray.platform.runtime import results, storage
-from fedray.platform.runtime.checkpoint import CheckpointWriter, LoopRecord, load_checkpoint, take_checkpoint
+from fedray.platform.runtime.checkpoint import (
+    CONFIG_FILE,
+    CheckpointWriter,
+    LoopRecord,
+    load_checkpoint,
+    take_checkpoint,
+)
 from fedray.platform.runtime.dispatch import TrainingDispatch
 from fedray.platform.runtime.evaluation import Evaluation, global_test_chunks
 from fedray.platform.runtime.events import (
@@ -55,20 +60,19 @@ from fedray.platform.seeds import numpy_rng, seed_of
 from fedray.platform.tracking.names import Metrics
 
 
-def hold_here(refs: tuple, produced_on: str | None, here: str) -> tuple:
-    """Objects a worker returned (client states), held on this process's node: one produced on
-    another node is copied to ``here`` (this process's node id; this process owns the copy), so
-    losing that node loses nothing. ``produced_on``: the worker's node, None when not known.
-    On the same node nothing is asked or copied; on another it costs a transfer of the state per client."""
-    if not refs or produced_on == here:
-        return refs
-    locations = ray.experimental.get_object_locations(list(refs))
-    # an object with no node is small enough to live in this process already
-    remote = [r for r in refs if locations[r]["node_ids"] and here not in locations[r]["node_ids"]]
-    if not remote:
-        return refs
-    copies = dict(zip(remote, [ray.put(value) for value in ray.get(remote)]))
-    return tuple(copies.get(r, r) for r in refs)
+def check_workers_see(workers: list, checkpoint_dir: str) -> None:
+    """Every worker writes and reads client states under the run's folder: one on a node that does not
+    see it (a local storage_path on a cluster) stops the run now, in one line, not when a client
+    first moves between nodes."""
+    config = storage.join(checkpoint_dir, CONFIG_FILE)  # the driver wrote it before the run started
+    for seen, node in ray.get([worker.sees.remote(config) for worker in workers]):
+        if seen:
+            continue
+        raise ConfigError(
+            f"storage_path: the run's folder {checkpoint_dir} is not there on node {node}, where a "
+            "ClientActor writes client states: on a cluster, set storage_path to a directory every node "
+            "shares, or to a pyarrow.fs URI such as s3://bucket/fedray"
+        )
 
 
 def sample_clients(seed: int, rnd: int, num_clients: int, k: int) -> list[int]:
@@ -95,7 +99,7 @@ def scheduling(placement_group) -> dict[str, Any]:
 
 def coordinator_scheduling(placement_group) -> dict[str, Any]:
     """The Coordinator runs on the driver's node (outside a Tune trial): the node the run cannot
-    lose anyway, so the client states it holds there survive the loss of any other node."""
+    lose anyway, so the server state it holds survives the loss of any other node."""
     if placement_group is not None:
         return scheduling(placement_group)
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -177,12 +181,9 @@ def start_pool(
         return worker, worker.setup.remote(meta_ref)  # runs before any job: an actor's calls run in order
 
     infos = ray.get([w.setup.remote(meta_ref, cfg) for w in workers])
-    node = ray.get_runtime_context().get_node_id()  # where this process holds client states
     # a worker per client keeps each client's module for the run, when clients keep state
     pinned = commits and len(workers) >= cfg.data.num_clients
-    pool = WorkerPool(
-        workers, spawn, pinned=pinned, hold=partial(hold_here, here=node), nodes=[i["node"] for i in infos]
-    )
+    pool = WorkerPool(workers, spawn, pinned=pinned)
     return pool, [info["device"] for info in infos]
 
 
@@ -208,7 +209,7 @@ class RoundLoop:
         self.server = build_server(cfg, meta)
         self.commits = commits_state(self.spec.client_cls, cfg)
         check_evaluable(cfg.algorithm, self.spec.client_cls, self.commits, self.server)
-        self.store = StateStore(cfg.ray.client_states_mb)
+        self.store = StateStore()
         self.pool, devices = start_pool(cfg, meta, workers, options, self.commits)
         self.training = TrainingDispatch(self.pool, self.store, shard_refs, meta["train_sizes"], self.commits)
         chunks = global_test_chunks(global_test)
@@ -224,13 +225,16 @@ class RoundLoop:
     def run(self, checkpoint_dir: str, stop_after_round: int | None = None) -> dict[str, Any]:
         """Run rounds ``start_round .. rounds-1``; ``stop_after_round`` simulates an interruption.
         However the run ends, its last checkpoint lands before this returns."""
-        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_dir = self.store.directory = checkpoint_dir  # where the workers write states
+        if self.commits:
+            check_workers_see(self.pool.workers, checkpoint_dir)
         try:
             summary = self.run_rounds(stop_after_round)
         except BaseException:
             self.checkpoints.wait(quietly=True)  # the round's error is the one the user is told
             raise
-        self.checkpoints.wait()
+        if self.checkpoints.wait() is not None:
+            self.store.landed()  # a finished run's folder holds its current states only
         return summary
 
     def run_rounds(self, stop_after_round: int | None) -> dict[str, Any]:
@@ -303,13 +307,13 @@ class RoundLoop:
         return hand_on
 
     def checkpoint(self, done: int) -> None:
-        """Taken now, written while the next rounds run (:class:`CheckpointWriter`), once the last one
-        has landed: the states that one wrote may then leave memory (``ray.client_states_mb``)."""
-        taken = take_checkpoint(self.checkpoint_dir, done, self.server, self.store, self.record)
-        landed = self.checkpoints.wait()
-        if landed is not None:
-            self.store.landed(landed.states)
-        self.checkpoints.submit(done, taken)
+        """Taken now, once the last one has landed (the state files only it listed may then go), and
+        written while the next rounds run (:class:`CheckpointWriter`)."""
+        if self.checkpoints.wait() is not None:
+            self.store.landed()
+        self.checkpoints.submit(
+            done, take_checkpoint(self.checkpoint_dir, done, self.server, self.store, self.record)
+        )
 
     def load_checkpoint(self, checkpoint_dir: str) -> list[dict[str, float]]:
         """Restore the run as the checkpoint left it; returns the rounds' metrics so far."""

@@ -48,7 +48,7 @@ class TrainingDispatch:
         self, pool: WorkerPool, store: StateStore, shards: list, sizes: list[int], commits: bool
     ) -> None:
         self.pool, self.store, self.shards, self.sizes = pool, store, shards, sizes
-        self.commits = commits  # clients keep state between rounds: a call returns each one's new state
+        self.commits = commits  # clients keep state between rounds: a call writes each one's new state
 
     def run(
         self,
@@ -64,7 +64,7 @@ class TrainingDispatch:
         on_done = None if on_uplinks is None else InOrder(selected, on_uplinks).call_done
         trained = self.pool.run(self.jobs(rnd, selected, downlinks), on_retry, on_done)
         retried = sum(len(clients) for clients in trained.retried)
-        return (*accept_uplinks(trained, self.store), retried)
+        return (*accept_uplinks(trained, self.store, self.commits), retried)
 
     def jobs(self, rnd: int, selected: list[int], downlinks: dict[int, Payload]) -> list[Job]:
         """The round's training calls: clients grouped by the worker that caches them, largest shards
@@ -90,16 +90,12 @@ class TrainingDispatch:
         for prefer, cids in by_worker.items():
             for group in call_groups(cids, sizes, len(self.pool)):
                 payloads = [[stored(downlinks[c])] for c in group]
-                returns = 1 + len(group) if self.commits else 1
-                jobs.append(
-                    Job(tuple(group), "train", self.call_args(rnd, group, payloads), prefer, returns=returns)
-                )
+                jobs.append(Job(tuple(group), "train", self.call_args(rnd, group, payloads), prefer))
         return sorted(jobs, key=lambda job: (-sizes[job.key[0]], job.key[0]))
 
     def call_args(self, rnd: int, group: list[int], payloads: list[list]) -> Callable[[], tuple]:
-        """A training call's arguments, made when it is sent: a client state that left memory is read
-        back from its file only then (:meth:`StateStore.task`)."""
-        return lambda: (rnd, self.store.tasks(group, self.shards), payloads)
+        """A training call's arguments, made when it is sent (a retry sends the same)."""
+        return lambda: (rnd, self.store.tasks(group, self.shards, self.commits), payloads)
 
     def affinity(self, cid: int) -> tuple[int, int] | None:
         """The worker that still caches this client: its own one when every client has a worker; none
@@ -139,22 +135,22 @@ class InOrder:
 
 
 def accept_uplinks(
-    trained: Outcome, store: StateStore
+    trained: Outcome, store: StateStore, commits: bool
 ) -> tuple[dict[int, Payload], dict[int, dict[str, float]], dict[int, str]]:
     """The round's uplinks and statistics by client id, and the clients that failed with their line;
-    an accepted client's new state is committed to the store (its uplink is in, so it is the truth)."""
+    with ``commits``, an accepted client's new state (which its worker wrote) is committed to the
+    store: its uplink is in, so it is the truth."""
     uplinks: dict[int, Any] = {}  # a payload each; check_uplinks refuses anything else
     stats: dict[int, dict[str, float]] = {}
     failed: dict[int, str] = {}
-    for _, (results, state_refs, worker) in trained.results.items():
-        states = state_refs or (None,) * len(results)
+    for _, (results, worker) in trained.results.items():
         result: ClientResult
-        for result, state_ref in zip(results, states, strict=True):
+        for result in results:
             if result.error is not None:
                 failed[result.client] = result.error
                 continue
-            if state_ref is not None:
-                store.commit(result.client, state_ref, worker, result.state_nbytes)
+            if commits:
+                store.commit(result.client, worker)
             uplinks[result.client], stats[result.client] = result.uplink, result.stats
     for clients, error in trained.failed.items():
         failed.update(dict.fromkeys(clients, error))

@@ -93,14 +93,14 @@ class Evaluation:
         for key, error in done.failed.items():
             on_failed(key, f"evaluation: {error}")
         rows = sorted(
-            row for (kind, _), (part, _, _) in done.results.items() if kind == "clients" for row in part
+            row for (kind, _), (part, _) in done.results.items() if kind == "clients" for row in part
         )
         client_acc = {cid: c / t for cid, c, t, _ in rows if t > 0}
         columns = (np.array([r[i] for r in rows], dtype=np.float64) for i in (1, 2, 3))
         # over a subset of the clients (eval.clients), the personalised metrics say so in their name
         out = {personal_on(k, self.cfg.eval.clients): v for k, v in personalized_accuracy(*columns).items()}
         parts = sorted(
-            row for (kind, _), (part, _, _) in done.results.items() if kind == "global" for row in part
+            row for (kind, _), (part, _) in done.results.items() if kind == "global" for row in part
         )
         if parts:
             correct, total, loss = (sum(p[i] for p in parts) for i in (1, 2, 3))
@@ -124,9 +124,9 @@ class Evaluation:
         ]
 
     def call_args(self, group: list[int], payload_ref: Any) -> Callable[[], tuple]:
-        """An evaluation call's arguments, made when it is sent: a client state that left memory is read
-        back from its file only then, and leaves again once the call is done."""
-        return lambda: (self.store.tasks(group, self.shards), payload_ref)
+        """An evaluation call's arguments, made when it is sent (a worker reads a client's state from
+        its file unless it caches the client)."""
+        return lambda: (self.store.tasks(group, self.shards, commits=False), payload_ref)
 
     def global_jobs(self, server: Server) -> list[Job]:
         """One job per chunk of the global test set, for a server with a global model."""

@@ -9,18 +9,20 @@ own worker, so every client keeps its actor for the whole run and no state moves
 A worker that dies (``kill -9``, OOM, a lost node) or whose device breaks (a CUDA error) is replaced
 by a fresh one in the same slot and its job runs again from the clients' committed states: faults
 cost time, not results. A job whose own code raises is reported as failed and not retried; an
-algorithm that breaks the platform's contract stops the run (:class:`ContractError`).
+algorithm that breaks the platform's contract, or a config that cannot work, stops the run
+(:class:`ConfigError`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
-from fedray.platform.errors import ContractError, first_line
+from fedray.platform.errors import ConfigError, first_line
 from fedray.platform.runtime.devices import DeviceError
 
 MAX_RETRIES = 3  # a client that keeps killing its worker (its own OOM) is reported as failed
@@ -35,24 +37,21 @@ LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
 
 @dataclass
 class Job:
-    """A call of a worker method; the first returned object is waited on, the others kept as refs.
+    """A call of a worker method.
 
     ``args`` may be a function that makes them: called when the job is first submitted (a retry
-    sends the same), so that what they put in the object store (a client state read back from its
-    file) is there only while the job runs; the pool lets go of them once the job is done."""
+    sends the same), so they are made as of then; the pool lets go of them once the job is done."""
 
     key: Any  # what the results are keyed by (a client id, a chunk index)
     method: str
     args: tuple | Callable[[], tuple]
     prefer: tuple[int, int] | None = None  # (slot, generation) of a worker that caches this job's client
-    returns: int = 1
     attempts: int = 0
 
-    def submit(self, worker) -> tuple:
+    def submit(self, worker) -> Any:
         if callable(self.args):
             self.args = self.args()
-        refs = getattr(worker, self.method).options(num_returns=self.returns).remote(*self.args)
-        return tuple(refs) if self.returns > 1 else (refs,)
+        return getattr(worker, self.method).remote(*self.args)
 
     def done(self) -> None:
         self.args = ()  # what it sent may leave the object store
@@ -60,7 +59,7 @@ class Job:
 
 @dataclass
 class Outcome:
-    results: dict[Any, tuple[Any, tuple, tuple[int, int]]]  # key -> (value, other returned refs, worker)
+    results: dict[Any, tuple[Any, tuple[int, int]]]  # key -> (value, worker)
     failed: dict[Any, str]  # key -> one-line error
     retried: list[Any]  # keys re-run after their worker died
 
@@ -72,8 +71,6 @@ class WorkerPool:
         spawn: Callable[[], tuple[Any, Any]],
         *,
         pinned: bool,
-        hold: Callable[[tuple, str | None], tuple] | None = None,
-        nodes: list[str | None] | None = None,
     ) -> None:
         self.workers = list(workers)
         self.generation = [0] * len(self.workers)
@@ -81,10 +78,6 @@ class WorkerPool:
         self.spawn = spawn
         self.placing: dict[int, Any] = {}  # slot -> set-up ref of a replacement not placed yet
         self.pinned = pinned
-        # a job's other returned objects (client states) and the node that made them -> copies where
-        # a lost node cannot take them
-        self.hold = hold or (lambda refs, node: refs)
-        self.nodes = list(nodes) if nodes is not None else [None] * len(self.workers)  # None: unknown
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -96,7 +89,6 @@ class WorkerPool:
         ray.kill(self.workers[slot], no_restart=True)
         self.workers[slot], self.placing[slot] = self.spawn()
         self.generation[slot] += 1
-        self.nodes[slot] = None
 
     def ready(self, slot: int) -> bool:
         """Whether the slot's worker runs: a replacement waits for a node with room (a lost node's
@@ -105,11 +97,8 @@ class WorkerPool:
             return True
         if not ray.wait([self.placing[slot]], timeout=0)[0]:
             return False
-        try:  # its set-up's description names its node; a failed set-up fails its first job instead
-            info = ray.get(self.placing.pop(slot))
-        except ray.exceptions.RayError:
-            info = None
-        self.nodes[slot] = info.get("node") if isinstance(info, dict) else None
+        with contextlib.suppress(ray.exceptions.RayError):  # a failed set-up fails its first job instead
+            ray.get(self.placing.pop(slot))
         return True
 
     def wait_for_placement(self, queue: list[Job]) -> None:
@@ -152,7 +141,7 @@ class WorkerPool:
         the current one ends, so a worker never waits for this process to collect a result and
         dispatch again."""
         queue = list(jobs)
-        running: dict[Any, tuple[int, int, Job, tuple]] = {}  # first ref -> (slot, generation, job, refs)
+        running: dict[Any, tuple[int, int, Job]] = {}  # ref -> (slot, generation, job)
         load = [0] * len(self.workers)
         out = Outcome({}, {}, [])
         ended: list[tuple[Any, Any]] = []  # (key, value) of jobs done, not yet given to on_done
@@ -164,8 +153,7 @@ class WorkerPool:
                         continue
                     queue.remove(job)
                     load[slot] += 1
-                    refs = job.submit(self.workers[slot])
-                    running[refs[0]] = (slot, self.generation[slot], job, refs)
+                    running[job.submit(self.workers[slot])] = (slot, self.generation[slot], job)
             self.report(ended, on_done)
             if not running and self.placing:
                 self.wait_for_placement(queue)
@@ -176,17 +164,17 @@ class WorkerPool:
             done, _ = ray.wait([*running, *self.placing.values()], num_returns=1)
             if done[0] not in running:
                 continue
-            slot, generation, job, refs = running.pop(done[0])
+            slot, generation, job = running.pop(done[0])
             current = generation == self.generation[slot]  # not a call to a worker since replaced
             if current:
                 load[slot] -= 1
             try:
                 value = ray.get(done[0])
-                # fails as a dead worker would when its node went first
-                held = self.hold(refs[1:], self.nodes[slot] if current else None)
             except ray.exceptions.RayError as err:
                 cause = getattr(err, "cause", None)
-                if isinstance(cause, ContractError):  # the algorithm breaks a rule: the run stops
+                # the algorithm breaks a rule, or the config cannot work (a storage path another
+                # node does not see): the run stops
+                if isinstance(cause, ConfigError):
                     raise cause from None
                 if isinstance(err, LOST) or isinstance(cause, DeviceError):
                     # the worker died, or its device broke: replace it, run its calls again elsewhere
@@ -207,7 +195,7 @@ class WorkerPool:
                     out.failed[job.key] = first_line(err)
                     self.finish(job, None, ended)
             else:
-                out.results[job.key] = (value, held, (slot, generation))
+                out.results[job.key] = (value, (slot, generation))
                 self.finish(job, value, ended)
         self.report(ended, on_done)
         return out

@@ -1,82 +1,97 @@
-"""The client state store: every client's last committed state, owned by the run.
+"""The client state store: which version of each client's state is current, and its file.
 
-A client is its state and its shard, not a process. The store keeps, per client that has ever
-committed, an ObjectRef to its state in Ray's object store (which spills to disk when states outgrow
-memory) plus a version (the number of commits), and which worker produced it, so dispatch can send
-the client back to a worker that still caches its module. A client never selected has no entry: its
-initial model is a function of (seed, client id).
+A client is its state and its shard, not a process. A worker that trains a client which keeps state
+writes the new state to ``states/<cid>-v<version>.pt`` under the run's checkpoint directory before its
+call returns (write-through), so a state is on disk before it is committed, and a worker that dies
+loses nothing committed. The store keeps, per client that has ever committed, its version (the
+number of commits) and which worker produced it, so dispatch can send the client back to a worker
+that still caches its module. A client never selected has no entry: its initial model is a function
+of (seed, client id).
 
 A state is committed only when its uplink is accepted: a client whose worker died or whose code
-raised keeps its previous state, and a retry starts from it.
+raised keeps its previous state, and a retry starts from it (and writes the same file again).
 
-Checkpoints are incremental: each committed state is written once, as ``states/<cid>-v<version>.pt``
-under the checkpoint directory, and the checkpoint file lists which version of each client is
-current, so a checkpoint of 1,000 clients rewrites only the clients that trained since the last one.
-
-With a memory budget (``ray.client_states_mb``), a state that a landed checkpoint holds may leave
-the object store: past the budget the oldest such states are dropped, and a dropped client's state is
-read back from its file when it is selected again. A resumed run reads the states it needs that way
-too, instead of loading every state the checkpoint lists.
+A checkpoint is the list of each client's current version (:meth:`StateStore.manifest`): nothing
+is copied when it is taken. A version's file goes once nothing needs it: not current, and listed
+neither by the last checkpoint that landed nor by the one on its way. A resumed run finds the files
+of versions newer than its checkpoint that the interrupted run wrote; it writes each again before
+committing it, so it never reads one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import ray
-
 from fedray.platform.runtime import storage
+
+STATES_DIR = "states"
+
+
+def state_name(client: int, version: int) -> str:
+    return f"{client}-v{version}.pt"
+
+
+def state_file(directory: str, client: int, version: int) -> str:
+    """The file of version ``version`` of a client's state, under the run's checkpoint directory."""
+    return storage.join(directory, STATES_DIR, state_name(client, version))
 
 
 @dataclass
 class ClientTask:
-    """What a worker needs to take up one client: its shard and its committed state.
-
-    Both are ObjectRefs boxed in a list (``[ref]``) so that Ray hands them to the worker unresolved:
-    the worker fetches them only when its cache does not already hold this version of the client.
-    """
+    """What a worker needs to take up one client: its shard (an ObjectRef boxed in a list, so Ray
+    hands it over unresolved: the worker fetches it only when it does not hold the client's data),
+    its committed state's file (None: never committed, the initial model) and, for clients that keep
+    state, the file the state it trains to goes to."""
 
     client: int
     shard: list
-    state: list = field(default_factory=list)  # [] = never committed: the initial model
+    state_file: str | None = None
     version: int = 0
+    commit_file: str | None = None
 
 
 class StateStore:
-    def __init__(self, memory_mb: int | None = None) -> None:
-        self.refs: dict[int, Any] = {}  # client -> ObjectRef of its committed state, while in memory
+    def __init__(self) -> None:
+        self.directory: str | None = None  # the run's checkpoint directory, once the run has one
         self.version: dict[int, int] = {}  # client -> commits so far: every client that ever committed
         self.holder: dict[int, tuple[int, int]] = {}  # client -> (worker slot, worker generation)
-        self.written: dict[int, int] = {}  # client -> version in the checkpoint directory (or on its way)
-        self.files: dict[int, str] = {}  # client -> its current state's file, in a checkpoint that landed
-        self.resident: dict[int, int] = {}  # client -> bytes of its state in memory, oldest first
-        self.budget = None if memory_mb is None else memory_mb * 2**20
+        self.landed_manifest: dict[int, int] = {}  # client -> version the last landed checkpoint lists
+        self.pending_manifest: dict[int, int] = {}  # the same, of the checkpoint on its way
 
-    def task(self, client: int, shard_ref) -> ClientTask:
-        return ClientTask(client, [shard_ref], self.state_ref(client), self.version.get(client, 0))
+    def task(self, client: int, shard_ref, commits: bool = True) -> ClientTask:
+        version = self.version.get(client, 0)
+        current = self.file(client, version) if version else None
+        after = self.file(client, version + 1) if commits else None
+        return ClientTask(client, [shard_ref], current, version, after)
 
-    def tasks(self, clients: list[int], shard_refs: list) -> list[ClientTask]:
-        """One call's clients as tasks, made as the call is sent (a dropped state is read back then)."""
-        return [self.task(c, shard_refs[c]) for c in clients]
+    def tasks(self, clients: list[int], shard_refs: list, commits: bool = True) -> list[ClientTask]:
+        return [self.task(c, shard_refs[c], commits) for c in clients]
 
-    def state_ref(self, client: int) -> list:
-        """``[ref]`` of a client's committed state (``[]``: never committed). A state the budget
-        dropped from memory is read back from its file into an object of the call's own, gone once
-        the call is (a client that trains commits a new state anyway)."""
-        if client not in self.version:
-            return []
-        if client not in self.refs:
-            return [ray.put(storage.load_torch(self.files[client]))]
-        return [self.refs[client]]
+    def file(self, client: int, version: int) -> str:
+        if self.directory is None:
+            raise RuntimeError("the state store has no directory yet: the run has not started")
+        return state_file(self.directory, client, version)
 
-    def commit(self, client: int, state_ref, holder: tuple[int, int], nbytes: int = 0) -> None:
-        self.refs[client] = state_ref
-        self.version[client] = self.version.get(client, 0) + 1
+    def commit(self, client: int, holder: tuple[int, int]) -> None:
+        """The client's uplink is in: the state its worker wrote is the truth now; the version it
+        replaces goes unless a checkpoint lists it."""
+        old = self.version.get(client, 0)
+        self.version[client] = old + 1
         self.holder[client] = holder
-        self.files.pop(client, None)  # the file a checkpoint holds is an older version's now
-        self.resident.pop(client, None)
-        self.resident[client] = nbytes  # the newest last
+        if old:
+            self.forget_unneeded(client, old)
+
+    def needed(self, client: int, version: int) -> bool:
+        return version in (
+            self.version.get(client),
+            self.landed_manifest.get(client),
+            self.pending_manifest.get(client),
+        )
+
+    def forget_unneeded(self, client: int, version: int) -> None:
+        if not self.needed(client, version):
+            storage.delete_if_there(self.file(client, version))
 
     def clients(self) -> list[int]:
         """Every client that has committed a state, in order."""
@@ -86,60 +101,25 @@ class StateStore:
         return len(self.version)
 
     # ---- checkpoints
-    def claim_unwritten(self, directory: str) -> tuple[list[tuple[int, str, Any]], list[str]]:
-        """What the next checkpoint must write: (client, file, ObjectRef) of each state committed since the
-        last call, and the files of the versions they replace (deleted once that checkpoint has
-        landed). From here on they count as written: the next call leaves them out."""
-        new, superseded = [], []
-        for client in self.version:
-            if self.written.get(client) == self.version[client]:
-                continue
-            if client in self.written:
-                superseded.append(
-                    storage.join(directory, "states", self.file_name(client, self.written[client]))
-                )
-            new.append((client, storage.join(directory, "states", self.file_name(client)), self.refs[client]))
-            self.written[client] = self.version[client]
-        return new, superseded
-
     def manifest(self) -> dict[int, str]:
-        """The checkpoint's list: client -> the file of its current state."""
-        return {c: self.file_name(c) for c in self.clients()}
+        """The checkpoint's list: client -> the file name of its current state. Taking it pins those
+        versions until a later checkpoint has landed."""
+        self.pending_manifest = dict(self.version)
+        return {c: state_name(c, v) for c, v in sorted(self.version.items())}
 
-    def file_name(self, client: int, version: int | None = None) -> str:
-        """The file of a client's state: its current version's, or ``version``'s."""
-        return f"{client}-v{self.version[client] if version is None else version}.pt"
-
-    def landed(self, written: list[tuple[int, str, Any]]) -> None:
-        """A checkpoint that wrote these (client, file, ObjectRef) has landed: a state still current is
-        safe on disk, and may leave memory (:meth:`drop_past_budget`)."""
-        for client, path, ref in written:
-            if self.refs.get(client) is ref:
-                self.files[client] = path
-        self.drop_past_budget()
-
-    def drop_past_budget(self) -> None:
-        """Over the budget, drop from memory the oldest states that a landed checkpoint holds (called
-        between rounds: no call in flight still needs a dropped ref)."""
-        if self.budget is None:
-            return
-        total = sum(self.resident.values())
-        for client in [c for c in self.resident if c in self.files]:
-            if total <= self.budget:
-                break
-            total -= self.resident.pop(client)
-            del self.refs[client]
+    def landed(self) -> None:
+        """The checkpoint on its way has landed: the versions only the one before it listed go."""
+        before, self.landed_manifest, self.pending_manifest = self.landed_manifest, self.pending_manifest, {}
+        for client, version in before.items():
+            self.forget_unneeded(client, version)
 
     def read(self, directory: str, manifest: dict[int, str]) -> None:
-        """Take over the states a checkpoint lists: each is read from its file when needed."""
-        for client, name in manifest.items():
-            self.files[client] = storage.join(directory, "states", name)
-            self.version[client] = int(name.rsplit("-v", 1)[1].removesuffix(".pt"))
-            self.written[client] = self.version[client]
+        """Take over the states a checkpoint lists (read from their files when needed)."""
+        self.directory = directory
+        self.version = {c: int(name.rsplit("-v", 1)[1].removesuffix(".pt")) for c, name in manifest.items()}
+        self.landed_manifest, self.pending_manifest = dict(self.version), {}
         self.holder.clear()  # a resumed run's workers cache nothing yet
 
     def states(self, clients: list[int]) -> dict[int, Any]:
-        """The committed states of ``clients``: from memory, or read from their files."""
-        held = [c for c in clients if c in self.refs]
-        got = dict(zip(held, ray.get([self.refs[c] for c in held])))
-        return {c: got[c] if c in got else storage.load_torch(self.files[c]) for c in clients}
+        """The committed states of ``clients``, read from their files."""
+        return {c: storage.load_torch(self.file(c, self.version[c])) for c in clients}

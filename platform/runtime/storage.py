@@ -69,6 +69,11 @@ def delete(uri: str) -> None:
     filesystem.delete_file(path)
 
 
+def delete_if_there(uri: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        delete(uri)
+
+
 def read_bytes(uri: str) -> bytes:
     filesystem, path = _filesystem(uri)
     with filesystem.open_input_stream(path) as src:

@@ -7,7 +7,7 @@ evicted clients (a new client is loaded into one in place), one model per archit
 algorithms whose clients keep nothing between rounds (every such client trains on it, and nothing
 is committed), shards normalised once and kept on the device, and each round's downlinks (read once
 per worker, not once per client). One call trains several clients and hands back their uplinks
-together, and their new states as separate Ray objects.
+together; the new state of a client that keeps one is written to its file before the call returns.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from fedray.platform.api.contract import ReadKeys, check_downlink_read, check_he
 from fedray.platform.api.registry import get as get_algorithm
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.data import ArrayDataset, ClientShard, normalize
-from fedray.platform.errors import ContractError, first_line
+from fedray.platform.errors import ConfigError, ContractError, first_line
 from fedray.platform.models import FedModel, arch_for_client, build_for, first_client_of_arch
+from fedray.platform.runtime import storage
 from fedray.platform.runtime.devices import (
     DeviceError,
     configure_device,
@@ -165,7 +166,6 @@ class ClientResult:
     uplink: Payload | None
     stats: dict[str, float]
     error: str | None = None
-    state_nbytes: int = 0  # of the new state it committed, when its algorithm keeps one
 
 
 def tensor_versions(tree: Any) -> list[int]:
@@ -186,13 +186,6 @@ def to_cpu(tree: Any, copy: bool = False) -> Any:
     found: list[torch.Tensor] = []
     tensors_of(tree, found)
     return with_tensors(tree, iter(copy_to_cpu(found, copy)))
-
-
-def tensor_nbytes(tree: Any) -> int:
-    """Bytes of the tensors in a state (its plain values, however odd, count nothing)."""
-    found: list[torch.Tensor] = []
-    tensors_of(tree, found)
-    return sum(t.numel() * t.element_size() for t in found)
 
 
 def tensors_of(tree: Any, found: list[torch.Tensor]) -> None:
@@ -268,6 +261,11 @@ class ClientHost:
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         return {"device": info.describe(), "kind": info.kind, "node": node}
 
+    def sees(self, path: str) -> tuple[bool, str]:
+        """Whether this worker's node sees ``path`` (the run's folder, where it writes client states),
+        and the node's address, to name it."""
+        return storage.exists(path), ray.util.get_node_ip_address() if ray.is_initialized() else "here"
+
     def clear(self) -> None:
         """The run is over and the worker waits for the driver's next one: what it held goes."""
         self.configure(self.cfg)
@@ -314,10 +312,10 @@ class ClientHost:
             return cached[1]
         if cached is not None:  # a state committed since elsewhere: its model takes the new one in place
             self.drop(task.client)
-        model = self.reused_model(task.client) if task.state else self.initial_model(task.client)
+        model = self.reused_model(task.client) if task.state_file else self.initial_model(task.client)
         module = self.spec.client_cls(model, ctx).to(self.device)  # with what its construction holds
-        if task.state:
-            load_client_state(module, fetch(task.state))
+        if task.state_file:
+            load_client_state(module, read_state(task.client, task.state_file))
         self.cache(task.client, task.version, module)
         return module
 
@@ -377,25 +375,23 @@ class ClientHost:
         return self.payloads[boxed[0]]
 
     # ---- the work
-    def train(self, rnd: int, tasks: list[ClientTask], payloads: list[list]) -> Any:
-        """Receive, fit and upload each client in turn. Returns ``(results, *states)``: the
-        :class:`ClientResult` list first (read by the Coordinator), then, when clients keep state,
-        each client's new state as a Ray object of its own (None where its code raised)."""
-        results, states = [], []
-        for task, boxed in zip(tasks, payloads, strict=True):
-            result, state = self.train_one(task, rnd, self.payload(boxed, rnd))
-            results.append(result)
-            states.append(state)
-        return (results, *states) if self.keeps_state else results
+    def train(self, rnd: int, tasks: list[ClientTask], payloads: list[list]) -> list[ClientResult]:
+        """Receive, fit and upload each client in turn; a client that keeps state has its new state
+        written to its task's ``commit_file`` before the call returns (committed once the
+        Coordinator accepts its uplink)."""
+        return [
+            self.train_one(task, rnd, self.payload(boxed, rnd))
+            for task, boxed in zip(tasks, payloads, strict=True)
+        ]
 
-    def train_one(self, task: ClientTask, rnd: int, payload: Payload) -> tuple[ClientResult, Any]:
+    def train_one(self, task: ClientTask, rnd: int, payload: Payload) -> ClientResult:
         """One client, with the device faults sorted from the client's own: out of memory frees the
         cache and tries once more; any other CUDA error breaks the worker (:class:`DeviceError`), so
         the pool replaces it and runs the clients elsewhere."""
         for attempt in (1, 2):
             try:
                 uplink, stats, module = self.fit_client(task, rnd, payload)
-            except (ContractError, DeviceError):
+            except (ConfigError, DeviceError):  # a broken rule, a storage path other nodes miss, a device
                 self.drop(task.client)
                 raise
             except Exception as err:
@@ -406,11 +402,10 @@ class ClientHost:
                     continue
                 if is_out_of_memory(err) or is_device_error(err):
                     raise DeviceError(f"client {task.client}: {first_line(err)}") from None
-                return ClientResult(task.client, None, {}, self.explained(err)), None
-            if not self.keeps_state:
-                return ClientResult(task.client, uplink, stats), None
-            state = client_state(module)
-            return ClientResult(task.client, uplink, stats, state_nbytes=tensor_nbytes(state)), state
+                return ClientResult(task.client, None, {}, self.explained(err))
+            if self.keeps_state:
+                write_state(task, module)
+            return ClientResult(task.client, uplink, stats)
         raise AssertionError("unreachable")
 
     def explained(self, err: Exception) -> str:
@@ -530,11 +525,27 @@ def require_overwritten(algorithm: str, module: ClientModule, before: list[int])
 
 def client_state(module: ClientModule) -> dict[str, Any]:
     """Everything a client keeps between rounds: its module's state_dict (parameters and registered
-    buffers) and, with ``train.keep_optimizer_state``, its optimizer state, as CPU tensors."""
-    return {
-        "module": to_cpu(module.state_dict(), copy=True),
-        "optimizer": to_cpu(module._optimizer_state, copy=True),  # the next fit updates its buffers in place
-    }
+    buffers) and, with ``train.keep_optimizer_state``, its optimizer state, as CPU tensors (the
+    module's own where it trains on the CPU: saved at once, never kept)."""
+    return {"module": to_cpu(module.state_dict()), "optimizer": to_cpu(module._optimizer_state)}
+
+
+def write_state(task: ClientTask, module: ClientModule) -> None:
+    """The client's new state to the file its task names, before its call returns: on disk before it
+    is committed, so a worker that dies after it loses nothing (write-through)."""
+    if task.commit_file is None:
+        raise RuntimeError(f"client {task.client} keeps state but its task names no file for it")
+    storage.save_torch(client_state(module), task.commit_file, f"client {task.client}'s state")
+
+
+def read_state(client: int, path: str) -> dict[str, Any]:
+    try:
+        return storage.load_torch(path)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"client {client}'s state {path} is not there: every node must see the run's storage_path "
+            "(a directory they all share, or a pyarrow.fs URI such as s3://bucket/fedray)"
+        ) from None
 
 
 def load_client_state(module: ClientModule, state: dict[str, Any]) -> None:

@@ -1,0 +1,135 @@
+"""Write-through client states: a worker writes a client's new state to its file before its call
+returns, the store commits it when the uplink is in, and a version's file goes once nothing needs it
+(not current, not listed by the last landed checkpoint nor by the one on its way); a run gives the
+same numbers with a checkpoint after every round, with none, and stopped and resumed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_overrides, without_timing
+
+from fedray.platform.catalog import load_config
+from fedray.platform.runtime import storage
+from fedray.platform.runtime.checkpoint import LoopRecord, load_checkpoint, take_checkpoint, write_checkpoint
+from fedray.platform.runtime.driver import run_experiment
+from fedray.platform.runtime.state_store import StateStore
+from fedray.platform.tracking.mlflow_run import recorded_checkpoint_dir
+
+
+class NoServer:
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def trains(store: StateStore, client: int, value: float) -> None:
+    """What a worker does for a client, then the Coordinator: the new state to the task's file, committed."""
+    task = store.task(client, None)
+    storage.save_torch({"module": {"w": torch.full((4,), value)}, "optimizer": None}, task.commit_file)
+    store.commit(client, (0, 0))
+
+
+def files(tmp_path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "states").iterdir())
+
+
+def checkpoint(store: StateStore, directory: str, done: int):
+    return take_checkpoint(directory, done, NoServer(), store, LoopRecord())
+
+
+def test_without_checkpoints_only_the_current_version_of_each_client_stays(tmp_path):
+    store = StateStore()
+    store.directory = str(tmp_path)
+    trains(store, 1, 1.0)
+    trains(store, 2, 2.0)
+    trains(store, 1, 3.0)
+    assert files(tmp_path) == ["1-v2.pt", "2-v1.pt"]
+    task = store.task(1, "shard")
+    assert task.state_file == str(tmp_path / "states" / "1-v2.pt") and task.version == 2
+    assert task.commit_file == str(tmp_path / "states" / "1-v3.pt")
+    assert store.task(3, "shard").state_file is None  # never trained: its initial model
+    assert float(store.states([1])[1]["module"]["w"][0]) == 3.0
+
+
+def test_a_version_a_checkpoint_lists_stays_until_a_later_checkpoint_has_landed(tmp_path):
+    store, directory = StateStore(), str(tmp_path)
+    store.directory = directory
+    trains(store, 1, 1.0)
+    first = checkpoint(store, directory, 1)  # lists 1-v1
+    trains(store, 1, 2.0)
+    trains(store, 1, 3.0)  # 1-v2 was never listed: it goes at once; 1-v1 is on its way
+    assert files(tmp_path) == ["1-v1.pt", "1-v3.pt"]
+    write_checkpoint(first)
+    store.landed()
+    trains(store, 1, 4.0)  # 1-v1 is the landed checkpoint's
+    assert files(tmp_path) == ["1-v1.pt", "1-v4.pt"]
+    second = checkpoint(store, directory, 2)  # lists 1-v4
+    trains(store, 1, 5.0)
+    write_checkpoint(second)
+    store.landed()  # 1-v1 goes; 1-v4 is the landed checkpoint's now
+    assert files(tmp_path) == ["1-v4.pt", "1-v5.pt"]
+
+    resumed = StateStore()
+    done, _ = load_checkpoint(directory, NoServer(), resumed)
+    assert done == 2 and resumed.version == {1: 4}
+    assert float(resumed.states([1])[1]["module"]["w"][0]) == 4.0
+    trains(resumed, 1, 6.0)  # the resumed run writes v5 again (the interrupted run's is overwritten)
+    assert files(tmp_path) == ["1-v4.pt", "1-v5.pt"]
+    assert float(resumed.states([1])[1]["module"]["w"][0]) == 6.0
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_run_repeats_itself_with_or_without_checkpoints_and_resumed_and_leaves_its_current_states(
+    mlflow_store,
+):
+    # FedSSA: every client keeps its model; 2 of 4 clients a round, each worker caching one module,
+    # so clients come back to, and every evaluation tests, states read from their files
+    overrides = tiny_overrides(
+        rounds=5,
+        algorithm="fedssa",
+        **{"train.fraction": 0.5, "train.local_epochs": 1, "ray.cache_clients": 1},
+    )
+    plain = run_experiment(load_config(None, [*overrides, "checkpoint_every=0"]))
+    every = load_config(None, [*overrides, "checkpoint_every=1"])
+    whole = run_experiment(every)
+    stopped = run_experiment(every, stop_after_round=2)
+    resumed = run_experiment(every, resume_run_id=stopped.run_id)
+    for run in (whole, resumed):
+        assert without_timing(run.history) == without_timing(plain.history)
+        assert run.client_acc == plain.client_acc
+    assert len(plain.client_acc) == 4  # every client tested
+    for run in (plain, whole, resumed):  # a finished run's folder: each client's current state only
+        directory = Path(recorded_checkpoint_dir(run.run_id))
+        names = sorted(p.name for p in (directory / "states").iterdir())
+        assert len(names) == 4 and len({n.split("-v")[0] for n in names}) == 4, names
+        if run is not plain:
+            listed = storage.load_torch(str(directory / "checkpoint.pt"))["states"]
+            assert sorted(listed.values()) == names
+
+
+def test_a_worker_whose_node_does_not_see_the_runs_folder_stops_the_run_in_one_line(monkeypatch, tmp_path):
+    from fedray.platform.errors import ConfigError
+    from fedray.platform.runtime import coordinator
+
+    class Worker:  # an actor handle's shape: .sees.remote(path), its value through ray.get
+        def __init__(self, node: str, root):
+            self.node, self.root = node, root
+            self.sees = self
+
+        def remote(self, path: str):
+            return (path.startswith(str(self.root)) and storage.exists(path), self.node)
+
+    monkeypatch.setattr(coordinator.ray, "get", lambda refs: refs)
+    (tmp_path / "config.yaml").write_text("seed: 0")
+    coordinator.check_workers_see([Worker("10.0.0.1", tmp_path)], str(tmp_path))  # it sees: nothing said
+    with pytest.raises(ConfigError) as err:
+        coordinator.check_workers_see(
+            [Worker("10.0.0.1", tmp_path), Worker("10.0.0.2", "/elsewhere")], str(tmp_path)
+        )
+    assert "\n" not in str(err.value) and "node 10.0.0.2" in str(err.value)
+    assert str(err.value).startswith("storage_path: the run's folder")
