@@ -251,7 +251,7 @@ def test_a_run_returns_once_its_last_checkpoint_has_landed(tmp_path, monkeypatch
     loop = RoundLoop()
     loop.cfg = load_config(None, tiny_overrides(rounds=2, checkpoint_every=1))
     loop.server, loop.store, loop.record = LiveServer(), StateStore(), LoopRecord()
-    loop.start_round, loop.halting = 0, False
+    loop.start_round, loop.halting, loop.commits = 0, False, False
     loop.run_round = lambda rnd, selected: {"loss": float(rnd)}
     loop.run(str(tmp_path))
     assert storage.load_torch(str(tmp_path / "checkpoint.pt"))["round"] == 2
