@@ -5,6 +5,7 @@ What ``fedray run`` does minus the processes, for tests that check a config or a
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 
 import torch
@@ -12,7 +13,7 @@ import torch
 from fedray.platform.config import ExperimentConfig, clients_per_round
 from fedray.platform.runtime.coordinator import build_server, sample_clients
 from fedray.platform.runtime.driver import federation_meta, prepare_federation
-from fedray.platform.runtime.state_store import ClientTask, state_file
+from fedray.platform.runtime.state_store import STATES_DIR, ClientTask, state_file
 from fedray.platform.runtime.worker import ClientHost
 from fedray.platform.tracking.names import Metrics
 
@@ -49,9 +50,12 @@ def train_rounds(cfg: ExperimentConfig, rounds: int, first: int = 0) -> list[tup
     return host.evaluate(tasks, server.eval_payload())
 
 
-def client_task(client: int, shard, directory: str, version: int = 0) -> ClientTask:
+def client_task(client: int, shard, directory: str, version: int = 0, make_folder: bool = True) -> ClientTask:
     """A training task as the run's state store makes it: the file of the client's committed state
-    (version > 0) and the file its next state goes to, under ``directory``."""
+    (version > 0) and the file its next state goes to, under ``directory`` (whose states folder is
+    made, as the Coordinator makes it, unless ``make_folder`` is False)."""
+    if make_folder:
+        os.makedirs(os.path.join(directory, STATES_DIR), exist_ok=True)
     current = state_file(directory, client, version) if version else None
     return ClientTask(client, [shard], current, version, state_file(directory, client, version + 1))
 

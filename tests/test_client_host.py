@@ -177,7 +177,7 @@ def test_clients_that_keep_nothing_share_one_model_and_commit_nothing(tmp_path):
     assert len(host.modules) == 0 and list(host.arch_models) == ["cnn_small"]  # no per-client module
 
     _, _, stateful = host_for(algorithm="fedavg", **{"train.keep_optimizer_state": True})
-    assert list(tmp_path.iterdir()) == []  # nothing written
+    assert list((tmp_path / "states").iterdir()) == []  # nothing written
     stateful.train(0, tasks, [[payload], [payload]])
     states = [storage.load_torch(state_file(str(tmp_path), c, 1)) for c in (0, 1)]
     assert set(states[0]) == {"module", "optimizer"} and states[0]["optimizer"]  # momentum kept: committed

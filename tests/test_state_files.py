@@ -133,3 +133,27 @@ def test_a_worker_whose_node_does_not_see_the_runs_folder_stops_the_run_in_one_l
         )
     assert "\n" not in str(err.value) and "node 10.0.0.2" in str(err.value)
     assert str(err.value).startswith("storage_path: the run's folder")
+
+
+def test_a_state_its_worker_cannot_write_fails_its_client_and_a_folder_the_node_misses_stops_the_run(
+    tmp_path,
+):
+    from in_process import client_task
+
+    from fedray.platform.errors import ConfigError
+    from fedray.platform.runtime.driver import federation_meta, prepare_federation
+    from fedray.platform.runtime.worker import ClientHost
+
+    cfg = load_config(None, tiny_overrides(algorithm="local", **{"train.local_epochs": 1}))
+    fed = prepare_federation(cfg)
+    host = ClientHost(cfg, num_threads=1)
+    host.setup(federation_meta(fed))
+    (tmp_path / "blocked").write_text("a file where the run's folder should be")
+    task = client_task(0, fed.shards[0], str(tmp_path / "blocked"), make_folder=False)
+    (result,) = host.train(0, [task], [[{}]])
+    assert "Not a directory" in result.error and "\n" not in result.error  # its client failed, in one line
+    assert 0 not in host.modules  # and no module is cached as a version no file holds
+
+    missing = client_task(0, fed.shards[0], str(tmp_path / "not-on-this-node"), make_folder=False)
+    with pytest.raises(ConfigError, match=r"^storage_path: client 0's state .* is not reachable from node"):
+        host.train(0, [missing], [[{}]])

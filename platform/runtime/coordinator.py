@@ -54,7 +54,7 @@ from fedray.platform.runtime.events import (
 )
 from fedray.platform.runtime.pool import WorkerPool
 from fedray.platform.runtime.process_roles import set_up_coordinator
-from fedray.platform.runtime.state_store import StateStore
+from fedray.platform.runtime.state_store import STATES_DIR, StateStore
 from fedray.platform.runtime.worker import ClientActor, make_client_model
 from fedray.platform.seeds import numpy_rng, seed_of
 from fedray.platform.tracking.names import Metrics
@@ -227,6 +227,9 @@ class RoundLoop:
         However the run ends, its last checkpoint lands before this returns."""
         self.checkpoint_dir = self.store.directory = checkpoint_dir  # where the workers write states
         if self.commits:
+            storage.make_dirs(
+                storage.join(checkpoint_dir, STATES_DIR)
+            )  # workers write into it, never make it
             check_workers_see(self.pool.workers, checkpoint_dir)
         try:
             summary = self.run_rounds(stop_after_round)
@@ -234,7 +237,7 @@ class RoundLoop:
             self.checkpoints.wait(quietly=True)  # the round's error is the one the user is told
             raise
         if self.checkpoints.wait() is not None:
-            self.store.landed()  # a finished run's folder holds its current states only
+            self.store.landed()  # the versions only an earlier checkpoint listed go
         return summary
 
     def run_rounds(self, stop_after_round: int | None) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import io
 import pickle
 import posixpath
 import re
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -53,12 +54,13 @@ def exists(uri: str) -> bool:
     return filesystem.get_file_info(path).type != fs.FileType.NotFound
 
 
-def write_bytes(uri: str, data: bytes | memoryview) -> None:
+def write_bytes(uri: str, data: bytes | memoryview, parents: bool = True) -> None:
     """Write atomically: to a temporary name first, then renamed over ``uri`` (object stores write
     whole objects, so the rename there is a copy of a complete file)."""
     filesystem, path = _filesystem(uri)
-    filesystem.create_dir(posixpath.dirname(path) or ".", recursive=True)
-    tmp = f"{path}.tmp"
+    if parents:
+        filesystem.create_dir(posixpath.dirname(path) or ".", recursive=True)
+    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"  # its own: two writers of one file never share a name
     with filesystem.open_output_stream(tmp) as out:
         out.write(data)
     filesystem.move(tmp, path)
@@ -108,8 +110,9 @@ HOLDS = (
 )
 
 
-def save_torch(obj: Any, uri: str, what: str = "checkpoint") -> None:
-    write_bytes(uri, torch_bytes(obj, what))
+def save_torch(obj: Any, uri: str, what: str = "checkpoint", parents: bool = True) -> None:
+    """``parents=False``: the folder must be there (a FileNotFoundError where it is not)."""
+    write_bytes(uri, torch_bytes(obj, what), parents)
 
 
 def torch_bytes(obj: Any, what: str = "checkpoint") -> memoryview:

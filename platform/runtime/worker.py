@@ -390,7 +390,7 @@ class ClientHost:
         the pool replaces it and runs the clients elsewhere."""
         for attempt in (1, 2):
             try:
-                uplink, stats, module = self.fit_client(task, rnd, payload)
+                uplink, stats = self.fit_client(task, rnd, payload)
             except (ConfigError, DeviceError):  # a broken rule, a storage path other nodes miss, a device
                 self.drop(task.client)
                 raise
@@ -403,8 +403,6 @@ class ClientHost:
                 if is_out_of_memory(err) or is_device_error(err):
                     raise DeviceError(f"client {task.client}: {first_line(err)}") from None
                 return ClientResult(task.client, None, {}, self.explained(err))
-            if self.keeps_state:
-                write_state(task, module)
             return ClientResult(task.client, uplink, stats)
         raise AssertionError("unreachable")
 
@@ -419,7 +417,7 @@ class ClientHost:
             )
         return line
 
-    def fit_client(self, task: ClientTask, rnd: int, payload: Payload) -> tuple[Payload, dict, ClientModule]:
+    def fit_client(self, task: ClientTask, rnd: int, payload: Payload) -> tuple[Payload, dict]:
         start = time.perf_counter()
         module = self.module(task)
         sent = tensor_versions(payload)
@@ -450,9 +448,10 @@ class ClientHost:
             check_held_tensors(self.spec.name, module)
             self.checked_downlinks.add(keys)
         stats[Metrics.TIME_CLIENT_S] = time.perf_counter() - start
-        if self.keeps_state:
+        if self.keeps_state:  # on disk first: a module cached as a version no file holds could be used later
+            write_state(task, module)
             self.cache(task.client, task.version + 1, module)
-        return uplink, stats, module
+        return uplink, stats
 
     def augment_generator(self, rnd: int, client: int) -> torch.Generator | None:
         """``data.augment``'s draws for one client's round: a function of (seed, round, client)."""
@@ -535,17 +534,27 @@ def write_state(task: ClientTask, module: ClientModule) -> None:
     is committed, so a worker that dies after it loses nothing (write-through)."""
     if task.commit_file is None:
         raise RuntimeError(f"client {task.client} keeps state but its task names no file for it")
-    storage.save_torch(client_state(module), task.commit_file, f"client {task.client}'s state")
+    try:  # into the folder the Coordinator made: a node that does not see it writes nowhere else
+        storage.save_torch(
+            client_state(module), task.commit_file, f"client {task.client}'s state", parents=False
+        )
+    except FileNotFoundError:
+        raise ConfigError(not_shared(task.client, task.commit_file)) from None
 
 
 def read_state(client: int, path: str) -> dict[str, Any]:
     try:
         return storage.load_torch(path)
     except FileNotFoundError:
-        raise ConfigError(
-            f"client {client}'s state {path} is not there: every node must see the run's storage_path "
-            "(a directory they all share, or a pyarrow.fs URI such as s3://bucket/fedray)"
-        ) from None
+        raise ConfigError(not_shared(client, path)) from None
+
+
+def not_shared(client: int, path: str) -> str:
+    node = ray.util.get_node_ip_address() if ray.is_initialized() else "this node"
+    return (
+        f"storage_path: client {client}'s state {path} is not reachable from node {node}: every node "
+        "must see the run's folder (a directory they all share, or a pyarrow.fs URI such as s3://bucket/fedray)"
+    )
 
 
 def load_client_state(module: ClientModule, state: dict[str, Any]) -> None:
