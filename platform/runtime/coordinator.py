@@ -226,10 +226,8 @@ class RoundLoop:
         """Run rounds ``start_round .. rounds-1``; ``stop_after_round`` simulates an interruption.
         However the run ends, its last checkpoint lands before this returns."""
         self.checkpoint_dir = self.store.directory = checkpoint_dir  # where the workers write states
-        if self.commits:
-            storage.make_dirs(
-                storage.join(checkpoint_dir, STATES_DIR)
-            )  # workers write into it, never make it
+        if self.commits:  # the workers write states into this folder, and never make it
+            storage.make_dirs(storage.join(checkpoint_dir, STATES_DIR))
             check_workers_see(self.pool.workers, checkpoint_dir)
         try:
             summary = self.run_rounds(stop_after_round)
