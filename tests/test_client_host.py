@@ -184,6 +184,19 @@ def test_clients_that_keep_nothing_share_one_model_and_commit_nothing(tmp_path):
     assert sorted(stateful.modules) == [0, 1]
 
 
+def test_a_call_that_fails_part_way_caches_none_of_its_clients(tmp_path):
+    # client 0 trains, then the call fails (here: client 1's downlink is missing): the Coordinator
+    # commits neither, so a module cached at client 0's new version could later pass for another's
+    _, fed, host = host_for(algorithm="fedavg", **{"train.keep_optimizer_state": True})
+    payload = {"model": {k: v.clone() for k, v in host.arch_model("cnn_small").state_dict().items()}}
+    tasks = [client_task(c, fed.shards[c], str(tmp_path)) for c in (0, 1)]
+    with pytest.raises(IndexError):
+        host.train(0, tasks, [[payload], []])
+    assert sorted(host.modules) == []  # client 0 trained, but is not kept
+    host.train(0, tasks[:1], [[payload]])
+    assert sorted(host.modules) == [0]  # a call that succeeds caches as before
+
+
 def test_caches_forget_the_least_recently_used_by_count_or_by_weight():
     from fedray.platform.runtime.worker import LRU
 

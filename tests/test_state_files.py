@@ -83,6 +83,64 @@ def test_a_version_a_checkpoint_lists_stays_until_a_later_checkpoint_has_landed(
     assert float(resumed.states([1])[1]["module"]["w"][0]) == 6.0
 
 
+def test_a_resumed_run_starts_by_deleting_what_its_interrupted_run_left_that_nothing_needs(tmp_path):
+    store, directory = StateStore(), str(tmp_path)
+    store.directory = directory
+    trains(store, 1, 1.0)
+    first = checkpoint(store, directory, 1)  # lists 1-v1
+    write_checkpoint(first)
+    trains(store, 1, 2.0)
+    trains(store, 2, 3.0)  # client 2's first state, after the checkpoint
+    second = checkpoint(store, directory, 2)  # lists 1-v2 and 2-v1; the run dies as it lands,
+    write_checkpoint(second)  # before its store hears of it: 1-v1 stays
+    trains(store, 1, 4.0)  # after the last checkpoint: 1-v3
+    (tmp_path / "states" / "1-v4.pt.0123abcd.tmp").write_bytes(b"cut short by a SIGKILL")
+    (tmp_path / "states" / "notes.txt").write_text("not the store's")
+    assert files(tmp_path) == [
+        "1-v1.pt",
+        "1-v2.pt",
+        "1-v3.pt",
+        "1-v4.pt.0123abcd.tmp",
+        "2-v1.pt",
+        "notes.txt",
+    ]
+
+    resumed = StateStore()
+    load_checkpoint(directory, NoServer(), resumed)
+    resumed.sweep()
+    assert files(tmp_path) == ["1-v2.pt", "2-v1.pt", "notes.txt"]
+    assert float(resumed.states([1])[1]["module"]["w"][0]) == 2.0
+
+
+def test_a_failed_calls_state_is_deleted_and_the_committed_one_kept(tmp_path):
+    from types import SimpleNamespace
+
+    from fedray.platform.runtime.dispatch import accept_uplinks
+    from fedray.platform.runtime.worker import ClientResult
+
+    store = StateStore()
+    store.directory = str(tmp_path)
+    trains(store, 1, 1.0)
+    trains(store, 2, 2.0)
+    for client in (1, 2, 3):  # each call wrote the version it trained to; 1's code then raised in upload
+        storage.save_torch({"w": torch.zeros(1)}, store.task(client, None).commit_file)
+    trained = SimpleNamespace(
+        results={(0,): ([ClientResult(1, None, {}, "ValueError: boom"), ClientResult(2, {}, {})], (0, 0))},
+        failed={(3,): "worker died"},  # 3's worker died after writing, and its retries too
+    )
+    uplinks, _, failed = accept_uplinks(trained, store, commits=True)
+    assert list(uplinks) == [2] and sorted(failed) == [1, 3]
+    assert files(tmp_path) == ["1-v1.pt", "2-v2.pt"]
+    assert store.version == {1: 1, 2: 2}
+
+
+def test_a_write_that_fails_leaves_no_temporary_file(tmp_path):
+    (tmp_path / "taken" / "x").mkdir(parents=True)  # a folder where the file should go: the rename fails
+    with pytest.raises(OSError):
+        storage.write_bytes(str(tmp_path / "taken"), b"a state")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
 @pytest.mark.usefixtures("ray_session")
 def test_a_run_repeats_itself_with_or_without_checkpoints_and_resumed_and_leaves_its_current_states(
     mlflow_store,
@@ -98,12 +156,16 @@ def test_a_run_repeats_itself_with_or_without_checkpoints_and_resumed_and_leaves
     every = load_config(None, [*overrides, "checkpoint_every=1"])
     whole = run_experiment(every)
     stopped = run_experiment(every, stop_after_round=2)
+    left = Path(recorded_checkpoint_dir(stopped.run_id)) / "states"  # as a run killed mid-round leaves it:
+    (left / "0-v9.pt").write_bytes(b"a version after the checkpoint")
+    (left / "0-v10.pt.0123abcd.tmp").write_bytes(b"a write cut short")
     resumed = run_experiment(every, resume_run_id=stopped.run_id)
     for run in (whole, resumed):
         assert without_timing(run.history) == without_timing(plain.history)
         assert run.client_acc == plain.client_acc
     assert len(plain.client_acc) == 4  # every client tested
-    for run in (plain, whole, resumed):  # a finished run's folder: each client's current state only
+    for run in (plain, whole, resumed):  # a finished run's folder: each client's current state only,
+        # what the interrupted run left deleted as the resumed one started
         directory = Path(recorded_checkpoint_dir(run.run_id))
         names = sorted(p.name for p in (directory / "states").iterdir())
         assert len(names) == 4 and len({n.split("-v")[0] for n in names}) == 4, names

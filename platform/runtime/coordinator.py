@@ -229,6 +229,7 @@ class RoundLoop:
         if self.commits:  # the workers write states into this folder, and never make it
             storage.make_dirs(storage.join(checkpoint_dir, STATES_DIR))
             check_workers_see(self.pool.workers, checkpoint_dir)
+            self.store.sweep()  # what a resumed run's interrupted one left that nothing needs
         try:
             summary = self.run_rounds(stop_after_round)
         except BaseException:

@@ -154,4 +154,7 @@ def accept_uplinks(
             uplinks[result.client], stats[result.client] = result.uplink, result.stats
     for clients, error in trained.failed.items():
         failed.update(dict.fromkeys(clients, error))
+    if commits:
+        for client in failed:
+            store.drop_uncommitted(client)
     return dict(sorted(uplinks.items())), stats, failed

@@ -15,21 +15,30 @@ A checkpoint is the list of each client's current version (:meth:`StateStore.man
 is copied when it is taken. A version's file goes once nothing needs it: not current, and listed
 neither by the last checkpoint that landed nor by the one on its way. A resumed run finds the files
 of versions newer than its checkpoint that the interrupted run wrote; it writes each again before
-committing it, so it never reads one.
+committing it, so it never reads one; it deletes them as it starts (:meth:`StateStore.sweep`), with
+what calls that failed wrote and temporary files a killed worker left.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
+from fedray.platform.errors import first_line
 from fedray.platform.runtime import storage
+
+logger = logging.getLogger(__name__)
 
 STATES_DIR = "states"
 
 
 def state_name(client: int, version: int) -> str:
     return f"{client}-v{version}.pt"
+
+
+STATE_NAME = re.compile(r"(\d+)-v(\d+)\.pt")
 
 
 def state_file(directory: str, client: int, version: int) -> str:
@@ -68,10 +77,13 @@ class StateStore:
     def tasks(self, clients: list[int], shard_refs: list, commits: bool = True) -> list[ClientTask]:
         return [self.task(c, shard_refs[c], commits) for c in clients]
 
-    def file(self, client: int, version: int) -> str:
+    def folder(self) -> str:
         if self.directory is None:
             raise RuntimeError("the state store has no directory yet: the run has not started")
-        return state_file(self.directory, client, version)
+        return storage.join(self.directory, STATES_DIR)
+
+    def file(self, client: int, version: int) -> str:
+        return storage.join(self.folder(), state_name(client, version))
 
     def commit(self, client: int, holder: tuple[int, int]) -> None:
         """The client's uplink is in: the state its worker wrote is the truth now; the version it
@@ -92,6 +104,30 @@ class StateStore:
     def forget_unneeded(self, client: int, version: int) -> None:
         if not self.needed(client, version):
             storage.delete_if_there(self.file(client, version))
+
+    def drop_uncommitted(self, client: int) -> None:
+        """The client's call failed: the version it trained to, if its worker wrote it, is never read
+        (a later call that trains it writes that name again)."""
+        storage.delete_if_there(self.file(client, self.version.get(client, 0) + 1))
+
+    def sweep(self) -> None:
+        """As a run starts on its folder: delete the state files nothing needs. A resumed run finds
+        the versions its interrupted run wrote after the checkpoint (and those of an earlier
+        checkpoint it had not yet dropped), and temporary files of writes a killed worker cut short.
+        Best effort: a folder that cannot be listed (an object store without the right to list) is
+        only a warning, and a process of the interrupted run that is still alive may write after it."""
+        folder = self.folder()
+        try:
+            names = storage.names_in(folder)
+        except Exception as err:
+            logger.warning("state files of an interrupted run were not cleaned up: %s", first_line(err))
+            return
+        for name in names:
+            match = STATE_NAME.fullmatch(name)
+            if match and self.needed(int(match[1]), int(match[2])):
+                continue
+            if match or name.endswith(".tmp"):  # anything else in the folder is not the store's
+                storage.delete_if_there(storage.join(folder, name))
 
     def clients(self) -> list[int]:
         """Every client that has committed a state, in order."""

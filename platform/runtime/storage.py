@@ -61,9 +61,23 @@ def write_bytes(uri: str, data: bytes | memoryview, parents: bool = True) -> Non
     if parents:
         filesystem.create_dir(posixpath.dirname(path) or ".", recursive=True)
     tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"  # its own: two writers of one file never share a name
-    with filesystem.open_output_stream(tmp) as out:
-        out.write(data)
-    filesystem.move(tmp, path)
+    try:
+        with filesystem.open_output_stream(tmp) as out:
+            out.write(data)
+        filesystem.move(tmp, path)
+    except BaseException:  # a full disk, a refused upload: no half-written file left behind
+        with contextlib.suppress(Exception):
+            filesystem.delete_file(tmp)
+        raise
+
+
+def names_in(uri: str) -> list[str]:
+    """The names of the files directly in the folder ``uri`` (none if it is not there)."""
+    from pyarrow import fs
+
+    filesystem, path = _filesystem(uri)
+    infos = filesystem.get_file_info(fs.FileSelector(path, allow_not_found=True))
+    return [info.base_name for info in infos if info.type == fs.FileType.File]
 
 
 def delete(uri: str) -> None:

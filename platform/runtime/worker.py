@@ -379,10 +379,15 @@ class ClientHost:
         """Receive, fit and upload each client in turn; a client that keeps state has its new state
         written to its task's ``commit_file`` before the call returns (committed once the
         Coordinator accepts its uplink)."""
-        return [
-            self.train_one(task, rnd, self.payload(boxed, rnd))
-            for task, boxed in zip(tasks, payloads, strict=True)
-        ]
+        try:
+            return [
+                self.train_one(task, rnd, self.payload(boxed, rnd))
+                for task, boxed in zip(tasks, payloads, strict=True)
+            ]
+        except BaseException:  # the whole call fails, so none of its clients commits: the modules
+            for task in tasks:  # of those that trained are at versions the Coordinator never takes
+                self.drop(task.client)
+            raise
 
     def train_one(self, task: ClientTask, rnd: int, payload: Payload) -> ClientResult:
         """One client, with the device faults sorted from the client's own: out of memory frees the
