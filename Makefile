@@ -46,7 +46,7 @@ typecheck: install  ## mypy on the fedray package
 	MYPYPATH=$(VENV)/typecheck $(BIN)/mypy -p fedray
 
 test: install lint typecheck  ## lint, type check, then the default suite (slow real-data tests excluded)
-	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder --durations=20
 
 test-slow: install  ## the real-data checks (the CIFAR-10 JPEG archive: FEDRAY_CIFAR10_ARCHIVE=... or .data/)
 	$(BIN)/python -m pytest -q -m slow -s
