@@ -242,6 +242,16 @@ def test_a_checkpoint_cut_short_leaves_the_last_one_whole(tmp_path, monkeypatch)
     assert torch.equal(resumed.states([7])[7]["module"]["w"], torch.ones(2))
 
 
+def test_a_run_starting_on_its_folder_deletes_a_checkpoint_a_killed_writer_cut_short(tmp_path):
+    from fedray.platform.runtime.checkpoint import drop_partial_writes
+
+    for name in ("checkpoint.pt", "checkpoint.pt.0123abcd.tmp", "config.yaml", "notes.tmp"):
+        (tmp_path / name).write_bytes(b"x")
+    drop_partial_writes(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt", "config.yaml", "notes.tmp"]
+    drop_partial_writes(str(tmp_path / "not-there"))  # nothing to list: nothing said
+
+
 def test_a_run_returns_once_its_last_checkpoint_has_landed(tmp_path, monkeypatch):
     def slow_write(checkpoint, write=checkpoint_module.write_checkpoint):
         time.sleep(1.0)  # a write still on its way when the last round ends

@@ -159,6 +159,7 @@ def test_a_run_repeats_itself_with_or_without_checkpoints_and_resumed_and_leaves
     left = Path(recorded_checkpoint_dir(stopped.run_id)) / "states"  # as a run killed mid-round leaves it:
     (left / "0-v9.pt").write_bytes(b"a version after the checkpoint")
     (left / "0-v10.pt.0123abcd.tmp").write_bytes(b"a write cut short")
+    (left.parent / "checkpoint.pt.0123abcd.tmp").write_bytes(b"a checkpoint cut short")
     resumed = run_experiment(every, resume_run_id=stopped.run_id)
     for run in (whole, resumed):
         assert without_timing(run.history) == without_timing(plain.history)
@@ -172,6 +173,7 @@ def test_a_run_repeats_itself_with_or_without_checkpoints_and_resumed_and_leaves
         if run is not plain:
             listed = storage.load_torch(str(directory / "checkpoint.pt"))["states"]
             assert sorted(listed.values()) == names
+            assert not list(directory.glob("*.tmp"))
 
 
 def test_a_worker_whose_node_does_not_see_the_runs_folder_stops_the_run_in_one_line(monkeypatch, tmp_path):

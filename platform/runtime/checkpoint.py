@@ -37,6 +37,20 @@ def checkpoint_file(directory: str) -> str:
     return storage.join(directory, CHECKPOINT_FILE)
 
 
+def drop_partial_writes(directory: str) -> None:
+    """As a run starts on its folder: the temporary file of a checkpoint whose writer was killed
+    part way is never read (the last whole checkpoint is the truth). Best effort, as the states'
+    sweep."""
+    try:
+        names = storage.names_in(directory)
+    except Exception as err:
+        logger.warning("a checkpoint cut short was not cleaned up: %s", first_line(err))
+        return
+    for name in names:
+        if name.startswith(CHECKPOINT_FILE) and name.endswith(".tmp"):
+            storage.delete_if_there(storage.join(directory, name))
+
+
 def has_checkpoint(directory: str) -> bool:
     return storage.exists(checkpoint_file(directory))
 

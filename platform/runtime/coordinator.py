@@ -39,6 +39,7 @@ from fedray.platform.runtime.checkpoint import (
     CONFIG_FILE,
     CheckpointWriter,
     LoopRecord,
+    drop_partial_writes,
     load_checkpoint,
     take_checkpoint,
 )
@@ -226,6 +227,7 @@ class RoundLoop:
         """Run rounds ``start_round .. rounds-1``; ``stop_after_round`` simulates an interruption.
         However the run ends, its last checkpoint lands before this returns."""
         self.checkpoint_dir = self.store.directory = checkpoint_dir  # where the workers write states
+        drop_partial_writes(checkpoint_dir)  # what an interrupted run's killed checkpoint writer left
         if self.commits:  # the workers write states into this folder, and never make it
             storage.make_dirs(storage.join(checkpoint_dir, STATES_DIR))
             check_workers_see(self.pool.workers, checkpoint_dir)
