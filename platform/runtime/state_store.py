@@ -77,13 +77,13 @@ class StateStore:
     def tasks(self, clients: list[int], shard_refs: list, commits: bool = True) -> list[ClientTask]:
         return [self.task(c, shard_refs[c], commits) for c in clients]
 
-    def folder(self) -> str:
+    def run_directory(self) -> str:
         if self.directory is None:
             raise RuntimeError("the state store has no directory yet: the run has not started")
-        return storage.join(self.directory, STATES_DIR)
+        return self.directory
 
     def file(self, client: int, version: int) -> str:
-        return storage.join(self.folder(), state_name(client, version))
+        return state_file(self.run_directory(), client, version)
 
     def commit(self, client: int, holder: tuple[int, int]) -> None:
         """The client's uplink is in: the state its worker wrote is the truth now; the version it
@@ -116,7 +116,7 @@ class StateStore:
         checkpoint it had not yet dropped), and temporary files of writes a killed worker cut short.
         Best effort: a folder that cannot be listed (an object store without the right to list) is
         only a warning, and a process of the interrupted run that is still alive may write after it."""
-        folder = self.folder()
+        folder = storage.join(self.run_directory(), STATES_DIR)
         try:
             names = storage.names_in(folder)
         except Exception as err:
