@@ -39,16 +39,12 @@ def checkpoint_file(directory: str) -> str:
 
 def drop_partial_writes(directory: str) -> None:
     """As a run starts on its folder: the temporary file of a checkpoint whose writer was killed
-    part way is never read (the last whole checkpoint is the truth). Best effort, as the states'
-    sweep."""
-    try:
-        names = storage.names_in(directory)
-    except Exception as err:
-        logger.warning("a checkpoint cut short was not cleaned up: %s", first_line(err))
-        return
-    for name in names:
-        if name.startswith(CHECKPOINT_FILE) and name.endswith(".tmp"):
-            storage.delete_if_there(storage.join(directory, name))
+    part way is never read (the last whole checkpoint is the truth)."""
+    storage.clean_up(
+        directory,
+        lambda name: name.startswith(CHECKPOINT_FILE) and name.endswith(storage.PARTIAL),
+        "a checkpoint cut short was",
+    )
 
 
 def has_checkpoint(directory: str) -> bool:

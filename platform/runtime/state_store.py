@@ -21,15 +21,11 @@ what calls that failed wrote and temporary files a killed worker left.
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from fedray.platform.errors import first_line
 from fedray.platform.runtime import storage
-
-logger = logging.getLogger(__name__)
 
 STATES_DIR = "states"
 
@@ -114,20 +110,21 @@ class StateStore:
         """As a run starts on its folder: delete the state files nothing needs. A resumed run finds
         the versions its interrupted run wrote after the checkpoint (and those of an earlier
         checkpoint it had not yet dropped), and temporary files of writes a killed worker cut short.
-        Best effort: a folder that cannot be listed (an object store without the right to list) is
-        only a warning, and a process of the interrupted run that is still alive may write after it."""
-        folder = storage.join(self.run_directory(), STATES_DIR)
-        try:
-            names = storage.names_in(folder)
-        except Exception as err:
-            logger.warning("state files of an interrupted run were not cleaned up: %s", first_line(err))
-            return
-        for name in names:
-            match = STATE_NAME.fullmatch(name)
-            if match and self.needed(int(match[1]), int(match[2])):
-                continue
-            if match or name.endswith(".tmp"):  # anything else in the folder is not the store's
-                storage.delete_if_there(storage.join(folder, name))
+        Best effort (:func:`storage.clean_up`): a process of the interrupted run that is still alive
+        may write after it."""
+        storage.clean_up(
+            storage.join(self.run_directory(), STATES_DIR),
+            self.unneeded,
+            "state files of an interrupted run were",
+        )
+
+    def unneeded(self, name: str) -> bool:
+        """Whether a file of the states folder can go: a version nothing needs, or a write cut short
+        (anything else in the folder is not the store's)."""
+        match = STATE_NAME.fullmatch(name)
+        if match:
+            return not self.needed(int(match[1]), int(match[2]))
+        return name.endswith(storage.PARTIAL)
 
     def clients(self) -> list[int]:
         """Every client that has committed a state, in order."""

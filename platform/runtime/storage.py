@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import pickle
 import posixpath
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fedray.platform.errors import CheckpointError, ContractError, first_line
+
+logger = logging.getLogger(__name__)
 
 
 def resolve(path: str) -> str:
@@ -54,13 +57,16 @@ def exists(uri: str) -> bool:
     return filesystem.get_file_info(path).type != fs.FileType.NotFound
 
 
+PARTIAL = ".tmp"  # a write's temporary name ends so: one still there was cut short (its process killed)
+
+
 def write_bytes(uri: str, data: bytes | memoryview, parents: bool = True) -> None:
     """Write atomically: to a temporary name first, then renamed over ``uri`` (object stores write
     whole objects, so the rename there is a copy of a complete file)."""
     filesystem, path = _filesystem(uri)
     if parents:
         filesystem.create_dir(posixpath.dirname(path) or ".", recursive=True)
-    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"  # its own: two writers of one file never share a name
+    tmp = f"{path}.{uuid.uuid4().hex[:8]}{PARTIAL}"  # its own: two writers of one file never share a name
     try:
         with filesystem.open_output_stream(tmp) as out:
             out.write(data)
@@ -78,6 +84,20 @@ def names_in(uri: str) -> list[str]:
     filesystem, path = _filesystem(uri)
     infos = filesystem.get_file_info(fs.FileSelector(path, allow_not_found=True))
     return [info.base_name for info in infos if info.type == fs.FileType.File]
+
+
+def clean_up(uri: str, doomed: Callable[[str], bool], what: str) -> None:
+    """Delete the files directly in the folder ``uri`` whose names ``doomed`` picks. Best effort: a
+    folder that cannot be listed (an object store without the right to list) is a warning naming
+    ``what`` was left."""
+    try:
+        names = names_in(uri)
+    except Exception as err:
+        logger.warning("%s not cleaned up: %s", what, first_line(err))
+        return
+    for name in names:
+        if doomed(name):
+            delete_if_there(join(uri, name))
 
 
 def delete(uri: str) -> None:

@@ -396,9 +396,8 @@ class ClientHost:
         for attempt in (1, 2):
             try:
                 uplink, stats = self.fit_client(task, rnd, payload)
-            except (ConfigError, DeviceError):  # a broken rule, a storage path other nodes miss, a device
-                self.drop(task.client)
-                raise
+            except (ConfigError, DeviceError):  # a broken rule, a storage path other nodes miss, a device:
+                raise  # the call fails, and train() drops its clients' modules
             except Exception as err:
                 self.drop(task.client)  # half-trained: the committed state stays the truth
                 if is_out_of_memory(err) and attempt == 1:
