@@ -9,9 +9,11 @@ nested child run per trial.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -20,6 +22,7 @@ import pandas as pd
 import yaml
 from ray.tune import Callback
 from ray.tune.error import TuneError
+from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
 from fedray.platform.catalog import build_config
 from fedray.platform.config import ExperimentConfig, merge, raw_config
@@ -149,6 +152,21 @@ def run_trial(point: dict[str, Any], base: dict[str, Any], parent_run_id: str, s
 # --------------------------------------------------------------------------------------------- sweep
 
 
+def rounds_planned(base_rounds: int, point: dict[str, Any]) -> int:
+    """The rounds a trial was set to run: the base config's, unless the space sweeps ``rounds``."""
+    return int(point.get("rounds", base_rounds))
+
+
+def trial_status(metrics: dict[str, Any], error: Any, base_rounds: int, point: dict[str, Any]) -> str:
+    """How a trial ended: ``ok`` (all its rounds), ``stopped early`` (by the scheduler, which Tune
+    counts as done), ``interrupted`` (the sweep was, before the trial was done) or ``error``."""
+    if error:
+        return "error"
+    if not metrics.get("done"):
+        return "interrupted"
+    return "stopped early" if metrics.get("round", 0) < rounds_planned(base_rounds, point) else "ok"
+
+
 def trial_label(point: dict[str, Any]) -> str:
     """``alpha=0.9 selection=in_order``: a trial's swept values, short keys, in the space's order."""
 
@@ -248,8 +266,10 @@ def run_sweep(
         tune.with_parameters(run_trial, base=base, parent_run_id=parent.run_id, sweep_id=name),
         resources=trial_resources(base_cfg),
     )
-    lines = _TrialLines(space.metric)
-    callbacks: list[Callback] = [lines]
+    lines = _TrialLines(space.metric, base_cfg.rounds)
+    # Tune's own result files (what its ResultGrid reads back), without its TensorBoard files: every
+    # round is in MLflow, and Tune would print a TensorBoard command for files nobody needs
+    callbacks: list[Callback] = [lines, CSVLoggerCallback(), JsonLoggerCallback()]
     if stop_after_trials:
         callbacks.append(InterruptAfterTrials(stop_after_trials))
     if resume:
@@ -278,7 +298,8 @@ def run_sweep(
     status = "FAILED"
     try:
         try:
-            grid = tuner.fit()
+            with no_default_tune_loggers():
+                grid = tuner.fit()
         except (ValueError, TuneError) as err:  # Tune's check of the first result that lacks the metric
             if f"metric(s) `{metric}`" not in str(err):
                 raise
@@ -305,11 +326,26 @@ def run_sweep(
     return result
 
 
+@contextlib.contextmanager
+def no_default_tune_loggers() -> Iterator[None]:
+    """Tune adds its CSV, JSON and TensorBoard loggers to a fit's callbacks unless this is set."""
+    key, before = "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", os.environ.get("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS")
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
 class _TrialLines(Callback):
     """One line per started and finished trial (Tune's own tables are too wide to read)."""
 
-    def __init__(self, metric: str) -> None:
+    def __init__(self, metric: str, rounds: int) -> None:
         self.metric = tune_key(metric)
+        self.rounds = rounds  # the base config's: a trial stopped before its rounds was stopped early
         self.running = 0
         self.max_running = 0
 
@@ -324,13 +360,16 @@ class _TrialLines(Callback):
         last = trial.last_result or {}
         value = last.get(self.metric)
         shown = "-" if value is None else f"{value:.4f}"
+        rounds = last.get("round", 0)
         print(
-            f"trial {trial.trial_id} {how} after {last.get('round', 0)} rounds: {self.metric}={shown}",
+            f"trial {trial.trial_id} {how} after {rounds} round{'s' * (rounds != 1)}: {self.metric}={shown}",
             flush=True,
         )
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
-        self._ended(trial, "finished")
+        last = trial.last_result or {}
+        stopped = last.get("round", 0) < rounds_planned(self.rounds, trial.config)
+        self._ended(trial, "stopped early by the scheduler" if stopped else "finished")
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         self._ended(trial, "FAILED")
@@ -358,6 +397,7 @@ class InterruptAfterTrials(Callback):
 def summarize(grid, space: SearchSpace, parent, path: Path, base: dict[str, Any]) -> SweepResult:
     """Trial table, best config (logged on the parent), and stray child runs closed as KILLED."""
     metric = tune_key(space.metric)
+    base_rounds = build_config(base).rounds
     rows = []
     for result in grid:
         point = {k: v for k, v in (result.config or {}).items()}
@@ -367,7 +407,7 @@ def summarize(grid, space: SearchSpace, parent, path: Path, base: dict[str, Any]
                 **point,
                 space.metric: metrics.get(metric),
                 "rounds": metrics.get("round"),
-                "status": "error" if result.error else "ok",
+                "status": trial_status(metrics, result.error, base_rounds, point),
                 "trial": metrics.get("trial_id") or os.path.basename(result.path or ""),  # Tune's own field
             }
         )

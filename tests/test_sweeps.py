@@ -1,6 +1,7 @@
 """Ray Tune sweeps: space files checked without Ray; a real 4-trial sweep; interrupt and resume."""
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from fedray.platform.config import load_yaml
 from fedray.platform.errors import ConfigError
 from fedray.platform.tracking.names import Metrics, RunKind, Tags, tag_filter
 from fedray.sweeps.space import SPACES_DIR, check_space, load_space, trial_config
-from fedray.sweeps.tune_sweep import prepare_base, run_sweep, unreported_metric
+from fedray.sweeps.tune_sweep import prepare_base, run_sweep, trial_status, unreported_metric
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACE_FILES = sorted(SPACES_DIR.glob("*.yaml"))
@@ -148,7 +149,7 @@ def actor_classes() -> dict[str, str]:
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_two_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store, monkeypatch):
+def test_two_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store, monkeypatch, capsys):
     # the store named as a user often does, relative to where the sweep starts: the trials run in
     # their own directories, and must still log into this store
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
@@ -156,6 +157,10 @@ def test_two_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store, mo
     result = run_sweep("fedprox", space_file=_tiny_space(tmp_path), overrides=tiny_overrides(rounds=2))
 
     assert len(result.trials) == 2 and set(result.trials["status"]) == {"ok"}
+    # Tune's result files for its own resume, no TensorBoard files nor a command to read them
+    assert len(list(result.path.rglob("result.json"))) == 2 and not list(result.path.rglob("events.out.*"))
+    assert "TensorBoard" not in capsys.readouterr().out
+    assert "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS" not in os.environ  # set for the fit only
     # the second trial ran in the first one's processes (Tune's reuse_actors and KeptRuntime): one
     # trial process, one Coordinator and two ClientActors started for the whole sweep
     started = sorted(name for actor, name in actor_classes().items() if actor not in before)
@@ -208,7 +213,7 @@ def test_two_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store, mo
 
 @pytest.mark.usefixtures("ray_session")
 def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoing_any(
-    tmp_path, mlflow_store
+    tmp_path, mlflow_store, capsys
 ):
     # one trial at a time: lr=0.1 runs its 2 rounds; lr=1e-4 is far behind it after round 1, so ASHA
     # (grace 1 round, halving) stops it there, in the first trial's reused process; the third trial
@@ -225,6 +230,12 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
     )
     rounds = dict(zip(first.trials["train.lr"], first.trials["rounds"], strict=True))
     assert len(rounds) == 3 and rounds[0.1] == 2 and rounds[0.0001] == 1
+    status = dict(zip(first.trials["train.lr"], first.trials["status"], strict=True))
+    assert status[0.1] == "ok" and status[0.0001] == "stopped early", status
+    trial = dict(zip(first.trials["train.lr"], first.trials["trial"], strict=True))
+    lines = capsys.readouterr().out.splitlines()
+    assert f"trial {trial[0.1]} finished after 2 rounds: acc_global=" in "\n".join(lines), lines
+    assert f"trial {trial[0.0001]} stopped early by the scheduler after 1 round: " in "\n".join(lines), lines
     # the stopped trial's Coordinator was halted between rounds and its processes served the third
     # trial: one trial process, one Coordinator and two ClientActors for all three
     started = sorted(name for actor, name in actor_classes().items() if actor not in before)
@@ -247,6 +258,20 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
     assert stopped.info.status == "KILLED" and stopped.data.tags[Tags.STOPPED_EARLY] == "true"
     assert Metrics.TIME_WALL_S in stopped.data.metrics  # closed by its own run, not by the sweep after it
     assert [m.step for m in client.get_metric_history(stopped.info.run_id, Metrics.ACC_GLOBAL)] == [1]
+
+
+@pytest.mark.parametrize(
+    ("metrics", "error", "point", "status"),
+    [
+        ({"round": 5, "done": True}, None, {}, "ok"),
+        ({"round": 3, "done": True}, None, {}, "stopped early"),  # Tune counts a stopped trial as done
+        ({"round": 3, "done": True}, None, {"rounds": 3}, "ok"),  # the space sweeps the rounds
+        ({"round": 3}, None, {}, "interrupted"),
+        ({"round": 5, "done": True}, RuntimeError("x"), {}, "error"),
+    ],
+)
+def test_a_trial_status_says_how_it_ended(metrics, error, point, status):
+    assert trial_status(metrics, error, 5, point) == status
 
 
 def test_prepare_base_makes_paths_absolute(tmp_path, monkeypatch):
