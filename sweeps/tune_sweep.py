@@ -394,12 +394,13 @@ class InterruptAfterTrials(Callback):
             os.kill(os.getpid(), signal.SIGINT)
 
 
-def summarize(grid, space: SearchSpace, parent, path: Path, base: dict[str, Any]) -> SweepResult:
-    """Trial table, best config (logged on the parent), and stray child runs closed as KILLED."""
+def trial_table(results, space: SearchSpace, base_rounds: int) -> pd.DataFrame:
+    """One row per trial, the best first: its point, the metric, the rounds it ran, how it ended and
+    its id. Columns of Python objects: a trial that never reported has no values (``None``), and
+    must not turn the other trials' integers into floats (``num_middleware=5.0`` in the best config)."""
     metric = tune_key(space.metric)
-    base_rounds = build_config(base).rounds
     rows = []
-    for result in grid:
+    for result in results:
         point = {k: v for k, v in (result.config or {}).items()}
         metrics = result.metrics or {}
         rows.append(
@@ -411,9 +412,16 @@ def summarize(grid, space: SearchSpace, parent, path: Path, base: dict[str, Any]
                 "trial": metrics.get("trial_id") or os.path.basename(result.path or ""),  # Tune's own field
             }
         )
-    table = pd.DataFrame(rows)
+    table = pd.DataFrame(rows, dtype=object)
+    table = table.where(table.notna(), None)  # a key a trial lacks is None too, not NaN
     if not table.empty and table[space.metric].notna().any():
         table = table.sort_values(space.metric, ascending=space.mode == "min", na_position="last")
+    return table.reset_index(drop=True)
+
+
+def summarize(grid, space: SearchSpace, parent, path: Path, base: dict[str, Any]) -> SweepResult:
+    """Trial table, best config (logged on the parent), and stray child runs closed as KILLED."""
+    table = trial_table(grid, space, build_config(base).rounds)
     best_point = {}
     if not table.empty and table[space.metric].notna().any():
         best_point = {p.key: table.iloc[0][p.key] for p in space.params if p.key in table.columns}

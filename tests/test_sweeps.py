@@ -4,6 +4,7 @@ import json
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -15,7 +16,7 @@ from fedray.platform.config import load_yaml
 from fedray.platform.errors import ConfigError
 from fedray.platform.tracking.names import Metrics, RunKind, Tags, tag_filter
 from fedray.sweeps.space import SPACES_DIR, check_space, load_space, trial_config
-from fedray.sweeps.tune_sweep import prepare_base, run_sweep, trial_status, unreported_metric
+from fedray.sweeps.tune_sweep import prepare_base, run_sweep, trial_status, trial_table, unreported_metric
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACE_FILES = sorted(SPACES_DIR.glob("*.yaml"))
@@ -272,6 +273,27 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
 )
 def test_a_trial_status_says_how_it_ended(metrics, error, point, status):
     assert trial_status(metrics, error, 5, point) == status
+
+
+def test_the_trial_table_keeps_each_value_as_the_trial_had_it(tmp_path):
+    # a trial an interrupt left unstarted reports nothing: its row has no values, and the others'
+    # integers stay integers (pandas would make the column float, and the best config num_middleware=5.0)
+    space = load_space(_tiny_space(tmp_path))
+    done = {"round": 5, "done": True}
+    results = [
+        SimpleNamespace(
+            config={"k": 5, "lr": 0.1}, metrics={**done, "acc_global": 0.5}, error=None, path="/t/a"
+        ),
+        SimpleNamespace(config=None, metrics=None, error=None, path="/t/b"),
+        SimpleNamespace(
+            config={"k": 7, "lr": 0.2}, metrics={**done, "acc_global": 0.8}, error=None, path="/t/c"
+        ),
+    ]
+    table = trial_table(results, space, base_rounds=5)
+    assert list(table["trial"]) == ["c", "a", "b"]  # best first, the unreported last
+    assert list(table["k"])[:2] == [7, 5] and all(type(k) is int for k in list(table["k"])[:2])
+    assert table["k"][2] is None and table["rounds"][2] is None
+    assert list(table["status"]) == ["ok", "ok", "interrupted"]
 
 
 def test_prepare_base_makes_paths_absolute(tmp_path, monkeypatch):
