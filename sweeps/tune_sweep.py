@@ -250,6 +250,8 @@ def run_sweep(
             raise ConfigError(f"--resume: no sweep to resume at {path}")
         state = json.loads(state_file.read_text())
         parent = RunTracker(base_cfg, run_id=state["parent_run_id"])
+        # a sweep started before fedray passed Tune its loggers itself gets Tune's defaults
+        own_loggers = state.get("tune_loggers") == "explicit"
     else:
         parent_cfg = build_config(merge(base, {"name": base_cfg.tracking.experiment or base_cfg.name}))
         parent = RunTracker(parent_cfg, extra_tags={Tags.KIND: RunKind.SWEEP, Tags.SWEEP_ID: name})
@@ -268,7 +270,8 @@ def run_sweep(
     )
     lines = _TrialLines(space.metric, base_cfg.rounds)
     # Tune's own result files (what its ResultGrid reads back), without its TensorBoard files: every
-    # round is in MLflow, and Tune would print a TensorBoard command for files nobody needs
+    # round is in MLflow, and Tune would print a TensorBoard command for files nobody needs. A
+    # resumed sweep runs the callbacks it was started with (Tune restores them), not these
     callbacks: list[Callback] = [lines, CSVLoggerCallback(), JsonLoggerCallback()]
     if stop_after_trials:
         callbacks.append(InterruptAfterTrials(stop_after_trials))
@@ -294,11 +297,13 @@ def run_sweep(
                 name=name, storage_path=str(sweeps_dir), callbacks=callbacks, verbose=0
             ),
         )
-        state_file.write_text(json.dumps({"parent_run_id": parent.run_id, "algorithm": algorithm}))
+        state = {"parent_run_id": parent.run_id, "algorithm": algorithm, "tune_loggers": "explicit"}
+        state_file.write_text(json.dumps(state))
+        own_loggers = True
     status = "FAILED"
     try:
         try:
-            with no_default_tune_loggers():
+            with no_default_tune_loggers() if own_loggers else contextlib.nullcontext():
                 grid = tuner.fit()
         except (ValueError, TuneError) as err:  # Tune's check of the first result that lacks the metric
             if f"metric(s) `{metric}`" not in str(err):
@@ -343,6 +348,8 @@ def no_default_tune_loggers() -> Iterator[None]:
 class _TrialLines(Callback):
     """One line per started and finished trial (Tune's own tables are too wide to read)."""
 
+    rounds: int | None = None  # unset in one restored from a sweep started by an older fedray
+
     def __init__(self, metric: str, rounds: int) -> None:
         self.metric = tune_key(metric)
         self.rounds = rounds  # the base config's: a trial stopped before its rounds was stopped early
@@ -368,7 +375,7 @@ class _TrialLines(Callback):
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
         last = trial.last_result or {}
-        stopped = last.get("round", 0) < rounds_planned(self.rounds, trial.config)
+        stopped = self.rounds is not None and last.get("round", 0) < rounds_planned(self.rounds, trial.config)
         self._ended(trial, "stopped early by the scheduler" if stopped else "finished")
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
@@ -407,7 +414,7 @@ def trial_table(results, space: SearchSpace, base_rounds: int) -> pd.DataFrame:
             {
                 **point,
                 space.metric: metrics.get(metric),
-                "rounds": metrics.get("round"),
+                "rounds run": metrics.get("round"),  # not "rounds": a space may sweep those
                 "status": trial_status(metrics, result.error, base_rounds, point),
                 "trial": metrics.get("trial_id") or os.path.basename(result.path or ""),  # Tune's own field
             }

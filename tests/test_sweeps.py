@@ -16,7 +16,14 @@ from fedray.platform.config import load_yaml
 from fedray.platform.errors import ConfigError
 from fedray.platform.tracking.names import Metrics, RunKind, Tags, tag_filter
 from fedray.sweeps.space import SPACES_DIR, check_space, load_space, trial_config
-from fedray.sweeps.tune_sweep import prepare_base, run_sweep, trial_status, trial_table, unreported_metric
+from fedray.sweeps.tune_sweep import (
+    _TrialLines,
+    prepare_base,
+    run_sweep,
+    trial_status,
+    trial_table,
+    unreported_metric,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACE_FILES = sorted(SPACES_DIR.glob("*.yaml"))
@@ -229,7 +236,7 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
     first = run_sweep(
         "fedavg", space_file=str(path), overrides=overrides, max_concurrent=1, stop_after_trials=3
     )
-    rounds = dict(zip(first.trials["train.lr"], first.trials["rounds"], strict=True))
+    rounds = dict(zip(first.trials["train.lr"], first.trials["rounds run"], strict=True))
     assert len(rounds) == 3 and rounds[0.1] == 2 and rounds[0.0001] == 1
     status = dict(zip(first.trials["train.lr"], first.trials["status"], strict=True))
     assert status[0.1] == "ok" and status[0.0001] == "stopped early", status
@@ -252,6 +259,10 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
     )
     by_lr = {float(c.data.params["train.lr"]): c for c in children}
     assert sorted(by_lr) == sorted(lrs) and len(children) == 4  # each trial ran once: none was redone
+    # the resumed sweep still says how each trial ended, and Tune still kept its result files
+    status = dict(zip(resumed.trials["train.lr"], resumed.trials["status"], strict=True))
+    assert status[0.1] == "ok" and status[0.0001] == "stopped early", status
+    assert len(list(resumed.path.rglob("result.json"))) == 4
     # the trial that ran its rounds finished (its last round reached Tune after the run was closed);
     # the one ASHA stopped is closed as KILLED, tagged, with the one round it ran
     assert by_lr[0.1].info.status == "FINISHED" and Tags.STOPPED_EARLY not in by_lr[0.1].data.tags
@@ -292,8 +303,17 @@ def test_the_trial_table_keeps_each_value_as_the_trial_had_it(tmp_path):
     table = trial_table(results, space, base_rounds=5)
     assert list(table["trial"]) == ["c", "a", "b"]  # best first, the unreported last
     assert list(table["k"])[:2] == [7, 5] and all(type(k) is int for k in list(table["k"])[:2])
-    assert table["k"][2] is None and table["rounds"][2] is None
+    assert table["k"][2] is None and table["rounds run"][2] is None
     assert list(table["status"]) == ["ok", "ok", "interrupted"]
+
+
+def test_trial_lines_restored_from_an_older_sweep_say_finished(capsys):
+    # Tune restores a resumed sweep's callbacks as pickled: one from before `rounds` existed lacks it
+    old = _TrialLines.__new__(_TrialLines)
+    old.__dict__.update(metric="acc_global", running=1, max_running=1)
+    trial = SimpleNamespace(trial_id="t1", last_result={"round": 3, "acc_global": 0.5}, config={})
+    old.on_trial_complete(0, [], trial)
+    assert capsys.readouterr().out == "trial t1 finished after 3 rounds: acc_global=0.5000\n"
 
 
 def test_prepare_base_makes_paths_absolute(tmp_path, monkeypatch):
