@@ -58,7 +58,8 @@ class SweepResult:
     trials: pd.DataFrame  # one row per trial: params, final metric, rounds run, status, run id
     best_config: dict[str, Any]
     path: Path
-    max_concurrent: int = 0  # most trials that ran side by side
+    # most trials that ran side by side; 0 after --resume (Tune runs the callbacks it restored)
+    max_concurrent: int = 0
 
 
 def unreported_metric(
