@@ -55,7 +55,7 @@ def tune_key(metric: str) -> str:
 @dataclass
 class SweepResult:
     parent_run_id: str
-    trials: pd.DataFrame  # one row per trial: params, final metric, rounds run, status, run id
+    trials: pd.DataFrame  # a row per trial, best first: params, metric, rounds run, status, trial id
     best_config: dict[str, Any]
     path: Path
     # most trials that ran side by side; 0 after --resume (Tune runs the callbacks it restored)
