@@ -98,6 +98,13 @@ class SearchSpace:
         rng = random.Random(seed)
         return [{p.key: p.sample(rng) for p in self.params} for _ in range(n)]
 
+    def largest(self, key: str, default: Any) -> Any:
+        """The largest value a trial can give ``key`` (``default``, the base config's, if not swept)."""
+        param = next((p for p in self.params if p.key == key), None)
+        if param is None:
+            return default
+        return max(param.values) if param.kind in ("grid", "choice") else param.values[1]
+
     def num_trials(self) -> int:
         """Tune repeats the whole grid ``samples`` times, whatever the search algorithm."""
         return max(1, len(self.grid_points())) * self.samples

@@ -14,7 +14,7 @@ import json
 import os
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -58,6 +58,7 @@ class SweepResult:
     trials: pd.DataFrame  # a row per trial, best first: params, metric, rounds run, status, trial id
     best_config: dict[str, Any]
     path: Path
+    params: list[str] = field(default_factory=list)  # the swept keys, as the space names them
     # most trials that ran side by side; 0 after --resume (Tune runs the callbacks it restored)
     max_concurrent: int = 0
 
@@ -205,7 +206,9 @@ def _search_alg(space: SearchSpace, seed: int):
     return OptunaSearch(seed=seed)
 
 
-def _scheduler(space: SearchSpace, rounds: int):
+def _scheduler(space: SearchSpace, base_rounds: int):
+    # ASHA stops every trial at max_t: the most rounds any trial runs, where the space sweeps them
+    rounds = int(space.largest("rounds", base_rounds))
     if space.scheduler == "none" or rounds <= space.grace_rounds:
         return None
     from ray.tune.schedulers import ASHAScheduler
@@ -454,7 +457,7 @@ def summarize(grid, space: SearchSpace, parent, path: Path, base: dict[str, Any]
     if view:
         print(f"trials in the MLflow UI (make ui), grouped by the swept values: {chart}")
     log_trial_curves(parent, children, space, base["algorithm"])
-    return SweepResult(parent.run_id, table, best_config, path)
+    return SweepResult(parent.run_id, table, best_config, path, [p.key for p in space.params])
 
 
 def log_trial_curves(parent, children: list, space: SearchSpace, algorithm: str) -> None:

@@ -6,17 +6,21 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import pandas as pd
 import pytest
 import yaml
 from conftest import run_fresh_python, tiny_overrides
 from mlflow.tracking import MlflowClient
 from ui_helpers import browser_or_skip, page_dom, ui_server
 
+from fedray.platform.apps.cli import main
 from fedray.platform.config import load_yaml
 from fedray.platform.errors import ConfigError
 from fedray.platform.tracking.names import Metrics, RunKind, Tags, tag_filter
 from fedray.sweeps.space import SPACES_DIR, check_space, load_space, trial_config
 from fedray.sweeps.tune_sweep import (
+    SweepResult,
+    _scheduler,
     _TrialLines,
     prepare_base,
     run_sweep,
@@ -314,6 +318,32 @@ def test_trial_lines_restored_from_an_older_sweep_say_finished(capsys):
     trial = SimpleNamespace(trial_id="t1", last_result={"round": 3, "acc_global": 0.5}, config={})
     old.on_trial_complete(0, [], trial)
     assert capsys.readouterr().out == "trial t1 finished after 3 rounds: acc_global=0.5000\n"
+
+
+def test_asha_lets_a_trial_run_the_most_rounds_the_space_gives(tmp_path):
+    # ASHA stops every trial at max_t: the base config's 2 rounds would cut a 4-round trial at 2
+    path = tmp_path / "rounds.yaml"
+    path.write_text(
+        yaml.safe_dump({"metric": Metrics.ACC_GLOBAL, "grace_rounds": 1, "params": {"rounds": [2, 4]}})
+    )
+    space = load_space(str(path))
+    assert space.largest("rounds", 2) == 4 and space.largest("train.lr", 0.1) == 0.1
+    assert _scheduler(space, base_rounds=2)._max_t == 4
+    path.write_text(
+        yaml.safe_dump({"metric": Metrics.ACC_GLOBAL, "grace_rounds": 1, "params": {"train.lr": [0.1]}})
+    )
+    assert _scheduler(load_space(str(path)), base_rounds=6)._max_t == 6  # rounds not swept: the base's
+
+
+def test_the_sweep_command_names_the_best_trial_by_every_swept_key(tmp_path, monkeypatch, capsys):
+    # a top-level key ("rounds") as well as a dotted one
+    table = pd.DataFrame(
+        [{"rounds": 4, "train.lr": 0.1, Metrics.ACC_GLOBAL: 0.3, "status": "ok", "trial": "t1"}], dtype=object
+    )
+    done = SweepResult("parent", table, {}, tmp_path / "sweep-x", ["rounds", "train.lr"])
+    monkeypatch.setattr("fedray.sweeps.tune_sweep.run_sweep", lambda *a, **k: done)
+    assert main(["sweep", "--algo", "fedavg"]) == 0
+    assert "best trial: rounds=4, train.lr=0.1\n" in capsys.readouterr().out
 
 
 def test_prepare_base_makes_paths_absolute(tmp_path, monkeypatch):

@@ -98,7 +98,7 @@ def _sweep(args: argparse.Namespace) -> int:
     )
     rows = [{k: _short(v) for k, v in row.items()} for row in result.trials.to_dict("records")]
     print_table(summary_table(rows, title=f"sweep {result.path.name}: {len(rows)} trials"))
-    best = ", ".join(f"{k}={v}" for k, v in rows[0].items() if "." in k) if rows else "-"
+    best = ", ".join(f"{k}={rows[0][k]}" for k in result.params if k in rows[0]) if rows else "-"
     print(f"best trial: {best}")
     print(f"MLflow parent run: {result.parent_run_id} (best_config.yaml and trials.csv are its artifacts)")
     return 0
