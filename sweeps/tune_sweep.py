@@ -338,7 +338,8 @@ def run_sweep(
 @contextlib.contextmanager
 def no_default_tune_loggers() -> Iterator[None]:
     """Tune adds its CSV, JSON and TensorBoard loggers to a fit's callbacks unless this is set."""
-    key, before = "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", os.environ.get("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS")
+    key = "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"
+    before = os.environ.get(key)
     os.environ[key] = "1"
     try:
         yield
@@ -378,8 +379,9 @@ class _TrialLines(Callback):
         )
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
-        last = trial.last_result or {}
-        stopped = self.rounds is not None and last.get("round", 0) < rounds_planned(self.rounds, trial.config)
+        stopped = self.rounds is not None and (
+            trial_status(trial.last_result or {}, None, self.rounds, trial.config) == "stopped early"
+        )
         self._ended(trial, "stopped early by the scheduler" if stopped else "finished")
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
@@ -432,7 +434,8 @@ def trial_table(results, space: SearchSpace, base_rounds: int) -> pd.DataFrame:
 
 def summarize(grid, space: SearchSpace, parent, path: Path, base: dict[str, Any]) -> SweepResult:
     """Trial table, best config (logged on the parent), and stray child runs closed as KILLED."""
-    table = trial_table(grid, space, build_config(base).rounds)
+    base_cfg = build_config(base)
+    table = trial_table(grid, space, base_cfg.rounds)
     best_point = {}
     if not table.empty and table[space.metric].notna().any():
         best_point = {p.key: table.iloc[0][p.key] for p in space.params if p.key in table.columns}
@@ -451,9 +454,7 @@ def summarize(grid, space: SearchSpace, parent, path: Path, base: dict[str, Any]
     chart = runs_table_url(
         parent.experiment_id, DEFAULT_SERVER, viewStateShareKey=view, compareRunsMode="CHART"
     )
-    parent.describe(
-        sweep_description(base["algorithm"], space, build_config(base), best, chart if view else None)
-    )
+    parent.describe(sweep_description(base["algorithm"], space, base_cfg, best, chart if view else None))
     if view:
         print(f"trials in the MLflow UI (make ui), grouped by the swept values: {chart}")
     log_trial_curves(parent, children, space, base["algorithm"])
