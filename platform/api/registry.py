@@ -45,22 +45,24 @@ _CHECKED: set[str] = set()
 
 
 def register(name: str, *, server: type, client: type):
-    """Class decorator for an algorithm's config dataclass; binds name -> (server, client, config)."""
+    """Class decorator for an algorithm's config dataclass; binds name -> (server, client, config).
+    A registration that breaks a rule raises :class:`ContractError` as its module is imported: one
+    line from the CLI, not a traceback through the registry's imports."""
 
     def wrap(config_cls: type) -> type:
         if not issubclass(config_cls, AlgorithmConfig):
-            raise TypeError(f"algorithm {name!r}: {config_cls.__name__} must derive from AlgorithmConfig")
+            raise ContractError(f"algorithm {name!r}: {config_cls.__name__} must derive from AlgorithmConfig")
         key = name.lower()
         module = config_cls.__module__
         if module.startswith(f"{SHIPPED_PACKAGE}.") and module != f"{SHIPPED_PACKAGE}.{key}":
             # configs are checked against the shipped modules' names before any algorithm loads
-            raise ValueError(
+            raise ContractError(
                 f"algorithm {key!r} is registered in {module}: a shipped algorithm lives in "
                 f"algorithms/{key}.py, the module named after it"
             )
         existing = _REGISTRY.get(key)
         if existing is not None and existing.module != module:
-            raise ValueError(f"algorithm {key!r} registered twice ({existing.module}, {module})")
+            raise ContractError(f"algorithm {key!r} registered twice ({existing.module}, {module})")
         _REGISTRY[key] = AlgorithmSpec(key, server, client, config_cls, module)
         note_registered(key)
         return config_cls
