@@ -9,6 +9,7 @@ running client shows are checked by a ClientHost on its first client; the uplink
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -308,12 +309,21 @@ def test_a_round_in_which_every_client_failed_ends_the_run_with_one_line(ray_ses
     with pytest.raises(RunAborted) as err:
         run_experiment(load_config(None, tiny_overrides(algorithm="brokenstep_probe", rounds=3)))
     line = one_line(err)
-    assert (
-        line.startswith("round 1: all ") and "selected clients failed (client 0: Expected all tensors" in line
+    # the client's error names its type and the line of the algorithm's code that raised it
+    where = f"tests/test_contract_rules.py:{BrokenStepClient.training_step.__code__.co_firstlineno + 1}"
+    assert line.startswith("round 1: all ") and (
+        f"selected clients failed (client 0: ValueError: Expected all tensors to be on the same device "
+        f"(at {where} in training_step))" in line
     )
     assert "fedray run --resume " in line
-    _, run = only_run(tmp_path)
+    client, run = only_run(tmp_path)
     assert run.info.status == "FAILED"
+    # its traceback, once: every client failed alike
+    (logged,) = client.list_artifacts(run.info.run_id, "failures")
+    assert logged.path == "failures/round-0001-client-0.txt"
+    text = Path(client.download_artifacts(run.info.run_id, logged.path)).read_text()
+    assert text.startswith("ValueError: Expected all tensors") and "Traceback (most recent call last)" in text
+    assert f'{where.split(":")[0]}", line {where.split(":")[1]}, in training_step' in text
 
 
 class Counter(FedAvgServer):

@@ -125,5 +125,11 @@ def test_a_view_that_fails_on_channels_last_images_says_what_to_do(monkeypatch):
     host, shard = colour_host("auto")
     start = host.arch_model("cnn_small").state_dict()
     (result,) = host.train(0, [ClientTask(0, [shard])], [[{"model": start}]])
-    assert "view size is not compatible" in result.error
-    assert "train.memory_format=contiguous" in result.error and "\n" not in result.error
+    line = result.error.line
+    assert line.startswith("RuntimeError: view size is not compatible")
+    assert "train.memory_format=contiguous" in line and "\n" not in line
+    # where: the step above, not torch's frames nor the worker's loop
+    assert line.endswith(
+        f"(at tests/test_memory_format.py:{flattening_step.__code__.co_firstlineno + 2} in flattening_step)"
+    )
+    assert "Traceback (most recent call last)" in result.error.traceback

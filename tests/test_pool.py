@@ -5,6 +5,7 @@ import pytest
 
 from fedray.platform.runtime import dispatch
 from fedray.platform.runtime.dispatch import TrainingDispatch
+from fedray.platform.runtime.failures import Failure
 from fedray.platform.runtime.pool import Job, WorkerPool
 from fedray.platform.runtime.state_store import StateStore
 
@@ -112,7 +113,7 @@ def test_uplinks_are_handed_on_in_client_order_as_soon_as_all_before_them_are_in
 
     def results(*clients, failed=()):
         return [
-            ClientResult(c, None if c in failed else f"up{c}", {}, "boom" if c in failed else None)
+            ClientResult(c, None if c in failed else f"up{c}", {}, Failure("boom") if c in failed else None)
             for c in clients
         ]
 

@@ -44,3 +44,16 @@ def test_each_event_is_a_line_and_the_accuracy_is_carried_to_rounds_without_eval
         "round    1/10  clients 3/4  acc personal 81.25  global -  up 3.00 MB  down 0.50 MB  loss 0.500  1.2s",
         "round    2/10  clients 3/4  acc personal 81.25  global -  up 3.00 MB  down 0.50 MB  loss -  1.2s",
     ]
+
+
+def test_a_client_errors_traceback_is_shown_once_and_its_line_is_not_read_as_markup(capsys):
+    trace = (
+        "Traceback (most recent call last):\n  File \"algorithms/x.py\", line 3, in upload\nKeyError: '[b]'\n"
+    )
+    error = f"KeyError: '[b]' {'and more ' * 25}(at algorithms/x.py:3 in upload)"  # wider than the console
+    lines = shown(ClientFailed(1, 0, error, trace), ClientFailed(1, 1, error, trace), capsys=capsys)
+    assert lines == [
+        f"round 1: client 0 failed: {error}",
+        *trace.rstrip().splitlines(),
+        f"round 1: client 1 failed: {error}",  # the same error again: its line only
+    ]

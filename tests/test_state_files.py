@@ -15,6 +15,7 @@ from fedray.platform.catalog import load_config
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.checkpoint import LoopRecord, load_checkpoint, take_checkpoint, write_checkpoint
 from fedray.platform.runtime.driver import run_experiment
+from fedray.platform.runtime.failures import Failure
 from fedray.platform.runtime.state_store import StateStore
 from fedray.platform.tracking.mlflow_run import recorded_checkpoint_dir
 
@@ -125,8 +126,10 @@ def test_a_failed_calls_state_is_deleted_and_the_committed_one_kept(tmp_path):
     for client in (1, 2, 3):  # each call wrote the version it trained to; 1's code then raised in upload
         storage.save_torch({"w": torch.zeros(1)}, store.task(client, None).commit_file)
     trained = SimpleNamespace(
-        results={(0,): ([ClientResult(1, None, {}, "ValueError: boom"), ClientResult(2, {}, {})], (0, 0))},
-        failed={(3,): "worker died"},  # 3's worker died after writing, and its retries too
+        results={
+            (0,): ([ClientResult(1, None, {}, Failure("ValueError: boom")), ClientResult(2, {}, {})], (0, 0))
+        },
+        failed={(3,): Failure("worker died")},  # 3's worker died after writing, and its retries too
     )
     uplinks, _, failed = accept_uplinks(trained, store, commits=True)
     assert list(uplinks) == [2] and sorted(failed) == [1, 3]
@@ -215,7 +218,9 @@ def test_a_state_its_worker_cannot_write_fails_its_client_and_a_folder_the_node_
     (tmp_path / "blocked").write_text("a file where the run's folder should be")
     task = client_task(0, fed.shards[0], str(tmp_path / "blocked"), make_folder=False)
     (result,) = host.train(0, [task], [[{}]])
-    assert "Not a directory" in result.error and "\n" not in result.error  # its client failed, in one line
+    assert (
+        "Not a directory" in result.error.line and "\n" not in result.error.line
+    )  # its client failed, in one line
     assert 0 not in host.modules  # and no module is cached as a version no file holds
 
     missing = client_task(0, fed.shards[0], str(tmp_path / "not-on-this-node"), make_folder=False)

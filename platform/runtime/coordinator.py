@@ -275,12 +275,12 @@ class RoundLoop:
             rnd, selected, downlinks, on_retry, self.arrived(rnd)
         )
         train_s = time.perf_counter() - train_start
-        for cid, error in sorted(failed.items()):
-            self.events.emit(ClientFailed(rnd + 1, cid, error))
+        for cid, failure in sorted(failed.items()):
+            self.events.emit(ClientFailed(rnd + 1, cid, failure.line, failure.traceback))
         if selected and len(failed) == len(selected):
-            cid, error = min(failed.items())
+            cid, failure = min(failed.items())
             raise RoundFailed(
-                f"round {rnd + 1}: all {len(selected)} selected clients failed (client {cid}: {error})"
+                f"round {rnd + 1}: all {len(selected)} selected clients failed (client {cid}: {failure.line})"
             )
         check_uplinks(self.spec.name, self.server, uplinks)
         aggregate_start = time.perf_counter()

@@ -14,6 +14,7 @@ from typing import Any
 import ray
 
 from fedray.platform.api.algorithm import Payload
+from fedray.platform.runtime.failures import Failure
 from fedray.platform.runtime.pool import Job, Outcome, WorkerPool
 from fedray.platform.runtime.state_store import StateStore
 from fedray.platform.runtime.worker import ClientResult
@@ -57,9 +58,9 @@ class TrainingDispatch:
         downlinks: dict[int, Payload],
         on_retry: Callable[[Any, str], None],
         on_uplinks: Callable[[dict[int, Payload]], None] | None = None,
-    ) -> tuple[dict[int, Payload], dict[int, dict[str, float]], dict[int, str], int]:
+    ) -> tuple[dict[int, Payload], dict[int, dict[str, float]], dict[int, Failure], int]:
         """Train the round's clients: their uplinks and statistics by client id, the clients that
-        failed with their line (:func:`accept_uplinks`), and how many clients were re-run. Meanwhile
+        failed with their error (:func:`accept_uplinks`), and how many clients were re-run. Meanwhile
         ``on_uplinks`` gets the accepted uplinks as they come, in client-id order (:class:`InOrder`)."""
         on_done = None if on_uplinks is None else InOrder(selected, on_uplinks).call_done
         trained = self.pool.run(self.jobs(rnd, selected, downlinks), on_retry, on_done)
@@ -136,13 +137,13 @@ class InOrder:
 
 def accept_uplinks(
     trained: Outcome, store: StateStore, commits: bool
-) -> tuple[dict[int, Payload], dict[int, dict[str, float]], dict[int, str]]:
-    """The round's uplinks and statistics by client id, and the clients that failed with their line;
+) -> tuple[dict[int, Payload], dict[int, dict[str, float]], dict[int, Failure]]:
+    """The round's uplinks and statistics by client id, and the clients that failed with their error;
     with ``commits``, an accepted client's new state (which its worker wrote) is committed to the
     store: its uplink is in, so it is the truth."""
     uplinks: dict[int, Any] = {}  # a payload each; check_uplinks refuses anything else
     stats: dict[int, dict[str, float]] = {}
-    failed: dict[int, str] = {}
+    failed: dict[int, Failure] = {}
     for _, (results, worker) in trained.results.items():
         result: ClientResult
         for result in results:

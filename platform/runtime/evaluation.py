@@ -17,6 +17,7 @@ import ray
 from fedray.platform.api.algorithm import Server, cpu_state
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.data import ArrayDataset
+from fedray.platform.runtime.failures import Failure
 from fedray.platform.runtime.pool import Job, WorkerPool
 from fedray.platform.runtime.state_store import StateStore
 from fedray.platform.runtime.worker import EVAL_CHUNK
@@ -86,12 +87,17 @@ class Evaluation:
         self.affinity = affinity  # client -> the worker that caches it (None: any)
 
     def run(
-        self, rnd: int, selected: list[int], server: Server, on_retry, on_failed: Callable[[Any, str], None]
+        self,
+        rnd: int,
+        selected: list[int],
+        server: Server,
+        on_retry,
+        on_failed: Callable[[Any, Failure], None],
     ) -> tuple[dict[str, float], dict[int, float], int]:
         """The round's evaluation metrics, each tested client's accuracy, and the jobs retried on the way."""
         done = self.pool.run(self.client_jobs(rnd, selected, server) + self.global_jobs(server), on_retry)
-        for key, error in done.failed.items():
-            on_failed(key, f"evaluation: {error}")
+        for key, failure in done.failed.items():
+            on_failed(key, failure.prefixed("evaluation: "))
         rows = sorted(
             row for (kind, _), (part, _) in done.results.items() if kind == "clients" for row in part
         )

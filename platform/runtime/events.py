@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fedray.platform.runtime.failures import Failure
+
 
 @dataclass(frozen=True)
 class RoundStarted:
@@ -32,7 +34,8 @@ class ClientFailed:
 
     round: int
     client: int
-    error: str  # its one line
+    error: str  # its one line: the exception and where the algorithm's code raised it
+    traceback: str = ""  # the whole of it (none for a worker lost too often)
 
 
 @dataclass(frozen=True)
@@ -94,11 +97,11 @@ class EventQueue:
 
         return report
 
-    def failure_reporter(self, rnd: int) -> Callable[[Any, str], None]:
+    def failure_reporter(self, rnd: int) -> Callable[[Any, Failure], None]:
         """What the evaluation calls when a job of round ``rnd`` fails: a :class:`ClientFailed` naming
         the job's first client."""
 
-        def report(key: Any, error: str) -> None:
-            self.emit(ClientFailed(rnd + 1, key[1], error))
+        def report(key: Any, failure: Failure) -> None:
+            self.emit(ClientFailed(rnd + 1, key[1], failure.line, failure.traceback))
 
         return report

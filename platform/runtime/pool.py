@@ -24,6 +24,7 @@ import ray
 
 from fedray.platform.errors import ConfigError, first_line
 from fedray.platform.runtime.devices import DeviceError
+from fedray.platform.runtime.failures import Failure, remote_failure
 
 MAX_RETRIES = 3  # a client that keeps killing its worker (its own OOM) is reported as failed
 IN_FLIGHT = 2  # calls queued in one worker at a time
@@ -60,7 +61,7 @@ class Job:
 @dataclass
 class Outcome:
     results: dict[Any, tuple[Any, tuple[int, int]]]  # key -> (value, worker)
-    failed: dict[Any, str]  # key -> one-line error
+    failed: dict[Any, Failure]  # key -> its error
     retried: list[Any]  # keys re-run after their worker died
 
 
@@ -184,7 +185,9 @@ class WorkerPool:
                     job.attempts += 1
                     what = "lost its device" if isinstance(cause, DeviceError) else "died"
                     if job.attempts > MAX_RETRIES:
-                        out.failed[job.key] = f"its worker {what} {job.attempts} times: {first_line(err)}"
+                        out.failed[job.key] = Failure(
+                            f"its worker {what} {job.attempts} times: {first_line(err)}"
+                        )
                         self.finish(job, None, ended)
                     else:
                         out.retried.append(job.key)
@@ -192,7 +195,7 @@ class WorkerPool:
                         if on_retry is not None:
                             on_retry(job.key, first_line(err))
                 else:  # the job's own code raised: reported, not retried
-                    out.failed[job.key] = first_line(err)
+                    out.failed[job.key] = remote_failure(err)
                     self.finish(job, None, ended)
             else:
                 out.results[job.key] = (value, (slot, generation))

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from fedray.platform.runtime.events import ClientFailed, Event, JobRetried, RoundEnded
 from fedray.platform.tracking.names import Metrics
@@ -37,6 +38,7 @@ class Progress:
         self.console = console or Console(file=sys.stdout)
         self.live = self.console.is_terminal and enabled
         self.last_acc: dict[str, float] = {}
+        self.traced: set[str] = set()  # client errors whose traceback was shown
         self._bar: Any = None  # a rich Progress while live
 
     def __enter__(self) -> Progress:
@@ -71,11 +73,20 @@ class Progress:
         if not self.enabled:
             return
         if isinstance(event, ClientFailed):
-            self.console.print(f"[red]round {event.round}: client {event.client} failed: {event.error}")
+            self.console.print(
+                f"[red]round {event.round}: client {event.client} failed: {escape(event.error)}",
+                soft_wrap=True,
+            )
+            if event.traceback and event.error not in self.traced:  # once per error: a bug fails every client
+                self.traced.add(event.error)
+                self.console.print(
+                    event.traceback.rstrip(), style="dim", markup=False, highlight=False, soft_wrap=True
+                )
         elif isinstance(event, JobRetried):
             self.console.print(
                 f"[yellow]round {event.round}: worker lost running {event.job}, re-running "
-                f"from the committed state ({event.error})"
+                f"from the committed state ({event.error})",
+                soft_wrap=True,
             )
         elif isinstance(event, RoundEnded):
             self._round_end(event.round, event.metrics)

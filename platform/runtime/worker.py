@@ -46,6 +46,7 @@ from fedray.platform.runtime.devices import (
     laid_out,
     worker_device,
 )
+from fedray.platform.runtime.failures import Failure, failure_of
 from fedray.platform.runtime.local_training import LocalTraining
 from fedray.platform.runtime.process_roles import set_up_worker, set_worker_threads
 from fedray.platform.runtime.state_store import ClientTask
@@ -160,12 +161,12 @@ class ClientData:
 
 @dataclass
 class ClientResult:
-    """What one client's training gave: its uplink and statistics, or the one line its code raised."""
+    """What one client's training gave: its uplink and statistics, or what its code raised."""
 
     client: int
     uplink: Payload | None
     stats: dict[str, float]
-    error: str | None = None
+    error: Failure | None = None
 
 
 def tensor_versions(tree: Any) -> list[int]:
@@ -406,12 +407,12 @@ class ClientHost:
                     continue
                 if is_out_of_memory(err) or is_device_error(err):
                     raise DeviceError(f"client {task.client}: {first_line(err)}") from None
-                return ClientResult(task.client, None, {}, self.explained(err))
+                return ClientResult(task.client, None, {}, failure_of(err, self.explained(err)))
             return ClientResult(task.client, uplink, stats)
         raise AssertionError("unreachable")
 
     def explained(self, err: Exception) -> str:
-        """The one line a client's error is reported with; a ``.view`` that fails on the worker's
+        """The message a client's error is reported with; a ``.view`` that fails on the worker's
         channels_last images says why and what to do."""
         line = first_line(err)
         if self.memory_format == torch.channels_last and "view size is not compatible" in line:

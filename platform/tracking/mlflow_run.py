@@ -145,11 +145,11 @@ class RunTracker:
     def log_file(self, path: str | Path, artifact_path: str | None = None) -> None:
         self.patient(self.client.log_artifact, self.run_id, str(path), artifact_path)
 
-    def log_text(self, text: str, name: str) -> None:
+    def log_text(self, text: str, name: str, folder: str | None = None) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / name
             path.write_text(text)
-            self.log_file(path)
+            self.log_file(path, folder)
 
     def log_config(self, cfg: ExperimentConfig) -> None:
         self.log_text(config_yaml(cfg), "config.yaml")
