@@ -26,6 +26,13 @@ class RoundFailed(RuntimeError):
     if it had gone well. The run stops with one line; its checkpoints stay, to resume once fixed."""
 
 
+class Diverged(RoundFailed):
+    """Every client that trained in a round ended it with a non-finite training loss: its model is
+    NaN or infinite, and an average spreads that to every client, so the rest of the run (or of a
+    sweep's trial) would train nothing. The run stops with one line, before the round is aggregated;
+    a resume would diverge again, so a new run with other settings (a lower ``train.lr``) is the fix."""
+
+
 def first_line(err: BaseException) -> str:
     """An exception as one line: the last line of its message (a remote traceback's cause), capped."""
     text = str(err).strip().splitlines()

@@ -32,7 +32,7 @@ from fedray.platform.api.contract import check_uplinks
 from fedray.platform.api.registry import get as get_algorithm
 from fedray.platform.config import ExperimentConfig, clients_per_round
 from fedray.platform.data import ArrayDataset
-from fedray.platform.errors import ConfigError, ContractError, RoundFailed
+from fedray.platform.errors import ConfigError, ContractError, Diverged, RoundFailed
 from fedray.platform.models import arch_for_client
 from fedray.platform.runtime import results, storage
 from fedray.platform.runtime.checkpoint import (
@@ -87,6 +87,19 @@ def mean_stats(per_client: list[dict[str, float]]) -> dict[str, float]:
     (not arrival order) so the same run always logs the same bits."""
     names = dict.fromkeys(name for stats in per_client for name in stats)
     return {name: float(np.mean([s[name] for s in per_client if name in s])) for name in names}
+
+
+def divergence(rnd: int, stats: dict[int, dict[str, float]]) -> str | None:
+    """The line a run stops with when every client that reported a training loss this round
+    reported a non-finite one (:class:`Diverged`); None while any is finite, or none was reported."""
+    losses = {cid: s[Metrics.LOSS_TRAIN] for cid, s in stats.items() if Metrics.LOSS_TRAIN in s}
+    if not losses or any(math.isfinite(loss) for loss in losses.values()):
+        return None
+    cid = min(losses)
+    return (
+        f"round {rnd + 1}: training diverged, the training loss is not finite on any of the {len(losses)} "
+        f"clients that trained (client {cid}: {losses[cid]}); a lower train.lr keeps it finite"
+    )
 
 
 def scheduling(placement_group) -> dict[str, Any]:
@@ -282,6 +295,9 @@ class RoundLoop:
             raise RoundFailed(
                 f"round {rnd + 1}: all {len(selected)} selected clients failed (client {cid}: {failure.line})"
             )
+        line = divergence(rnd, stats)
+        if line is not None:
+            raise Diverged(line)
         check_uplinks(self.spec.name, self.server, uplinks)
         aggregate_start = time.perf_counter()
         self.server.aggregate(rnd, uplinks)

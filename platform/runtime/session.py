@@ -16,7 +16,7 @@ from typing import Any
 import ray
 
 from fedray.platform.config import ExperimentConfig
-from fedray.platform.errors import ConfigError, RoundFailed, first_line
+from fedray.platform.errors import ConfigError, Diverged, RoundFailed, first_line
 from fedray.platform.interrupts import deferred, stops_as_interrupt
 from fedray.platform.tracking.mlflow_run import RunTracker
 from fedray.platform.tracking.names import Metrics, Tags
@@ -109,8 +109,10 @@ class RunSession:
                     raise err.cause from None
                 if isinstance(err.cause, RoundFailed):
                     self.status = "FAILED"
-                    resume = (
-                        "" if self.tracker is None else f"; once fixed, resume with  {self.resume_command()}"
+                    resume = (  # a diverged run would diverge again: a new run with other settings
+                        ""
+                        if self.tracker is None or isinstance(err.cause, Diverged)
+                        else f"; once fixed, resume with  {self.resume_command()}"
                     )
                     raise RunAborted(f"{err.cause}{resume}") from None
                 raise
