@@ -152,6 +152,12 @@ def test_a_shipped_algorithm_is_its_module_so_configs_are_checked_without_import
         ContractError, match=r"'fedavg2' is registered in fedray.algorithms.fedavg: .*algorithms/fedavg2.py"
     ):
         register("fedavg2", server=Server, client=ClientModule)(misnamed)
+    elsewhere = dataclass(type("ElsewhereConfig", (AlgorithmConfig,), {"__module__": "their_package.algos"}))
+    with pytest.raises(
+        ContractError,
+        match=r"^algorithm 'fedavg' registered twice \(fedray.algorithms.fedavg, their_package.algos\)$",
+    ):
+        register("fedavg", server=Server, client=ClientModule)(elsewhere)
 
 
 def test_with_an_algorithm_package_installed_any_mapping_may_be_its_section(monkeypatch):

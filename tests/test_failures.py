@@ -3,25 +3,34 @@ algorithm's code raised it (not torch's frames, not the worker's loop), with the
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import ray
 import torch
 
+from fedray.platform.runtime import failures
+from fedray.platform.runtime.events import ClientFailed, EventQueue
 from fedray.platform.runtime.failures import (
     PLATFORM_DIR,
+    ClientCodeError,
     Failure,
+    algorithm_files,
     failure_of,
     kind_of,
     remote_failure,
     shown_path,
 )
 
+HERE = "tests/test_failures.py"
+
 
 def wrong_shapes():
     return torch.nn.functional.cross_entropy(torch.zeros(4, 3), torch.zeros(5, dtype=torch.long))
 
 
-def throw_bare():
-    raise AssertionError
+def bare_assert():
+    raise AssertionError  # as a bare assert raises it (pytest rewrites a test module's asserts)
 
 
 def raised(fn) -> BaseException:
@@ -32,39 +41,68 @@ def raised(fn) -> BaseException:
     raise AssertionError("it did not raise")
 
 
+def line_of(fn, offset: int = 1) -> int:
+    return fn.__code__.co_firstlineno + offset
+
+
 def test_the_line_names_the_type_and_the_algorithms_frame_under_the_library_frames():
     failure = failure_of(raised(wrong_shapes))
-    where = f"(at tests/test_failures.py:{wrong_shapes.__code__.co_firstlineno + 1} in wrong_shapes)"
+    where = f" (at {HERE}:{line_of(wrong_shapes)} in wrong_shapes)"
     assert failure.line.startswith("ValueError: Expected input batch_size (4) to match target batch_size (5)")
     assert failure.line.endswith(where) and "\n" not in failure.line
+    assert failure.origin == f"ValueError{where}"  # the same error whatever the sizes in its message
     assert failure.traceback.startswith("Traceback (most recent call last):")
     assert "torch/nn/functional.py" in failure.traceback  # the whole of it, library frames too
 
 
-def test_a_message_that_is_only_a_key_gets_its_type_and_an_empty_one_its_type_alone():
-    assert failure_of(raised(lambda: {}["nope"])).line.startswith(
-        "KeyError: 'nope' (at tests/test_failures.py:"
+def test_a_message_that_is_only_a_key_gets_its_type_a_bare_assert_its_type_once_and_a_hint_its_place():
+    assert failure_of(raised(lambda: {}["nope"])).line.startswith(f"KeyError: 'nope' (at {HERE}:")
+    assert (
+        failure_of(raised(bare_assert)).line
+        == f"AssertionError (at {HERE}:{line_of(bare_assert)} in bare_assert)"
     )
-    assert failure_of(raised(throw_bare)).line.startswith("AssertionError (at tests/test_failures.py:")
-    explained = failure_of(raised(lambda: {}["x"]), line="x, and what to do")
-    assert explained.line.startswith("KeyError: x, and what to do (at tests/test_failures.py:")
+    hinted = failure_of(raised(lambda: {}["x"]), hint=" (what to do)")
+    assert hinted.line.startswith(f"KeyError: 'x' (what to do) (at {HERE}:")
 
 
 def test_frames_are_told_apart_by_where_their_file_lives():
     assert kind_of(torch.__file__) == "library"
     assert kind_of(ray.__file__) == "library"
     assert kind_of(str(PLATFORM_DIR / "runtime" / "worker.py")) == "platform"
-    assert kind_of(str(PLATFORM_DIR.parent / "algorithms" / "fedavg.py")) == "algorithm"
     assert kind_of(__file__) == "algorithm"  # a test's module, a user's own
     assert kind_of("<frozen importlib._bootstrap>") == "library"
+    assert kind_of("numpy/random/_generator.pyx") == "library"  # Cython names its source relative to nothing
     assert kind_of(torch.__file__.replace("site-packages", "dist-packages")) == "library"
     assert shown_path(str(PLATFORM_DIR / "runtime" / "worker.py")) == "platform/runtime/worker.py"
 
 
-def test_a_workers_traceback_from_ray_is_read_from_its_text():
+def test_an_installed_algorithm_is_the_algorithms_code_in_site_packages_too(monkeypatch, tmp_path):
+    """fedray installed (not editable): its algorithms/ beside platform/ in site-packages; a third
+    party's algorithm, registered through an entry point, is a module of its own there."""
+    root = tmp_path / "lib" / "site-packages" / "fedray"
+    monkeypatch.setattr(failures, "PLATFORM_DIR", root / "platform")
+    monkeypatch.setattr(failures, "PACKAGE_ROOT", root)
+    monkeypatch.setattr(failures, "ALGORITHMS_DIR", root / "algorithms")
+    assert kind_of(str(root / "algorithms" / "fedavg.py")) == "algorithm"
+    assert kind_of(str(root / "platform" / "runtime" / "worker.py")) == "platform"
+    theirs = tmp_path / "lib" / "site-packages" / "their_algos" / "scaffold.py"
+    assert kind_of(str(theirs)) == "library"
+    assert kind_of(str(theirs), own=(theirs,)) == "algorithm"
+    assert shown_path(str(root / "algorithms" / "fedavg.py")) == "algorithms/fedavg.py"
+
+
+def test_an_algorithms_files_leave_the_platforms_base_classes_out():
+    from fedray.algorithms.fedavg import FedAvgConfig, FedAvgServer
+    from fedray.platform.api import ClientModule
+
+    (fedavg,) = algorithm_files(FedAvgServer, ClientModule, FedAvgConfig)
+    assert fedavg == Path(failures.ALGORITHMS_DIR / "fedavg.py").resolve()
+
+
+def test_a_workers_error_from_ray_is_its_causes_line_and_its_texts_frames():
     algo = PLATFORM_DIR.parent / "algorithms" / "mine.py"
     text = (
-        "\x1b[36mray::ClientActor.evaluate()\x1b[39m (pid=1, ip=127.0.0.1, actor_id=ab)\n"
+        "Traceback (most recent call last):\n"
         f'  File "{PLATFORM_DIR / "runtime" / "worker.py"}", line 500, in evaluate\n'
         "    logits = module.eval_logits(x)\n"
         f'  File "{algo}", line 12, in eval_logits\n'
@@ -72,16 +110,84 @@ def test_a_workers_traceback_from_ray_is_read_from_its_text():
         f'  File "{torch.__file__}", line 99, in __getitem__\n'
         "IndexError: too many indices"
     )
-
-    class RemoteError(Exception):
-        def __str__(self) -> str:
-            return text
-
-    failure = remote_failure(RemoteError())
-    plain = text.replace("\x1b[36m", "").replace("\x1b[39m", "")  # Ray's colours, not in an artifact
-    assert failure == Failure("IndexError: too many indices (at algorithms/mine.py:12 in eval_logits)", plain)
-    only_platform = text.replace(str(algo), torch.__file__)
-    assert remote_failure(type("E", (RemoteError,), {"__str__": lambda self: only_platform})()).line.endswith(
-        "(at platform/runtime/worker.py:500 in evaluate)"
+    err = ray.exceptions.RayTaskError(
+        "evaluate", text, IndexError("too many indices"), proctitle="ray::ClientActor.evaluate()", pid=1
     )
-    assert Failure("x").prefixed("evaluation: ") == Failure("evaluation: x")
+    failure = remote_failure(err)
+    where = " (at algorithms/mine.py:12 in eval_logits)"
+    assert failure.line == f"IndexError: too many indices{where}" and failure.origin == f"IndexError{where}"
+    assert "\x1b[" not in failure.traceback and 'mine.py", line 12, in eval_logits' in failure.traceback
+    only_platform = ray.exceptions.RayTaskError(
+        "evaluate", text.replace(str(algo), torch.__file__), KeyError("x")
+    )
+    assert (
+        remote_failure(only_platform).line == "KeyError: 'x' (at platform/runtime/worker.py:500 in evaluate)"
+    )
+
+
+def test_a_client_code_error_carries_its_failure_through_pickling():
+    import pickle
+
+    failure = Failure(
+        "KeyError: 'x' (at algorithms/a.py:3 in upload)", "KeyError (at algorithms/a.py:3 in upload)"
+    )
+    again = pickle.loads(pickle.dumps(ClientCodeError(failure)))
+    assert again.failure == failure and str(again) == failure.line
+
+
+def test_only_the_first_failure_of_an_origin_carries_its_traceback():
+    events = EventQueue()
+    first = Failure("ValueError: batch 4 (at a.py:3 in f)", "ValueError (at a.py:3 in f)", "Traceback ...")
+    events.client_failed(0, (3,), first)
+    events.client_failed(
+        0, (5,), Failure("ValueError: batch 7 (at a.py:3 in f)", first.origin, "Traceback ...")
+    )
+    events.client_failed(
+        1, ("clients", 2), Failure("KeyError: 'y' (at a.py:9 in g)", "KeyError (at a.py:9 in g)", "T")
+    )
+    events.client_failed(1, ("global", 1), Failure("its worker died 4 times: gone"))
+    got = events.poll(0)
+    assert [(e.round, e.job, bool(e.failure.traceback)) for e in got] == [
+        (1, "client 3", True),
+        (1, "client 5", False),  # another message, the same error
+        (2, "evaluation from client 2", True),
+        (2, "global test chunk 1", False),
+    ]
+    assert all(isinstance(e, ClientFailed) for e in got) and got[1].failure.line.startswith(
+        "ValueError: batch 7"
+    )
+
+
+@pytest.mark.parametrize("stage", ["train", "evaluate"])
+def test_a_workers_client_error_is_reported_at_the_algorithms_line(stage, monkeypatch, tmp_path):
+    """ClientHost (the worker, no Ray): a training error is the client's result; an evaluation error
+    is raised as a ClientCodeError carrying the same kind of failure (the pool reports it)."""
+    from conftest import tiny_overrides
+    from in_process import client_task
+
+    from fedray.algorithms.fedavg import FedAvgClient
+    from fedray.platform.catalog import load_config
+    from fedray.platform.runtime.coordinator import build_server
+    from fedray.platform.runtime.driver import federation_meta, prepare_federation
+    from fedray.platform.runtime.worker import ClientHost
+
+    def broken(self, *args):
+        raise AssertionError("broken")  # the line the report must name
+
+    monkeypatch.setattr(FedAvgClient, "training_step" if stage == "train" else "eval_logits", broken)
+    monkeypatch.setattr(FedAvgClient, "eval_mode", "own")
+    cfg = load_config(None, tiny_overrides())
+    fed = prepare_federation(cfg)
+    host = ClientHost(cfg, num_threads=1)
+    host.setup(federation_meta(fed))
+    task = client_task(0, fed.shards[0], str(tmp_path))
+    where = f"AssertionError: broken (at {HERE}:{line_of(broken)} in broken)"
+    if stage == "train":
+        payload = build_server(cfg, federation_meta(fed)).configure(0, [0])[0]
+        (result,) = host.train(0, [task], [[payload]])
+        assert result.error.line.startswith(where)
+    else:
+        with pytest.raises(ClientCodeError) as err:
+            host.evaluate([task], None)
+        assert err.value.failure.line.startswith(where)
+        assert "in evaluate" in err.value.failure.traceback

@@ -108,9 +108,10 @@ def test_a_cpu_worker_trains_on_channels_last_images_and_gets_the_nchw_model_up_
 
     assert cl_model.keys() == nchw_model.keys()
     # the kernels round differently and two epochs of momentum SGD carry it on: one element ended
-    # 5.6e-4 apart once (rtol 1e-4 failed a run); a wrong computation differs by far more than 1e-3
+    # 5.6e-4 apart relative to its value once (rtol 1e-4 failed a run); a wrong computation is off by
+    # far more than 2e-3
     for key in cl_model:
-        torch.testing.assert_close(cl_model[key], nchw_model[key], rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(cl_model[key], nchw_model[key], rtol=2e-3, atol=1e-4)
     assert any(not torch.equal(cl_model[k], nchw_model[k]) for k in cl_model)  # other kernels ran
     again, _ = colour_host("auto")
     assert all(torch.equal(v, train_once(again, shard, start)[k]) for k, v in cl_model.items())

@@ -8,6 +8,7 @@ import io
 from rich.console import Console
 
 from fedray.platform.runtime.events import CheckpointSaved, ClientFailed, JobRetried, RoundEnded, RoundStarted
+from fedray.platform.runtime.failures import Failure
 from fedray.platform.runtime.progress import Progress
 from fedray.platform.tracking.names import Metrics
 
@@ -31,7 +32,7 @@ def shown(*events, capsys) -> list[str]:
 def test_each_event_is_a_line_and_the_accuracy_is_carried_to_rounds_without_evaluation(capsys):
     lines = shown(
         RoundStarted(1, [0, 1, 2, 3]),
-        ClientFailed(1, 2, "ValueError: bad batch"),
+        ClientFailed(1, "client 2", Failure("ValueError: bad batch")),
         JobRetried(1, "clients 0, 1", "worker died"),
         RoundEnded(1, {**ROUND, Metrics.LOSS_TRAIN: 0.5, Metrics.ACC_PERSONAL_MEAN: 0.8125}),
         CheckpointSaved(1, "/tmp/x/checkpoint.pt"),
@@ -46,14 +47,15 @@ def test_each_event_is_a_line_and_the_accuracy_is_carried_to_rounds_without_eval
     ]
 
 
-def test_a_client_errors_traceback_is_shown_once_and_its_line_is_not_read_as_markup(capsys):
+def test_a_failures_traceback_is_shown_under_its_line_and_neither_is_read_as_markup(capsys):
     trace = (
         "Traceback (most recent call last):\n  File \"algorithms/x.py\", line 3, in upload\nKeyError: '[b]'\n"
     )
     error = f"KeyError: '[b]' {'and more ' * 25}(at algorithms/x.py:3 in upload)"  # wider than the console
-    lines = shown(ClientFailed(1, 0, error, trace), ClientFailed(1, 1, error, trace), capsys=capsys)
+    first, again = Failure(error, "KeyError (at algorithms/x.py:3 in upload)", trace), Failure(error)
+    lines = shown(ClientFailed(1, "client 0", first), ClientFailed(1, "client 1", again), capsys=capsys)
     assert lines == [
         f"round 1: client 0 failed: {error}",
         *trace.rstrip().splitlines(),
-        f"round 1: client 1 failed: {error}",  # the same error again: its line only
+        f"round 1: client 1 failed: {error}",  # the same origin again: the Coordinator sent its line only
     ]

@@ -47,7 +47,6 @@ from fedray.platform.runtime.dispatch import TrainingDispatch
 from fedray.platform.runtime.evaluation import Evaluation, global_test_chunks
 from fedray.platform.runtime.events import (
     CheckpointSaved,
-    ClientFailed,
     Event,
     EventQueue,
     RoundEnded,
@@ -289,7 +288,7 @@ class RoundLoop:
         )
         train_s = time.perf_counter() - train_start
         for cid, failure in sorted(failed.items()):
-            self.events.emit(ClientFailed(rnd + 1, cid, failure.line, failure.traceback))
+            self.events.client_failed(rnd, (cid,), failure)
         if selected and len(failed) == len(selected):
             cid, failure = min(failed.items())
             raise RoundFailed(

@@ -250,12 +250,10 @@ def stream_rounds(
     tracker: RunTracker,
     on_round,
     logged: list[int],
-    traced: set[str],
 ) -> dict:
     """Show and log the Coordinator's events until its ``run`` returns; returns its summary.
     ``logged[0]`` is the last round logged: a restarted Coordinator's recomputed rounds are shown
-    again but logged (and reported to ``on_round``) once; ``traced``, the client errors whose
-    traceback is logged."""
+    again but logged (and reported to ``on_round``) once."""
     done = False
     while not done:
         done = bool(ray.wait([run_ref], timeout=0)[0])
@@ -264,17 +262,17 @@ def stream_rounds(
             if isinstance(event, RoundEnded):
                 log_round(tracker, event.round, event.metrics, on_round, logged)
             elif isinstance(event, ClientFailed):
-                log_failure(tracker, event, traced)
+                log_failure(tracker, event)
     return ray.get(run_ref)
 
 
-def log_failure(tracker: RunTracker, event: ClientFailed, traced: set[str]) -> None:
-    """The traceback of a client's error, the first time that error shows, as the run's artifact
-    ``failures/round-<r>-client-<c>.txt`` (a bug in an algorithm fails every client alike)."""
-    if event.traceback and event.error not in traced:
-        traced.add(event.error)
-        name = f"round-{event.round:04d}-client-{event.client}.txt"
-        tracker.log_text(f"{event.error}\n\n{event.traceback}", name, folder="failures")
+def log_failure(tracker: RunTracker, event: ClientFailed) -> None:
+    """A failure's traceback (the first of its origin carries one) as the run's artifact
+    ``failures/round-0001-client-3.txt`` (``round-0002-global-test-chunk-1.txt``, ...)."""
+    failure = event.failure
+    if failure.traceback:
+        name = f"round-{event.round:04d}-{event.job.replace(', ', '-').replace(' ', '-')}.txt"
+        tracker.log_text(f"{failure.line}\n\n{failure.traceback}", name, folder="failures")
 
 
 def log_round(tracker: RunTracker, rnd: int, metrics: dict[str, float], on_round, logged: list[int]) -> None:
@@ -446,7 +444,7 @@ def drive(
     died (``ray.max_coordinator_restarts`` times). Returns its summary and, for a finished run, the
     personalised models worth logging."""
     cfg = handle.cfg
-    logged, restarts, traced = [tracker.last_step(Metrics.COMM_UP_BYTES)], 0, set[str]()
+    logged, restarts = [tracker.last_step(Metrics.COMM_UP_BYTES)], 0
     with Progress(cfg.rounds, f"{cfg.algorithm} on {cfg.data.dataset}", enabled=cfg.progress) as progress:
         while True:
             try:
@@ -462,9 +460,7 @@ def drive(
                     tracker.set_tags({Tags.COORDINATOR_RESTARTS: str(restarts)})
                     tracker.log_metrics({Metrics.RUN_COORDINATOR_RESTARTS: restarts}, step=logged[0])
                     handle.start(ckpt_dir, stop_after_round)
-                summary = stream_rounds(
-                    handle.runtime, handle.run_ref, progress, tracker, on_round, logged, traced
-                )
+                summary = stream_rounds(handle.runtime, handle.run_ref, progress, tracker, on_round, logged)
                 # the personalised models, fetched before the loop ends: a Coordinator that dies now
                 # restarts at the last round's checkpoint and hands them over
                 return summary, handle.client_models() if summary["finished"] else None

@@ -97,7 +97,7 @@ class Evaluation:
         """The round's evaluation metrics, each tested client's accuracy, and the jobs retried on the way."""
         done = self.pool.run(self.client_jobs(rnd, selected, server) + self.global_jobs(server), on_retry)
         for key, failure in done.failed.items():
-            on_failed(key, failure.prefixed("evaluation: "))
+            on_failed(key, failure)
         rows = sorted(
             row for (kind, _), (part, _) in done.results.items() if kind == "clients" for row in part
         )

@@ -8,6 +8,7 @@ Rounds are numbered as the display and MLflow count them: ``round`` is the numbe
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,12 +31,12 @@ class RoundEnded:
 
 @dataclass(frozen=True)
 class ClientFailed:
-    """A client (or an evaluation job, named by its first client) whose code raised; the run goes on."""
+    """A client, or an evaluation job, whose code raised; the run goes on. The failure carries its
+    traceback the first time its origin (type and place) shows in the run only."""
 
     round: int
-    client: int
-    error: str  # its one line: the exception and where the algorithm's code raised it
-    traceback: str = ""  # the whole of it (none for a worker lost too often)
+    job: str  # as the display names it (job_label)
+    failure: Failure
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,17 @@ class EventQueue:
 
     def __init__(self) -> None:
         self.events: queue.Queue = queue.Queue()
+        self.traced: set[str] = set()  # the failures' origins whose traceback went out
+
+    def client_failed(self, rnd: int, key: Any, failure: Failure) -> None:
+        """A :class:`ClientFailed` for a job of round ``rnd`` (0-based); its traceback goes with the
+        first failure of its origin only: a bug in an algorithm fails every client alike, and a
+        message that differs per client (a shape, an index) does not make it another error."""
+        if failure.origin in self.traced:
+            failure = dataclasses.replace(failure, traceback="")
+        elif failure.traceback:
+            self.traced.add(failure.origin)
+        self.emit(ClientFailed(rnd + 1, job_label(key), failure))
 
     def emit(self, event: Event) -> None:
         self.events.put(event)
@@ -98,10 +110,9 @@ class EventQueue:
         return report
 
     def failure_reporter(self, rnd: int) -> Callable[[Any, Failure], None]:
-        """What the evaluation calls when a job of round ``rnd`` fails: a :class:`ClientFailed` naming
-        the job's first client."""
+        """What the evaluation calls when a job of round ``rnd`` fails: :meth:`client_failed`."""
 
         def report(key: Any, failure: Failure) -> None:
-            self.emit(ClientFailed(rnd + 1, key[1], failure.line, failure.traceback))
+            self.client_failed(rnd, key, failure)
 
         return report

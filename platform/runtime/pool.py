@@ -24,7 +24,7 @@ import ray
 
 from fedray.platform.errors import ConfigError, first_line
 from fedray.platform.runtime.devices import DeviceError
-from fedray.platform.runtime.failures import Failure, remote_failure
+from fedray.platform.runtime.failures import ClientCodeError, Failure, remote_failure
 
 MAX_RETRIES = 3  # a client that keeps killing its worker (its own OOM) is reported as failed
 IN_FLIGHT = 2  # calls queued in one worker at a time
@@ -195,7 +195,9 @@ class WorkerPool:
                         if on_retry is not None:
                             on_retry(job.key, first_line(err))
                 else:  # the job's own code raised: reported, not retried
-                    out.failed[job.key] = remote_failure(err)
+                    out.failed[job.key] = (
+                        cause.failure if isinstance(cause, ClientCodeError) else remote_failure(err)
+                    )
                     self.finish(job, None, ended)
             else:
                 out.results[job.key] = (value, (slot, generation))

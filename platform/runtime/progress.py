@@ -38,7 +38,6 @@ class Progress:
         self.console = console or Console(file=sys.stdout)
         self.live = self.console.is_terminal and enabled
         self.last_acc: dict[str, float] = {}
-        self.traced: set[str] = set()  # client errors whose traceback was shown
         self._bar: Any = None  # a rich Progress while live
 
     def __enter__(self) -> Progress:
@@ -73,19 +72,18 @@ class Progress:
         if not self.enabled:
             return
         if isinstance(event, ClientFailed):
+            failure = event.failure
             self.console.print(
-                f"[red]round {event.round}: client {event.client} failed: {escape(event.error)}",
-                soft_wrap=True,
+                f"[red]round {event.round}: {event.job} failed: {escape(failure.line)}", soft_wrap=True
             )
-            if event.traceback and event.error not in self.traced:  # once per error: a bug fails every client
-                self.traced.add(event.error)
+            if failure.traceback:  # the first failure of its origin carries it
                 self.console.print(
-                    event.traceback.rstrip(), style="dim", markup=False, highlight=False, soft_wrap=True
+                    failure.traceback.rstrip(), style="dim", markup=False, highlight=False, soft_wrap=True
                 )
         elif isinstance(event, JobRetried):
             self.console.print(
                 f"[yellow]round {event.round}: worker lost running {event.job}, re-running "
-                f"from the committed state ({event.error})",
+                f"from the committed state ({escape(event.error)})",
                 soft_wrap=True,
             )
         elif isinstance(event, RoundEnded):

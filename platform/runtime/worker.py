@@ -12,6 +12,7 @@ together; the new state of a client that keeps one is written to its file before
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -46,7 +47,7 @@ from fedray.platform.runtime.devices import (
     laid_out,
     worker_device,
 )
-from fedray.platform.runtime.failures import Failure, failure_of
+from fedray.platform.runtime.failures import ClientCodeError, Failure, algorithm_files, failure_of
 from fedray.platform.runtime.local_training import LocalTraining
 from fedray.platform.runtime.process_roles import set_up_worker, set_worker_threads
 from fedray.platform.runtime.state_store import ClientTask
@@ -232,6 +233,8 @@ class ClientHost:
         nothing of the last one (no module, data or payload)."""
         self.cfg = cfg
         self.spec = get_algorithm(cfg.algorithm)
+        # where the algorithm's code lives: a client's error is reported at its innermost frame there
+        self.own_code = algorithm_files(self.spec.server_cls, self.spec.client_cls, self.spec.config_cls)
         self.device, self.device_info = worker_device(cfg)
         configure_device(self.device, cfg.train, cfg.ray.num_gpus_per_client)
         self.memory_format = image_memory_format(cfg.train, self.device)  # of the images it keeps
@@ -407,20 +410,34 @@ class ClientHost:
                     continue
                 if is_out_of_memory(err) or is_device_error(err):
                     raise DeviceError(f"client {task.client}: {first_line(err)}") from None
-                return ClientResult(task.client, None, {}, failure_of(err, self.explained(err)))
+                return ClientResult(task.client, None, {}, self.failure(err))
             return ClientResult(task.client, uplink, stats)
         raise AssertionError("unreachable")
 
-    def explained(self, err: Exception) -> str:
-        """The message a client's error is reported with; a ``.view`` that fails on the worker's
+    def failure(self, err: Exception) -> Failure:
+        """A client's own error as it is reported; a ``.view`` that fails on the worker's
         channels_last images says why and what to do."""
-        line = first_line(err)
-        if self.memory_format == torch.channels_last and "view size is not compatible" in line:
-            line += (
+        hint = ""
+        if self.memory_format == torch.channels_last and "view size is not compatible" in str(err):
+            hint = (
                 " (this worker keeps colour images channels_last, train.memory_format: use .reshape, "
                 "or set train.memory_format=contiguous)"
             )
-        return line
+        return failure_of(err, hint, self.own_code)
+
+    @contextlib.contextmanager
+    def evaluation_errors(self, job: str) -> Iterator[None]:
+        """An evaluation's error sorted as a training call's: the device's breaks the worker
+        (:class:`DeviceError`: the pool replaces it and runs the job elsewhere), a broken rule stops
+        the run, anything else is the job's own (:class:`ClientCodeError`: reported, not retried)."""
+        try:
+            yield
+        except (ConfigError, DeviceError):
+            raise
+        except Exception as err:
+            if is_out_of_memory(err) or is_device_error(err):
+                raise DeviceError(f"{job}: {first_line(err)}") from None
+            raise ClientCodeError(self.failure(err)) from None
 
     def fit_client(self, task: ClientTask, rnd: int, payload: Payload) -> tuple[Payload, dict]:
         start = time.perf_counter()
@@ -471,6 +488,12 @@ class ClientHost:
         evaluated on each client's data and no client module is built; otherwise each client's
         module is evaluated, after ``load_for_eval`` when there is a payload, and restored after.
         """
+        with self.evaluation_errors(f"evaluation from client {tasks[0].client}"):
+            return self.evaluate_clients(tasks, payload)
+
+    def evaluate_clients(
+        self, tasks: list[ClientTask], payload: Payload | None
+    ) -> list[tuple[int, int, int, float]]:
         shared = None
         if payload is not None and tests_with_global_model(self.spec.client_cls, payload):
             shared = self.global_model(
@@ -502,6 +525,12 @@ class ClientHost:
     ) -> list[tuple[int, int, int, float]]:
         """(chunk, correct, total, summed loss) per chunk of the global test set; the caller sums them
         in chunk order, so the numbers never depend on how chunks were spread over workers."""
+        with self.evaluation_errors(f"global test chunks {', '.join(map(str, chunks))}"):
+            return self.evaluate_chunks(arch, state, chunks)
+
+    def evaluate_chunks(
+        self, arch: str, state: dict[str, torch.Tensor], chunks: dict[int, list]
+    ) -> list[tuple[int, int, int, float]]:
         model = self.global_model(arch, state)
         out = []
         for index, boxed in chunks.items():
