@@ -32,6 +32,8 @@ class Diverged(RoundFailed):
     sweep's trial) would train nothing. The run stops with one line, before the round is aggregated;
     a resume would diverge again, so a new run with other settings (a lower ``train.lr``) is the fix."""
 
+    MARK = "training diverged"  # in its line, after the round: how a sweep tells it from a crash
+
 
 def first_line(err: BaseException) -> str:
     """An exception as one line: the last line of its message (a remote traceback's cause), capped."""

@@ -26,7 +26,7 @@ from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
 from fedray.platform.catalog import build_config
 from fedray.platform.config import ExperimentConfig, merge, raw_config
-from fedray.platform.errors import ConfigError
+from fedray.platform.errors import ConfigError, Diverged
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.driver import Trial, ensure_ray, require_gpus, run_experiment
 from fedray.platform.runtime.processes import KeptRuntime
@@ -47,6 +47,10 @@ from fedray.sweeps.space import (
 SWEEP_STATE = "fedray_sweep.json"  # parent run id and settings, for --resume
 
 
+# how a trial ended that leaves it out of the best trial's choice: its last value is not its result
+UNRANKED = ("error", "diverged")
+
+
 def tune_key(metric: str) -> str:
     """A metric's name in the results a trial reports to Tune (which reads a ``/`` as nesting)."""
     return metric.replace("/", "_")
@@ -55,7 +59,8 @@ def tune_key(metric: str) -> str:
 @dataclass
 class SweepResult:
     parent_run_id: str
-    trials: pd.DataFrame  # a row per trial, best first: params, metric, rounds run, status, trial id
+    # a row per trial, best first (failed ones last): params, metric, rounds run, status, trial id
+    trials: pd.DataFrame
     best_config: dict[str, Any]
     path: Path
     params: list[str] = field(default_factory=list)  # the swept keys, as the space names them
@@ -161,9 +166,10 @@ def rounds_planned(base_rounds: int, point: dict[str, Any]) -> int:
 
 def trial_status(metrics: dict[str, Any], error: Any, base_rounds: int, point: dict[str, Any]) -> str:
     """How a trial ended: ``ok`` (all its rounds), ``stopped early`` (by the scheduler, which Tune
-    counts as done), ``interrupted`` (the sweep was, before the trial was done) or ``error``."""
+    counts as done), ``interrupted`` (the sweep was, before the trial was done), ``diverged`` (its
+    training loss went non-finite: its run stopped, :class:`Diverged`) or ``error``."""
     if error:
-        return "error"
+        return "diverged" if Diverged.MARK in str(error) else "error"
     if not metrics.get("done"):
         return "interrupted"
     return "stopped early" if metrics.get("round", 0) < rounds_planned(base_rounds, point) else "ok"
@@ -429,23 +435,32 @@ def trial_table(results, space: SearchSpace, base_rounds: int) -> pd.DataFrame:
     table = table.where(table.notna(), None)  # a key a trial lacks is None too, not NaN
     if not table.empty and table[space.metric].notna().any():
         table = table.sort_values(space.metric, ascending=space.mode == "min", na_position="last")
+    if not table.empty:  # a failed trial's last value is not its result: after the others
+        table = table.sort_values("status", key=lambda s: s.isin(UNRANKED), kind="stable")
     return table.reset_index(drop=True)
+
+
+def best_row(table: pd.DataFrame, metric: str) -> pd.Series | None:
+    """The best trial of a :func:`trial_table`: its first row, unless no trial has a result."""
+    if table.empty or table.iloc[0]["status"] in UNRANKED or table.iloc[0][metric] is None:
+        return None
+    return table.iloc[0]
 
 
 def summarize(grid, space: SearchSpace, parent, path: Path, base: dict[str, Any]) -> SweepResult:
     """Trial table, best config (logged on the parent), and stray child runs closed as KILLED."""
     base_cfg = build_config(base)
     table = trial_table(grid, space, base_cfg.rounds)
+    top = best_row(table, space.metric)
     best_point = {}
-    if not table.empty and table[space.metric].notna().any():
-        best_point = {p.key: table.iloc[0][p.key] for p in space.params if p.key in table.columns}
+    if top is not None:
+        best_point = {p.key: top[p.key] for p in space.params if p.key in table.columns}
     best_config = trial_config(base, best_point).to_dict() if best_point else {}
     parent.log_text(yaml.safe_dump(best_config, sort_keys=False), "best_config.yaml")
     parent.log_table(table, "trials.csv")
     children = _close_stopped_children(parent)
     best = None
-    if best_point:
-        top = table.iloc[0]
+    if top is not None:
         run_id = next(
             (r.info.run_id for r in children if r.data.tags.get(Tags.TRIAL_ID) == top["trial"]), "?"
         )

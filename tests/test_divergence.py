@@ -26,7 +26,7 @@ def test_a_round_diverged_when_no_client_that_trained_has_a_finite_loss():
         "round 5: training diverged, the training loss is not finite on any of the 2 clients that "
         "trained (client 1: inf); a lower train.lr keeps it finite"
     )
-    assert divergence(4, {3: {LOSS: nan}, 1: {LOSS: 2.3}}) is None  # one client is not the run
+    assert divergence(4, {3: {LOSS: nan}, 1: {LOSS: 2.3}}) is None  # a client that still trains
     assert divergence(4, {1: {"loss/proto": nan}}) is None  # no training loss reported (a warm-up)
     assert divergence(4, {}) is None
 
@@ -47,9 +47,11 @@ def test_a_diverged_run_stops_in_one_line_marked_failed_without_a_resume(ray_ses
         run_experiment(load_config(None, tiny_overrides(rounds=4, **EXPLODING)))
     line = str(err.value)
     assert "\n" not in line and "training diverged, the training loss is not finite on any of the" in line
-    assert line.startswith(("round 1: ", "round 2: ")), line  # the round it happened or the next
+    diverged_at = int(line.split(":")[0].removeprefix("round "))
+    assert diverged_at in (1, 2), line  # the round it happened or the next (an average spread it)
     assert "resume" not in line  # it would diverge again
     client, run = only_run(tmp_path)
     assert run.info.status == "FAILED"
-    # no round after it was logged (the diverged round itself is not aggregated)
-    assert len(client.get_metric_history(run.info.run_id, Metrics.COMM_UP_BYTES)) <= 1
+    # every round before it logged, and neither it (not aggregated) nor any after it
+    logged = client.get_metric_history(run.info.run_id, Metrics.COMM_UP_BYTES)
+    assert sorted(m.step for m in logged) == list(range(1, diverged_at))

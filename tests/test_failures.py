@@ -158,36 +158,73 @@ def test_only_the_first_failure_of_an_origin_carries_its_traceback():
     )
 
 
-@pytest.mark.parametrize("stage", ["train", "evaluate"])
-def test_a_workers_client_error_is_reported_at_the_algorithms_line(stage, monkeypatch, tmp_path):
-    """ClientHost (the worker, no Ray): a training error is the client's result; an evaluation error
-    is raised as a ClientCodeError carrying the same kind of failure (the pool reports it)."""
+def fedavg_worker(tmp_path):
+    """A FedAvg worker (ClientHost, no Ray) and its first client's task and downlink."""
     from conftest import tiny_overrides
     from in_process import client_task
 
-    from fedray.algorithms.fedavg import FedAvgClient
     from fedray.platform.catalog import load_config
     from fedray.platform.runtime.coordinator import build_server
     from fedray.platform.runtime.driver import federation_meta, prepare_federation
     from fedray.platform.runtime.worker import ClientHost
+
+    cfg = load_config(None, tiny_overrides())
+    fed = prepare_federation(cfg)
+    host = ClientHost(cfg, num_threads=1)
+    host.setup(federation_meta(fed))
+    payload = build_server(cfg, federation_meta(fed)).configure(0, [0])[0]
+    return host, client_task(0, fed.shards[0], str(tmp_path)), payload
+
+
+@pytest.mark.parametrize("stage", ["train", "evaluate"])
+def test_a_workers_client_error_is_reported_at_the_algorithms_line(stage, monkeypatch, tmp_path):
+    """A training error is the client's result; an evaluation error is raised as a ClientCodeError
+    carrying the same kind of failure (the pool reports it), and the client's module is dropped
+    (it may hold the evaluation's weights)."""
+    from fedray.algorithms.fedavg import FedAvgClient
 
     def broken(self, *args):
         raise AssertionError("broken")  # the line the report must name
 
     monkeypatch.setattr(FedAvgClient, "training_step" if stage == "train" else "eval_logits", broken)
     monkeypatch.setattr(FedAvgClient, "eval_mode", "own")
-    cfg = load_config(None, tiny_overrides())
-    fed = prepare_federation(cfg)
-    host = ClientHost(cfg, num_threads=1)
-    host.setup(federation_meta(fed))
-    task = client_task(0, fed.shards[0], str(tmp_path))
+    host, task, payload = fedavg_worker(tmp_path)
     where = f"AssertionError: broken (at {HERE}:{line_of(broken)} in broken)"
     if stage == "train":
-        payload = build_server(cfg, federation_meta(fed)).configure(0, [0])[0]
         (result,) = host.train(0, [task], [[payload]])
         assert result.error.line.startswith(where)
     else:
+        host.module(task)  # cached, as after its training
         with pytest.raises(ClientCodeError) as err:
             host.evaluate([task], None)
         assert err.value.failure.line.startswith(where)
         assert "in evaluate" in err.value.failure.traceback
+        assert 0 not in host.modules
+
+
+def test_an_evaluations_device_error_breaks_the_worker_and_out_of_memory_is_tried_once_more(
+    monkeypatch, tmp_path
+):
+    from fedray.algorithms.fedavg import FedAvgClient
+    from fedray.platform.runtime.devices import DeviceError
+
+    calls = []
+
+    def short_of_memory_once(self, x):
+        calls.append(len(x))
+        if len(calls) == 1:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.model(x)
+
+    monkeypatch.setattr(FedAvgClient, "eval_mode", "own")
+    monkeypatch.setattr(FedAvgClient, "eval_logits", short_of_memory_once)
+    host, task, _ = fedavg_worker(tmp_path)
+    ((client, _, total, _),) = host.evaluate([task], None)
+    assert client == 0 and total > 0 and sum(calls[1:]) == total  # tried again, on every test sample
+
+    def broken_device(self, x):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(FedAvgClient, "eval_logits", broken_device)
+    with pytest.raises(DeviceError, match=r"^evaluation from client 0: CUDA error: an illegal memory access"):
+        host.evaluate([task], None)

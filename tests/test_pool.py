@@ -5,7 +5,7 @@ import pytest
 
 from fedray.platform.runtime import dispatch
 from fedray.platform.runtime.dispatch import TrainingDispatch
-from fedray.platform.runtime.failures import Failure
+from fedray.platform.runtime.failures import ClientCodeError, Failure
 from fedray.platform.runtime.pool import Job, WorkerPool
 from fedray.platform.runtime.state_store import StateStore
 
@@ -136,7 +136,16 @@ def test_a_job_is_done_once_with_its_value_after_its_worker_died_and_none_when_i
     class OwnError(pool_module.ray.exceptions.RayError):
         pass
 
-    outcomes = {"a": [pool_module.ray.exceptions.RayActorError(), "value a"], "b": [OwnError("b raised")]}
+    # c's code raised in its worker, which built the report (its line, the algorithm's frame)
+    reported = Failure(
+        "KeyError: 'x' (at algorithms/a.py:3 in upload)", "KeyError (at algorithms/a.py:3 in upload)"
+    )
+    own = pool_module.ray.exceptions.RayTaskError("train", "Traceback ...", ClientCodeError(reported))
+    outcomes = {
+        "a": [pool_module.ray.exceptions.RayActorError(), "value a"],
+        "b": [OwnError("b raised")],
+        "c": [own.as_instanceof_cause()],  # as Ray raises it: a RayTaskError(ClientCodeError)
+    }
 
     class Ref:
         def __init__(self, key):
@@ -165,11 +174,10 @@ def test_a_job_is_done_once_with_its_value_after_its_worker_died_and_none_when_i
     pool = WorkerPool([Worker()], spawn=lambda: (Worker(), None), pinned=False)
     pool.ready = lambda slot: True  # the replacement is placed at once
     done = []
-    out = pool.run(
-        [Job("a", "train", ("a",)), Job("b", "train", ("b",))], on_done=lambda k, v: done.append((k, v))
-    )
-    assert sorted(done) == [("a", "value a"), ("b", None)]
-    assert out.retried == ["a"] and set(out.failed) == {"b"}
+    out = pool.run([Job(k, "train", (k,)) for k in "abc"], on_done=lambda k, v: done.append((k, v)))
+    assert sorted(done) == [("a", "value a"), ("b", None), ("c", None)]
+    assert out.retried == ["a"] and set(out.failed) == {"b", "c"}
+    assert out.failed["c"] == reported and out.failed["b"].line == "OwnError: b raised"
 
 
 def test_the_uplinks_the_last_outcome_releases_are_left_to_aggregate():

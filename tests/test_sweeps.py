@@ -22,6 +22,7 @@ from fedray.sweeps.tune_sweep import (
     SweepResult,
     _scheduler,
     _TrialLines,
+    best_row,
     prepare_base,
     run_sweep,
     trial_status,
@@ -284,6 +285,13 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
         ({"round": 3, "done": True}, None, {"rounds": 3}, "ok"),  # the space sweeps the rounds
         ({"round": 3}, None, {}, "interrupted"),
         ({"round": 5, "done": True}, RuntimeError("x"), {}, "error"),
+        # what Tune keeps of a run that stopped on Diverged: its line, in the trial's error
+        (
+            {"round": 2},
+            RuntimeError("RunAborted: round 3: training diverged, the training loss ..."),
+            {},
+            "diverged",
+        ),
     ],
 )
 def test_a_trial_status_says_how_it_ended(metrics, error, point, status):
@@ -309,6 +317,29 @@ def test_the_trial_table_keeps_each_value_as_the_trial_had_it(tmp_path):
     assert list(table["k"])[:2] == [7, 5] and all(type(k) is int for k in list(table["k"])[:2])
     assert table["k"][2] is None and table["rounds run"][2] is None
     assert list(table["status"]) == ["ok", "ok", "interrupted"]
+    assert best_row(table, space.metric)["trial"] == "c"
+
+
+def test_a_failed_trial_is_never_the_best_whatever_its_last_value():
+    # a high learning rate's trial may report a good round before it diverges: its last value is
+    # not its result, so it goes after the trials that ended and is not the best
+    space = SimpleNamespace(metric=Metrics.ACC_GLOBAL, mode="max")
+    done = {"round": 5, "done": True}
+    diverged = RuntimeError("round 4: training diverged, ...")
+    results = [
+        SimpleNamespace(config={"lr": 0.1}, metrics={**done, "acc_global": 0.6}, error=None, path="/t/ok"),
+        SimpleNamespace(
+            config={"lr": 9.0}, metrics={"round": 3, "acc_global": 0.9}, error=diverged, path="/t/d"
+        ),
+        SimpleNamespace(
+            config={"lr": 1.0}, metrics={"round": 2, "acc_global": 0.7}, error=OSError("x"), path="/t/e"
+        ),
+    ]
+    table = trial_table(results, space, base_rounds=5)
+    assert list(table["trial"]) == ["ok", "d", "e"]
+    assert list(table["status"]) == ["ok", "diverged", "error"]
+    assert best_row(table, space.metric)["trial"] == "ok"
+    assert best_row(table.iloc[1:].reset_index(drop=True), space.metric) is None  # no trial has a result
 
 
 def test_trial_lines_restored_from_an_older_sweep_say_finished(capsys):
@@ -340,10 +371,17 @@ def test_the_sweep_command_names_the_best_trial_by_every_swept_key(tmp_path, mon
     table = pd.DataFrame(
         [{"rounds": 4, "train.lr": 0.1, Metrics.ACC_GLOBAL: 0.3, "status": "ok", "trial": "t1"}], dtype=object
     )
-    done = SweepResult("parent", table, {}, tmp_path / "sweep-x", ["rounds", "train.lr"])
+    best = {"rounds": 4, "train": {"lr": 0.1}}
+    done = SweepResult("parent", table, best, tmp_path / "sweep-x", ["rounds", "train.lr"])
     monkeypatch.setattr("fedray.sweeps.tune_sweep.run_sweep", lambda *a, **k: done)
     assert main(["sweep", "--algo", "fedavg"]) == 0
     assert "best trial: rounds=4, train.lr=0.1\n" in capsys.readouterr().out
+    # every trial failed: no best config, and the line does not name the failed first row
+    table.loc[0, "status"] = "diverged"
+    failed = SweepResult("parent", table, {}, tmp_path / "sweep-x", ["rounds", "train.lr"])
+    monkeypatch.setattr("fedray.sweeps.tune_sweep.run_sweep", lambda *a, **k: failed)
+    assert main(["sweep", "--algo", "fedavg"]) == 0
+    assert "best trial: -\n" in capsys.readouterr().out
 
 
 def test_prepare_base_makes_paths_absolute(tmp_path, monkeypatch):

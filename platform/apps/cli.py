@@ -98,7 +98,10 @@ def _sweep(args: argparse.Namespace) -> int:
     )
     rows = [{k: _short(v) for k, v in row.items()} for row in result.trials.to_dict("records")]
     print_table(summary_table(rows, title=f"sweep {result.path.name}: {len(rows)} trials"))
-    best = ", ".join(f"{k}={rows[0][k]}" for k in result.params if k in rows[0]) if rows else "-"
+    # the first row, unless no trial has a result (best_config is empty: every trial failed)
+    best = (
+        ", ".join(f"{k}={rows[0][k]}" for k in result.params if k in rows[0]) if result.best_config else "-"
+    )
     print(f"best trial: {best}")
     print(f"MLflow parent run: {result.parent_run_id} (best_config.yaml and trials.csv are its artifacts)")
     return 0

@@ -96,7 +96,7 @@ def divergence(rnd: int, stats: dict[int, dict[str, float]]) -> str | None:
         return None
     cid = min(losses)
     return (
-        f"round {rnd + 1}: training diverged, the training loss is not finite on any of the {len(losses)} "
+        f"round {rnd + 1}: {Diverged.MARK}, the training loss is not finite on any of the {len(losses)} "
         f"clients that trained (client {cid}: {losses[cid]}); a lower train.lr keeps it finite"
     )
 

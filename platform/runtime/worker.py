@@ -12,7 +12,6 @@ together; the new state of a client that keeps one is written to its file before
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -425,19 +424,30 @@ class ClientHost:
             )
         return failure_of(err, hint, self.own_code)
 
-    @contextlib.contextmanager
-    def evaluation_errors(self, job: str) -> Iterator[None]:
-        """An evaluation's error sorted as a training call's: the device's breaks the worker
-        (:class:`DeviceError`: the pool replaces it and runs the job elsewhere), a broken rule stops
-        the run, anything else is the job's own (:class:`ClientCodeError`: reported, not retried)."""
-        try:
-            yield
-        except (ConfigError, DeviceError):
-            raise
-        except Exception as err:
-            if is_out_of_memory(err) or is_device_error(err):
-                raise DeviceError(f"{job}: {first_line(err)}") from None
-            raise ClientCodeError(self.failure(err)) from None
+    def evaluated(self, job: str, evaluate: Callable[[], list], clients: list[int]) -> list:
+        """An evaluation, its errors sorted as a training call's: out of memory frees the cache and
+        tries once more; any other device error breaks the worker (:class:`DeviceError`: the pool
+        replaces it and runs the job elsewhere); a broken rule, or Ray losing an object, goes up as
+        it is; anything else is the job's own (:class:`ClientCodeError`: reported, not retried).
+        On any error the ``clients``' cached modules go: one may hold the evaluation's weights."""
+        for attempt in (1, 2):
+            try:
+                return evaluate()
+            except (ConfigError, DeviceError, ray.exceptions.RayError):
+                for client in clients:
+                    self.drop(client)
+                raise
+            except Exception as err:
+                for client in clients:
+                    self.drop(client)
+                if is_out_of_memory(err) and attempt == 1:
+                    if self.device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    continue
+                if is_out_of_memory(err) or is_device_error(err):
+                    raise DeviceError(f"{job}: {first_line(err)}") from None
+                raise ClientCodeError(self.failure(err)) from err
+        raise AssertionError("unreachable")
 
     def fit_client(self, task: ClientTask, rnd: int, payload: Payload) -> tuple[Payload, dict]:
         start = time.perf_counter()
@@ -488,8 +498,10 @@ class ClientHost:
         evaluated on each client's data and no client module is built; otherwise each client's
         module is evaluated, after ``load_for_eval`` when there is a payload, and restored after.
         """
-        with self.evaluation_errors(f"evaluation from client {tasks[0].client}"):
-            return self.evaluate_clients(tasks, payload)
+        clients = [task.client for task in tasks]
+        return self.evaluated(
+            f"evaluation from client {clients[0]}", lambda: self.evaluate_clients(tasks, payload), clients
+        )
 
     def evaluate_clients(
         self, tasks: list[ClientTask], payload: Payload | None
@@ -525,8 +537,8 @@ class ClientHost:
     ) -> list[tuple[int, int, int, float]]:
         """(chunk, correct, total, summed loss) per chunk of the global test set; the caller sums them
         in chunk order, so the numbers never depend on how chunks were spread over workers."""
-        with self.evaluation_errors(f"global test chunks {', '.join(map(str, chunks))}"):
-            return self.evaluate_chunks(arch, state, chunks)
+        job = f"global test chunk{'s' if len(chunks) > 1 else ''} {', '.join(map(str, chunks))}"
+        return self.evaluated(job, lambda: self.evaluate_chunks(arch, state, chunks), [])
 
     def evaluate_chunks(
         self, arch: str, state: dict[str, torch.Tensor], chunks: dict[int, list]
