@@ -205,6 +205,24 @@ def test_a_downlink_key_receive_never_reads_is_refused_on_the_first_client():
     )
 
 
+class AliasingClient(ClientModule):
+    """Loads the downlink as ``vector_to_parameters`` does a flat one: each parameter's ``.data``
+    set to the downlink's tensor, so training writes into the downlink the worker's next client
+    gets, and ``.data`` hides it from the version check."""
+
+    def receive(self, rnd, payload):
+        for name, param in self.model.named_parameters():
+            param.data = payload["model"][name]
+
+
+def test_parameters_that_share_memory_with_the_downlink_are_refused():
+    with pytest.raises(ContractError) as err:
+        first_client(probe("aliasing_probe", AliasingClient))()
+    assert one_line(err).startswith(
+        "algorithm 'aliasing_probe': AliasingClient.model."
+    ) and "shares memory with the downlink after receive (vector_to_parameters or .data =" in one_line(err)
+
+
 def test_a_tensor_kept_outside_hold_is_refused_on_the_first_client():
     with pytest.raises(ContractError) as err:
         first_client(probe("plain_probe", PlainTensorClient))()

@@ -6,7 +6,8 @@ over Lightning's hooks (:mod:`fedray.platform.runtime.local_training`), so the h
 not call, manual optimisation and an override of the platform's entry point are refused, and the
 evaluation mode must agree with the methods the class overrides. What only a running client shows
 is checked on the first client each worker trains (:func:`check_downlink_read`,
-:func:`check_held_tensors`) and on every round's uplinks (:func:`check_uplinks`).
+:func:`check_held_tensors`), on every client (:func:`check_parameters_apart`) and on every round's
+uplinks (:func:`check_uplinks`).
 """
 
 from __future__ import annotations
@@ -130,6 +131,37 @@ def check_downlink_read(name: str, module: Any, payload: ReadKeys) -> None:
         raise ContractError(
             f"algorithm {name!r}: {type(module).__name__}.receive never read downlink key {key!r} ({hint})"
         )
+
+
+def storages(tree: Any) -> set[int]:
+    """The memory of every tensor in a payload (nested mappings, lists and tuples), by address."""
+    if torch.is_tensor(tree):
+        address = tree.untyped_storage().data_ptr()
+        return {address} if address else set()  # an empty tensor has none
+    if isinstance(tree, Mapping):
+        return {a for value in tree.values() for a in storages(value)}
+    if isinstance(tree, (list, tuple)):
+        return {a for value in tree for a in storages(value)}
+    return set()
+
+
+def check_parameters_apart(name: str, module: Any, payload: Mapping[str, Any]) -> None:
+    """No parameter shares memory with the downlink: a worker's clients share one downlink, and
+    training writes into the parameters, so a parameter made a view of a downlink tensor
+    (``vector_to_parameters(payload[...])``, ``p.data = payload[...]``) would change what the next
+    client receives. ``.data`` keeps no version counter, so the worker's check of the downlink's
+    versions after training cannot see it; this can (on a CPU: a GPU's parameters never alias)."""
+    sent = storages(payload)
+    if not sent:
+        return
+    for pname, param in module.named_parameters():
+        if param.untyped_storage().data_ptr() in sent:
+            raise ContractError(
+                f"algorithm {name!r}: {type(module).__name__}.{pname} shares memory with the downlink after "
+                "receive (vector_to_parameters or .data = on a downlink tensor), so training would change "
+                "the downlink the worker's other clients get; load it with copy_ or load_state_dict, or "
+                "pass a .clone()"
+            )
 
 
 # a ClientModule's own bookkeeping, and nn.Module's registries (which hold parameters and buffers)

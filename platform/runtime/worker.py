@@ -30,7 +30,12 @@ from fedray.platform.api.algorithm import (
     seed_torch,
     tests_with_global_model,
 )
-from fedray.platform.api.contract import ReadKeys, check_downlink_read, check_held_tensors
+from fedray.platform.api.contract import (
+    ReadKeys,
+    check_downlink_read,
+    check_held_tensors,
+    check_parameters_apart,
+)
 from fedray.platform.api.registry import get as get_algorithm
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.data import ArrayDataset, ClientShard, normalize
@@ -459,9 +464,11 @@ class ClientHost:
         seed_torch(seed_of("client/train", self.cfg.seed, rnd, task.client), self.device)
         keys = frozenset(payload)
         first = keys not in self.checked_downlinks
+        downlink = payload  # as sent: the checks below read it without counting a key as read
         if first:
             payload = ReadKeys(payload)
         module.begin_round(rnd, payload)
+        check_parameters_apart(self.spec.name, module, downlink)
         if isinstance(payload, ReadKeys):  # the first client with these keys (narrows the type too)
             check_downlink_read(self.spec.name, module, payload)
         if written is not None:
