@@ -391,7 +391,11 @@ class _TrialLines(Callback):
         self._ended(trial, "stopped early by the scheduler" if stopped else "finished")
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
-        self._ended(trial, "FAILED")
+        # Tune wrote the trial's error to its local folder before it calls this (its storage copy
+        # comes later): the run's line says whether it diverged
+        path = trial.error_file
+        error = Path(path).read_text() if path and os.path.exists(path) else ""
+        self._ended(trial, "diverged" if Diverged.MARK in error else "FAILED")
 
 
 class InterruptAfterTrials(Callback):

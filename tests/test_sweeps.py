@@ -342,13 +342,19 @@ def test_a_failed_trial_is_never_the_best_whatever_its_last_value():
     assert best_row(table.iloc[1:].reset_index(drop=True), space.metric) is None  # no trial has a result
 
 
-def test_trial_lines_restored_from_an_older_sweep_say_finished(capsys):
+def test_trial_lines_restored_from_an_older_sweep_say_finished(capsys, tmp_path):
     # Tune restores a resumed sweep's callbacks as pickled: one from before `rounds` existed lacks it
     old = _TrialLines.__new__(_TrialLines)
     old.__dict__.update(metric="acc_global", running=1, max_running=1)
     trial = SimpleNamespace(trial_id="t1", last_result={"round": 3, "acc_global": 0.5}, config={})
     old.on_trial_complete(0, [], trial)
     assert capsys.readouterr().out == "trial t1 finished after 3 rounds: acc_global=0.5000\n"
+    # a trial whose run diverged says so, one that crashed that it failed
+    error_file = tmp_path / "error.txt"  # as Tune writes it
+    for error, how in (("RunAborted: round 4: training diverged, ...", "diverged"), ("OSError: x", "FAILED")):
+        error_file.write_text(f"Failure # 1 (occurred at now)\n{error}\n")
+        old.on_trial_error(0, [], SimpleNamespace(**vars(trial), error_file=str(error_file)))
+        assert capsys.readouterr().out == f"trial t1 {how} after 3 rounds: acc_global=0.5000\n"
 
 
 def test_asha_lets_a_trial_run_the_most_rounds_the_space_gives(tmp_path):
