@@ -393,8 +393,9 @@ class _TrialLines(Callback):
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         # Tune wrote the trial's error to its local folder before it calls this (its storage copy
         # comes later): the run's line says whether it diverged
-        path = trial.error_file
-        error = Path(path).read_text() if path and os.path.exists(path) else ""
+        path, error = trial.error_file, ""
+        with contextlib.suppress(OSError, UnicodeError):  # a line to print: never the sweep's end
+            error = Path(path).read_text().rsplit("Failure # ", 1)[-1] if path else ""  # the last failure
         self._ended(trial, "diverged" if Diverged.MARK in error else "FAILED")
 
 

@@ -136,6 +136,8 @@ def check_downlink_read(name: str, module: Any, payload: ReadKeys) -> None:
 def storages(tree: Any) -> set[int]:
     """The memory of every tensor in a payload (nested mappings, lists and tuples), by address."""
     if torch.is_tensor(tree):
+        if tree.layout != torch.strided:  # a sparse tensor has no storage of its own to share
+            return set()
         address = tree.untyped_storage().data_ptr()
         return {address} if address else set()  # an empty tensor has none
     if isinstance(tree, Mapping):
@@ -145,22 +147,24 @@ def storages(tree: Any) -> set[int]:
     return set()
 
 
-def check_parameters_apart(name: str, module: Any, payload: Mapping[str, Any]) -> None:
-    """No parameter shares memory with the downlink: a worker's clients share one downlink, and
-    training writes into the parameters, so a parameter made a view of a downlink tensor
+def check_parameters_apart(name: str, module: Any, payload: Mapping[str, Any], when: str) -> None:
+    """No parameter, and no buffer of the model, shares memory with the downlink: a worker's clients
+    share one downlink, and training writes into them, so one made a view of a downlink tensor
     (``vector_to_parameters(payload[...])``, ``p.data = payload[...]``) would change what the next
     client receives. ``.data`` keeps no version counter, so the worker's check of the downlink's
-    versions after training cannot see it; this can (on a CPU: a GPU's parameters never alias)."""
+    versions after training cannot see it; this can. (Held tensors, the module's own buffers, may
+    be the downlink's: training does not write them.)"""
     sent = storages(payload)
     if not sent:
         return
-    for pname, param in module.named_parameters():
-        if param.untyped_storage().data_ptr() in sent:
+    tensors = [*module.named_parameters(), *module.model.named_buffers(prefix="model")]
+    for tname, tensor in tensors:
+        if tensor.layout == torch.strided and tensor.untyped_storage().data_ptr() in sent:
             raise ContractError(
-                f"algorithm {name!r}: {type(module).__name__}.{pname} shares memory with the downlink after "
-                "receive (vector_to_parameters or .data = on a downlink tensor), so training would change "
-                "the downlink the worker's other clients get; load it with copy_ or load_state_dict, or "
-                "pass a .clone()"
+                f"algorithm {name!r}: {type(module).__name__}.{tname} shares memory with the downlink {when} "
+                "(vector_to_parameters or .data = on a downlink tensor), so training would change the "
+                "downlink the worker's other clients get; copy it in (param.copy_ under torch.no_grad(), "
+                "or load_state_dict)"
             )
 
 

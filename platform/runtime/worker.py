@@ -468,7 +468,7 @@ class ClientHost:
         if first:
             payload = ReadKeys(payload)
         module.begin_round(rnd, payload)
-        check_parameters_apart(self.spec.name, module, downlink)
+        check_parameters_apart(self.spec.name, module, downlink, "after receive")
         if isinstance(payload, ReadKeys):  # the first client with these keys (narrows the type too)
             check_downlink_read(self.spec.name, module, payload)
         if written is not None:
@@ -477,6 +477,7 @@ class ClientHost:
         if epochs > 0:
             self.training.fit(module, epochs, self.augment_generator(rnd, task.client))
         uplink = to_cpu(module.upload())
+        check_parameters_apart(self.spec.name, module, downlink, "after training")  # a hook's doing
         if tensor_versions(payload) != sent:
             raise ContractError(
                 f"algorithm {self.spec.name!r}: client {task.client} changed a tensor of its downlink in "
