@@ -19,7 +19,7 @@ from test_client_host import host_for
 from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer
 from fedray.platform.api import AlgorithmConfig, ClientModule, ContractError, Server, ServerContext, register
 from fedray.platform.api.algorithm import tests_with_global_model as global_model_evaluation
-from fedray.platform.api.contract import check_parameters_apart, check_uplinks, holds_tensor
+from fedray.platform.api.contract import check_parameters_apart, check_uplinks, holds_tensor, storages
 from fedray.platform.api.registry import available, get
 from fedray.platform.catalog import load_config
 from fedray.platform.errors import CheckpointError, ConfigError
@@ -230,16 +230,16 @@ def test_a_flat_downlink_loaded_by_vector_to_parameters_is_refused_and_a_copy_or
     flat = torch.nn.utils.parameters_to_vector(params).detach().clone()
     payload = {"x": flat, "mask": torch.ones(3).to_sparse()}  # a sparse tensor has no storage to share
     module.hold("x", payload["x"])  # a held tensor may be the downlink's: training does not write it
-    check_parameters_apart("probe", module, payload, "after receive")
+    check_parameters_apart("probe", module, storages(payload), "after receive")
     torch.nn.utils.vector_to_parameters(payload["x"], params)  # every parameter a view, at an offset
     with pytest.raises(ContractError) as err:
-        check_parameters_apart("probe", module, payload, "after training")
+        check_parameters_apart("probe", module, storages(payload), "after training")
     assert "shares memory with the downlink after training" in one_line(err)
     with torch.no_grad():  # what the line says to do instead
         for param, part in zip(params, flat.split([p.numel() for p in params]), strict=True):
             param.data = torch.empty_like(param)
             param.copy_(part.view_as(param))
-    check_parameters_apart("probe", module, payload, "after receive")
+    check_parameters_apart("probe", module, storages(payload), "after receive")
 
 
 def test_a_tensor_kept_outside_hold_is_refused_on_the_first_client():

@@ -147,19 +147,19 @@ def storages(tree: Any) -> set[int]:
     return set()
 
 
-def check_parameters_apart(name: str, module: Any, payload: Mapping[str, Any], when: str) -> None:
+def check_parameters_apart(name: str, module: Any, sent: set[int], when: str) -> None:
     """No parameter, and no buffer of the model, shares memory with the downlink: a worker's clients
     share one downlink, and training writes into them, so one made a view of a downlink tensor
     (``vector_to_parameters(payload[...])``, ``p.data = payload[...]``) would change what the next
     client receives. ``.data`` keeps no version counter, so the worker's check of the downlink's
     versions after training cannot see it; this can. (Held tensors, the module's own buffers, may
-    be the downlink's: training does not write them.)"""
-    sent = storages(payload)
+    be the downlink's: training does not write them.) ``sent``: the downlink's :func:`storages`."""
     if not sent:
         return
-    tensors = [*module.named_parameters(), *module.model.named_buffers(prefix="model")]
-    for tname, tensor in tensors:
+    for tensor in (*module.parameters(), *module.model.buffers()):  # names only for the line
         if tensor.layout == torch.strided and tensor.untyped_storage().data_ptr() in sent:
+            named = [*module.named_parameters(), *module.model.named_buffers(prefix="model")]
+            tname = next(n for n, t in named if t is tensor)
             raise ContractError(
                 f"algorithm {name!r}: {type(module).__name__}.{tname} shares memory with the downlink {when} "
                 "(vector_to_parameters or .data = on a downlink tensor), so training would change the "

@@ -35,6 +35,7 @@ from fedray.platform.api.contract import (
     check_downlink_read,
     check_held_tensors,
     check_parameters_apart,
+    storages,
 )
 from fedray.platform.api.registry import get as get_algorithm
 from fedray.platform.config import ExperimentConfig
@@ -468,7 +469,9 @@ class ClientHost:
         if first:
             payload = ReadKeys(payload)
         module.begin_round(rnd, payload)
-        check_parameters_apart(self.spec.name, module, downlink, "after receive")
+        # the downlink is on the CPU: a GPU worker's parameters cannot share its memory and train
+        downlink_memory = storages(downlink) if self.device.type == "cpu" else set()
+        check_parameters_apart(self.spec.name, module, downlink_memory, "after receive")
         if isinstance(payload, ReadKeys):  # the first client with these keys (narrows the type too)
             check_downlink_read(self.spec.name, module, payload)
         if written is not None:
@@ -477,7 +480,7 @@ class ClientHost:
         if epochs > 0:
             self.training.fit(module, epochs, self.augment_generator(rnd, task.client))
         uplink = to_cpu(module.upload())
-        check_parameters_apart(self.spec.name, module, downlink, "after training")  # a hook's doing
+        check_parameters_apart(self.spec.name, module, downlink_memory, "after training")  # a hook's doing
         if tensor_versions(payload) != sent:
             raise ContractError(
                 f"algorithm {self.spec.name!r}: client {task.client} changed a tensor of its downlink in "
