@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 import torch
@@ -58,6 +58,8 @@ from fedray.platform.runtime.process_roles import set_up_worker, set_worker_thre
 from fedray.platform.runtime.state_store import ClientTask
 from fedray.platform.seeds import seed_of, torch_generator
 from fedray.platform.tracking.names import Metrics
+
+T = TypeVar("T")
 
 # the global test set is split across actors in chunks this size: its sums never depend on the pool size
 EVAL_CHUNK = 1024
@@ -399,25 +401,14 @@ class ClientHost:
             raise
 
     def train_one(self, task: ClientTask, rnd: int, payload: Payload) -> ClientResult:
-        """One client, with the device faults sorted from the client's own: out of memory frees the
-        cache and tries once more; any other CUDA error breaks the worker (:class:`DeviceError`), so
-        the pool replaces it and runs the clients elsewhere."""
-        for attempt in (1, 2):
-            try:
-                uplink, stats = self.fit_client(task, rnd, payload)
-            except (ConfigError, DeviceError):  # a broken rule, a storage path other nodes miss, a device:
-                raise  # the call fails, and train() drops its clients' modules
-            except Exception as err:
-                self.drop(task.client)  # half-trained: the committed state stays the truth
-                if is_out_of_memory(err) and attempt == 1:
-                    if self.device.type == "cuda":
-                        torch.cuda.empty_cache()
-                    continue
-                if is_out_of_memory(err) or is_device_error(err):
-                    raise DeviceError(f"client {task.client}: {first_line(err)}") from None
-                return ClientResult(task.client, None, {}, self.failure(err))
-            return ClientResult(task.client, uplink, stats)
-        raise AssertionError("unreachable")
+        """One client, its errors sorted by :meth:`faults_sorted`: the client's own is its result."""
+        try:
+            uplink, stats = self.faults_sorted(
+                f"client {task.client}", lambda: self.fit_client(task, rnd, payload), [task.client]
+            )
+        except ClientCodeError as err:
+            return ClientResult(task.client, None, {}, err.failure)
+        return ClientResult(task.client, uplink, stats)
 
     def failure(self, err: Exception) -> Failure:
         """A client's own error as it is reported; a ``.view`` that fails on the worker's
@@ -430,16 +421,16 @@ class ClientHost:
             )
         return failure_of(err, hint, self.own_code)
 
-    def evaluated(self, job: str, evaluate: Callable[[], list], clients: list[int]) -> list:
-        """An evaluation, its errors sorted as a training call's: out of memory frees the cache and
-        tries once more; any other device error breaks the worker (:class:`DeviceError`: the pool
-        replaces it and runs the job elsewhere); a broken rule, or Ray losing an object, goes up as
-        it is; anything else is the job's own (:class:`ClientCodeError`: reported, not retried).
-        On any error the ``clients``' cached modules go: one may hold the evaluation's weights."""
+    def faults_sorted(self, job: str, work: Callable[[], T], clients: list[int], passes: tuple = ()) -> T:
+        """``work()``, with the device's faults sorted from the job's own: out of memory frees the
+        cache and tries once more; any other device error breaks the worker (:class:`DeviceError`:
+        the pool replaces it and runs the job elsewhere); a broken rule (and ``passes``) goes up as
+        it is; anything else is the job's own (:class:`ClientCodeError`: reported, not retried). On
+        any error the ``clients``' cached modules go: half-trained, or holding an evaluation's weights."""
         for attempt in (1, 2):
             try:
-                return evaluate()
-            except (ConfigError, DeviceError, ray.exceptions.RayError):
+                return work()
+            except (ConfigError, DeviceError, *passes):
                 for client in clients:
                     self.drop(client)
                 raise
@@ -510,8 +501,11 @@ class ClientHost:
         module is evaluated, after ``load_for_eval`` when there is a payload, and restored after.
         """
         clients = [task.client for task in tasks]
-        return self.evaluated(
-            f"evaluation from client {clients[0]}", lambda: self.evaluate_clients(tasks, payload), clients
+        return self.faults_sorted(
+            f"evaluation from client {clients[0]}",
+            lambda: self.evaluate_clients(tasks, payload),
+            clients,
+            passes=(ray.exceptions.RayError,),  # Ray losing an object: the pool runs the job again
         )
 
     def evaluate_clients(
@@ -549,7 +543,9 @@ class ClientHost:
         """(chunk, correct, total, summed loss) per chunk of the global test set; the caller sums them
         in chunk order, so the numbers never depend on how chunks were spread over workers."""
         job = f"global test chunk{'s' if len(chunks) > 1 else ''} {', '.join(map(str, chunks))}"
-        return self.evaluated(job, lambda: self.evaluate_chunks(arch, state, chunks), [])
+        return self.faults_sorted(
+            job, lambda: self.evaluate_chunks(arch, state, chunks), [], passes=(ray.exceptions.RayError,)
+        )
 
     def evaluate_chunks(
         self, arch: str, state: dict[str, torch.Tensor], chunks: dict[int, list]
