@@ -363,6 +363,41 @@ def test_a_round_in_which_every_client_failed_ends_the_run_with_one_line(ray_ses
     assert f'{where.split(":")[0]}", line {where.split(":")[1]}, in training_step' in text
 
 
+class BrokenEvalClient(FedAvgClient):
+    """Trains as FedAvg's client does; its own evaluation always fails (a typo in eval_logits)."""
+
+    eval_mode = "own"
+
+    def eval_logits(self, x):
+        raise KeyError("logits")
+
+
+@register("brokeneval_probe", server=FedAvgServer, client=BrokenEvalClient)  # at import, as above
+@dataclass
+class BrokenEvalConfig(AlgorithmConfig):
+    pass
+
+
+def test_a_round_whose_every_client_evaluation_failed_ends_the_run_with_one_line(
+    ray_session, mlflow_store, tmp_path
+):
+    # before: the run trained to its end, each round's personalised metrics missing, and FINISHED
+    with pytest.raises(RunAborted) as err:
+        run_experiment(load_config(None, tiny_overrides(algorithm="brokeneval_probe", rounds=3)))
+    line = one_line(err)
+    where = f"tests/test_contract_rules.py:{BrokenEvalClient.eval_logits.__code__.co_firstlineno + 1}"
+    assert line.startswith("round 1: all "), line
+    assert (
+        f"client evaluation jobs failed (evaluation from client 0: KeyError: 'logits' (at {where} in eval_logits))"
+        in line
+    )
+    assert "fedray run --resume " in line
+    client, run = only_run(tmp_path)
+    assert run.info.status == "FAILED"
+    (logged,) = client.list_artifacts(run.info.run_id, "failures")
+    assert logged.path == "failures/round-0001-evaluation-from-client-0.txt"
+
+
 class Counter(FedAvgServer):
     STATE = (*FedAvgServer.STATE, "count")
 

@@ -9,7 +9,9 @@ import pytest
 import ray
 import torch
 
+from fedray.platform.errors import RoundFailed
 from fedray.platform.runtime import failures
+from fedray.platform.runtime.evaluation import stop_if_every_job_failed
 from fedray.platform.runtime.events import ClientFailed, EventQueue
 from fedray.platform.runtime.failures import (
     PLATFORM_DIR,
@@ -228,3 +230,23 @@ def test_an_evaluations_device_error_breaks_the_worker_and_out_of_memory_is_trie
     monkeypatch.setattr(FedAvgClient, "eval_logits", broken_device)
     with pytest.raises(DeviceError, match=r"^evaluation from client 0: CUDA error: an illegal memory access"):
         host.evaluate([task], None)
+
+
+def test_a_round_stops_when_every_job_of_a_kind_failed_and_not_when_one_answered():
+    failed = Failure("KeyError: 'logits' (at algorithms/x.py:3 in eval_logits)")
+    other = Failure("ValueError: other")
+    # every client's evaluation failed; the global test answered: the lowest client's error is the line
+    with pytest.raises(RoundFailed) as err:
+        stop_if_every_job_failed(4, {("clients", 7): other, ("clients", 2): failed}, {("global", 0): []})
+    assert str(err.value) == (
+        "round 5: all 2 client evaluation jobs failed "
+        "(evaluation from client 2: KeyError: 'logits' (at algorithms/x.py:3 in eval_logits))"
+    )
+    # every global test chunk failed, the clients answered
+    with pytest.raises(RoundFailed, match=r"^round 1: all 1 global test jobs failed \(global test chunk 0: "):
+        stop_if_every_job_failed(0, {("global", 0): other}, {("clients", 0): []})
+    # one job of each kind answered: the run goes on without the failed ones
+    stop_if_every_job_failed(
+        0, {("clients", 0): failed, ("global", 1): other}, {("clients", 3): [], ("global", 0): []}
+    )
+    stop_if_every_job_failed(0, {}, {})  # nothing to evaluate

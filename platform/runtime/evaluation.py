@@ -17,6 +17,8 @@ import ray
 from fedray.platform.api.algorithm import Server, cpu_state
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.data import ArrayDataset
+from fedray.platform.errors import RoundFailed
+from fedray.platform.runtime.events import job_label
 from fedray.platform.runtime.failures import Failure
 from fedray.platform.runtime.pool import Job, WorkerPool
 from fedray.platform.runtime.state_store import StateStore
@@ -66,6 +68,19 @@ def global_test_chunks(global_test: ArrayDataset) -> list:
     ]
 
 
+def stop_if_every_job_failed(rnd: int, failed: dict[Any, Failure], results: dict[Any, Any]) -> None:
+    """Every client's evaluation failed, or every chunk of the global test: the algorithm's code or
+    the device is broken (as when every client's training fails), and the run would log the round's
+    metrics missing, round after round, to its end."""
+    for kind, what in (("clients", "client evaluation"), ("global", "global test")):
+        lost = sorted(((key, f) for key, f in failed.items() if key[0] == kind), key=lambda item: item[0])
+        if lost and not any(key[0] == kind for key in results):
+            key, failure = lost[0]
+            raise RoundFailed(
+                f"round {rnd + 1}: all {len(lost)} {what} jobs failed ({job_label(key)}: {failure.line})"
+            )
+
+
 def chunks(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
@@ -98,6 +113,7 @@ class Evaluation:
         done = self.pool.run(self.client_jobs(rnd, selected, server) + self.global_jobs(server), on_retry)
         for key, failure in done.failed.items():
             on_failed(key, failure)
+        stop_if_every_job_failed(rnd, done.failed, done.results)
         rows = sorted(
             row for (kind, _), (part, _) in done.results.items() if kind == "clients" for row in part
         )
