@@ -1,7 +1,8 @@
 """Runs in one driver share their processes (``KeptRuntime``): a run starts on the last finished
 run's Coordinator and ClientActors, emptied of that run, and computes what fresh processes compute.
-A run stopped early (Tune's scheduler) hands them on once its Coordinator halts between rounds. A run
-that fails, or that needs other worker resources, gets fresh ones. The local Ray a run starts holds no
+A run stopped early (Tune's scheduler) hands them on once its Coordinator halts between rounds, and so
+does a run that failed on its algorithm's own error (a broken rule, a round whose every client
+failed). A run after any other failure, or that needs other worker resources, gets fresh ones. The local Ray a run starts holds no
 process it does not use."""
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from pathlib import Path
 import pytest
 import ray
 from conftest import run_fresh_python, tiny_overrides, without_timing
+from test_contract_rules import BrokenStepConfig  # noqa: F401  (registers brokenstep_probe)
 
 from fedray.platform.catalog import load_config
 from fedray.platform.runtime.driver import CoordinatorHandle, run_experiment, wait_until_dead
 from fedray.platform.runtime.processes import KeptRuntime
+from fedray.platform.runtime.session import RunAborted
 
 
 def kept_actors() -> dict[str, object]:
@@ -70,8 +73,13 @@ def test_a_run_on_kept_processes_computes_what_fresh_processes_compute():
 
     between = run_experiment(load_config(None, tiny_overrides(algorithm="fedprox", seed=1)))
     assert between.finished and kept_actors().keys() == ids
+    # a run that failed on its algorithm's own code (every client's training step raises) hands
+    # its processes on too: they answered with that error, nothing broke in them
+    with pytest.raises(RunAborted, match="selected clients failed"):
+        run_experiment(load_config(None, tiny_overrides(algorithm="brokenstep_probe")))
+    assert kept_actors().keys() == ids
     again = run_experiment(cfg)
-    assert kept_actors().keys() == ids  # no process started for either run
+    assert kept_actors().keys() == ids  # no process started for any of these runs
     assert without_timing(again.history) == without_timing(fresh.history)
     assert again.client_acc == fresh.client_acc
 

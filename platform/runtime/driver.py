@@ -37,7 +37,7 @@ from fedray.platform.data import (
     normalize,
 )
 from fedray.platform.data.split_file import dumps_split, federation_to_split
-from fedray.platform.errors import ConfigError, first_line
+from fedray.platform.errors import ConfigError, RoundFailed, first_line
 from fedray.platform.models import arch_for_client
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.checkpoint import (
@@ -369,8 +369,8 @@ class CoordinatorHandle:
     def halted(self) -> bool:
         """The Coordinator's ``run`` has returned, or returns at the end of its round: waited for about
         as long as a round takes, and at most ``HALT_WAIT_MAX_S`` (new processes start sooner than a
-        longer round ends). False if it did not, or failed: a failure (its last checkpoint's write,
-        say) is logged, as nothing else reports it."""
+        longer round ends). False if it did not, or failed with an error the run has not reported
+        (its last checkpoint's write, say), which is logged, as nothing else reports it."""
         if self.run_ref is None:
             return True
         try:
@@ -382,12 +382,14 @@ class CoordinatorHandle:
         except ray.exceptions.GetTimeoutError:
             return False
         except ray.exceptions.RayError as err:
+            if isinstance(getattr(err, "cause", None), (ConfigError, RoundFailed)):
+                return True  # the algorithm's own error, the run's line already: the processes are sound
             logger.warning("the stopped run's Coordinator failed as it halted: %s", first_line(err))
             return False
 
     def release(self, reusable: bool) -> None:
-        """The run's processes end, or wait for the driver's next run when this one ended well or was
-        stopped early and its Coordinator halted between rounds."""
+        """The run's processes end, or wait for the driver's next run when this one ended well, was
+        stopped early or failed on the algorithm's own error, and its Coordinator halted."""
         if reusable and self.halted():
             KeptRuntime.put(self.runtime, self.trial.placement_group)
         else:

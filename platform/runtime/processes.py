@@ -44,7 +44,7 @@ class KeptRuntime:
     waiting seconds for new processes to import torch and Lightning. Idle, they hold their CPUs and
     GPU slices, so they are kept only where the next run is known to come: inside that scope or
     that trial's placement group, on the same Ray, for a run with the same worker resources, and
-    never after a run that failed."""
+    after a failed run only if it failed on the algorithm's own error (``RunSession.guard``)."""
 
     sharing = 0  # open sharing_processes() scopes
     between_trials = False  # this process is a Tune trial's, reused for the sweep's next trial

@@ -97,14 +97,18 @@ class RunSession:
     @contextlib.contextmanager
     def guard(self, release: Callable[[bool], None]) -> Iterator[RunSession]:
         """Run the body; map what stops it to its one line; close the record; then ``release(reusable)``
-        the run's processes (kept for the driver's next run if it went well or was stopped early,
-        else stopped). Ctrl-C and SIGTERM stop the body, and the closing too, between tracking
+        the run's processes (kept for the driver's next run if it went well, was stopped early or
+        failed on the algorithm's own error, else stopped). Ctrl-C and SIGTERM stop the body, and the closing too, between tracking
         writes, never inside one."""
         stopped_early = False
+        # the processes answered with the algorithm's own error (a broken rule, a round whose every
+        # client failed or diverged): they are as sound as a finished run's, and kept as its are
+        sound = False
         with stops_as_interrupt():
             try:
                 yield self
             except ray.exceptions.RayTaskError as err:
+                sound = isinstance(err.cause, (ConfigError, RoundFailed))
                 if isinstance(err.cause, ConfigError):  # an algorithm that breaks the contract: its line
                     raise err.cause from None
                 if isinstance(err.cause, RoundFailed):
@@ -145,7 +149,7 @@ class RunSession:
                 try:
                     self.close()
                 finally:  # whatever MLflow did, the run's processes end, or wait for the next if it went well
-                    release(self.wall_s is not None or stopped_early)
+                    release(self.wall_s is not None or stopped_early or sound)
 
     def resume_command(self) -> str:
         """The command that resumes this run (it has an MLflow run: the id names it)."""
