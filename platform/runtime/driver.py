@@ -366,11 +366,12 @@ class CoordinatorHandle:
     def client_models(self) -> tuple[dict[int, dict[str, torch.Tensor]], str]:
         return ray.get(self.runtime.coordinator.client_models.remote(self.cfg.tracking.log_client_models))
 
-    def halted(self) -> bool:
+    def halted(self, failed_on_own_error: bool = False) -> bool:
         """The Coordinator's ``run`` has returned, or returns at the end of its round: waited for about
         as long as a round takes, and at most ``HALT_WAIT_MAX_S`` (new processes start sooner than a
-        longer round ends). False if it did not, or failed with an error the run has not reported
-        (its last checkpoint's write, say), which is logged, as nothing else reports it."""
+        longer round ends). False if it did not, or failed: a failure (its last checkpoint's write,
+        say) is logged, as nothing else reports it, unless it is the algorithm's own error that the
+        run has just stopped on (``failed_on_own_error``), which leaves the processes sound."""
         if self.run_ref is None:
             return True
         try:
@@ -382,15 +383,18 @@ class CoordinatorHandle:
         except ray.exceptions.GetTimeoutError:
             return False
         except ray.exceptions.RayError as err:
-            if isinstance(getattr(err, "cause", None), (ConfigError, RoundFailed)):
-                return True  # the algorithm's own error, the run's line already: the processes are sound
+            if failed_on_own_error and isinstance(getattr(err, "cause", None), (ConfigError, RoundFailed)):
+                return True  # the run's line already
             logger.warning("the stopped run's Coordinator failed as it halted: %s", first_line(err))
             return False
 
-    def release(self, reusable: bool) -> None:
+    def release(self, reusable: bool, failed_on_own_error: bool = False) -> None:
         """The run's processes end, or wait for the driver's next run when this one ended well, was
-        stopped early or failed on the algorithm's own error, and its Coordinator halted."""
-        if reusable and self.halted():
+        stopped early or failed on the algorithm's own error, and its Coordinator halted. A Tune
+        trial's failed run keeps nothing: Tune never hands a failed trial's process another trial."""
+        if failed_on_own_error and self.trial.placement_group is not None:
+            reusable = False
+        if reusable and self.halted(failed_on_own_error):
             KeptRuntime.put(self.runtime, self.trial.placement_group)
         else:
             self.runtime.stop()

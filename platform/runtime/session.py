@@ -95,9 +95,9 @@ class RunSession:
         return self.wall_s
 
     @contextlib.contextmanager
-    def guard(self, release: Callable[[bool], None]) -> Iterator[RunSession]:
-        """Run the body; map what stops it to its one line; close the record; then ``release(reusable)``
-        the run's processes (kept for the driver's next run if it went well, was stopped early or
+    def guard(self, release: Callable[[bool, bool], None]) -> Iterator[RunSession]:
+        """Run the body; map what stops it to its one line; close the record; then ``release(reusable,
+        failed_on_own_error)`` the run's processes (kept for the driver's next run if it went well, was stopped early or
         failed on the algorithm's own error, else stopped). Ctrl-C and SIGTERM stop the body, and the closing too, between tracking
         writes, never inside one."""
         stopped_early = False
@@ -149,7 +149,7 @@ class RunSession:
                 try:
                     self.close()
                 finally:  # whatever MLflow did, the run's processes end, or wait for the next if it went well
-                    release(self.wall_s is not None or stopped_early or sound)
+                    release(self.wall_s is not None or stopped_early or sound, sound)
 
     def resume_command(self) -> str:
         """The command that resumes this run (it has an MLflow run: the id names it)."""
