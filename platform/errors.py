@@ -35,6 +35,10 @@ class Diverged(RoundFailed):
     MARK = "training diverged"  # in its line, after the round: how a sweep tells it from a crash
 
 
+# the algorithm's own errors, which a run's processes answer with and stay sound after
+ALGORITHM_ERRORS = (ConfigError, RoundFailed)
+
+
 def first_line(err: BaseException) -> str:
     """An exception as one line: the last line of its message (a remote traceback's cause), capped."""
     text = str(err).strip().splitlines()

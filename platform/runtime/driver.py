@@ -37,7 +37,7 @@ from fedray.platform.data import (
     normalize,
 )
 from fedray.platform.data.split_file import dumps_split, federation_to_split
-from fedray.platform.errors import ConfigError, RoundFailed, first_line
+from fedray.platform.errors import ALGORITHM_ERRORS, ConfigError, first_line
 from fedray.platform.models import arch_for_client
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.checkpoint import (
@@ -383,7 +383,7 @@ class CoordinatorHandle:
         except ray.exceptions.GetTimeoutError:
             return False
         except ray.exceptions.RayError as err:
-            if failed_on_own_error and isinstance(getattr(err, "cause", None), (ConfigError, RoundFailed)):
+            if failed_on_own_error and isinstance(getattr(err, "cause", None), ALGORITHM_ERRORS):
                 return True  # the run's line already
             logger.warning("the stopped run's Coordinator failed as it halted: %s", first_line(err))
             return False

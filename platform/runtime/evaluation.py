@@ -73,11 +73,11 @@ def stop_if_every_job_failed(rnd: int, failed: dict[Any, Failure], results: dict
     the device is broken (as when every client's training fails), and the run would log the round's
     metrics missing, round after round, to its end."""
     for kind, what in (("clients", "client evaluation"), ("global", "global test")):
-        lost = sorted(((key, f) for key, f in failed.items() if key[0] == kind), key=lambda item: item[0])
+        lost = [key for key in failed if key[0] == kind]
         if lost and not any(key[0] == kind for key in results):
-            key, failure = lost[0]
+            first = min(lost)
             raise RoundFailed(
-                f"round {rnd + 1}: all {len(lost)} {what} jobs failed ({job_label(key)}: {failure.line})"
+                f"round {rnd + 1}: all {len(lost)} {what} jobs failed ({job_label(first)}: {failed[first].line})"
             )
 
 

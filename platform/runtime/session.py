@@ -16,7 +16,7 @@ from typing import Any
 import ray
 
 from fedray.platform.config import ExperimentConfig
-from fedray.platform.errors import ConfigError, Diverged, RoundFailed, first_line
+from fedray.platform.errors import ALGORITHM_ERRORS, ConfigError, Diverged, RoundFailed, first_line
 from fedray.platform.interrupts import deferred, stops_as_interrupt
 from fedray.platform.tracking.mlflow_run import RunTracker
 from fedray.platform.tracking.names import Metrics, Tags
@@ -96,10 +96,10 @@ class RunSession:
 
     @contextlib.contextmanager
     def guard(self, release: Callable[[bool, bool], None]) -> Iterator[RunSession]:
-        """Run the body; map what stops it to its one line; close the record; then ``release(reusable,
-        failed_on_own_error)`` the run's processes (kept for the driver's next run if it went well, was stopped early or
-        failed on the algorithm's own error, else stopped). Ctrl-C and SIGTERM stop the body, and the closing too, between tracking
-        writes, never inside one."""
+        """Run the body; map what stops it to its one line; close the record; then
+        ``release(reusable, failed_on_own_error)`` the run's processes (kept for the driver's next run
+        if it went well, was stopped early or failed on the algorithm's own error, else stopped).
+        Ctrl-C and SIGTERM stop the body, and the closing too, between tracking writes, never inside one."""
         stopped_early = False
         # the processes answered with the algorithm's own error (a broken rule, a round whose every
         # client failed or diverged): they are as sound as a finished run's, and kept as its are
@@ -108,7 +108,7 @@ class RunSession:
             try:
                 yield self
             except ray.exceptions.RayTaskError as err:
-                sound = isinstance(err.cause, (ConfigError, RoundFailed))
+                sound = isinstance(err.cause, ALGORITHM_ERRORS)
                 if isinstance(err.cause, ConfigError):  # an algorithm that breaks the contract: its line
                     raise err.cause from None
                 if isinstance(err.cause, RoundFailed):
