@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
 from fedray.platform.catalog import build_config
 from fedray.platform.config import ExperimentConfig, merge, raw_config
-from fedray.platform.errors import ConfigError, Diverged
+from fedray.platform.errors import ConfigError, Diverged, first_line
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.driver import Trial, ensure_ray, require_gpus, run_experiment
 from fedray.platform.runtime.processes import KeptRuntime
@@ -107,11 +108,22 @@ def trial_resources(cfg: ExperimentConfig):
 # --------------------------------------------------------------------------------------------- trial
 
 
-def run_trial(point: dict[str, Any], base: dict[str, Any], parent_run_id: str, sweep_id: str) -> None:
-    """The Tune trainable: one federated run with the sampled values, reporting every round."""
+def run_trial(
+    point: dict[str, Any],
+    base: dict[str, Any],
+    parent_run_id: str,
+    sweep_id: str,
+    diverged: dict[str, str] | None = None,
+) -> None:
+    """The Tune trainable: one federated run with the sampled values, reporting every round.
+    ``diverged`` (a resumed sweep's :func:`diverged_trials`) names the trials that diverged before:
+    Tune resumes every failed trial, and one of these ends at once with its line, as it would again."""
     import ray
     from ray import tune
 
+    line = (diverged or {}).get(Path(tune.get_context().get_trial_dir()).name)
+    if line is not None:
+        raise Diverged(line)
     cfg = trial_config(base, point)
     # the sweep's store, made absolute by prepare_base: a relative MLFLOW_TRACKING_URI inherited by
     # this worker would name a store in the trial's own directory
@@ -173,6 +185,21 @@ def trial_status(metrics: dict[str, Any], error: Any, base_rounds: int, point: d
     if not metrics.get("done"):
         return "interrupted"
     return "stopped early" if metrics.get("round", 0) < rounds_planned(base_rounds, point) else "ok"
+
+
+NOT_RUN_AGAIN = " (before the resume; not run again: the same settings diverge again)"
+
+
+def diverged_trials(results) -> dict[str, str]:
+    """A sweep's trials whose run diverged, by trial folder (what Tune keeps for a resumed trial):
+    the line a resumed one ends with."""
+    lines = {Path(r.path).name: first_line(r.error) for r in results if r.error}
+    return {
+        # the run's own line, without the class name Tune's error puts before it
+        name: re.sub(r"^[\w.]+: ", "", line).removesuffix(NOT_RUN_AGAIN) + NOT_RUN_AGAIN
+        for name, line in lines.items()
+        if Diverged.MARK in line
+    }
 
 
 def trial_label(point: dict[str, Any]) -> str:
@@ -262,6 +289,7 @@ def run_sweep(
         parent = RunTracker(base_cfg, run_id=state["parent_run_id"])
         # a sweep started before fedray passed Tune its loggers itself gets Tune's defaults
         own_loggers = state.get("tune_loggers") == "explicit"
+        diverged = diverged_trials(tune.Tuner.restore(str(path), run_trial).get_results())
     else:
         parent_cfg = build_config(merge(base, {"name": base_cfg.tracking.experiment or base_cfg.name}))
         parent = RunTracker(parent_cfg, extra_tags={Tags.KIND: RunKind.SWEEP, Tags.SWEEP_ID: name})
@@ -273,9 +301,12 @@ def run_sweep(
         parent.log_text(Path(space.path).read_text(), "search_space.yaml")
         parent.log_text(yaml.safe_dump(base, sort_keys=False), "base_config.yaml")
         path.mkdir(parents=True, exist_ok=True)
+        diverged = {}
 
     trainable = tune.with_resources(
-        tune.with_parameters(run_trial, base=base, parent_run_id=parent.run_id, sweep_id=name),
+        tune.with_parameters(
+            run_trial, base=base, parent_run_id=parent.run_id, sweep_id=name, diverged=diverged
+        ),
         resources=trial_resources(base_cfg),
     )
     lines = _TrialLines(space.metric, base_cfg.rounds)
@@ -286,6 +317,7 @@ def run_sweep(
     if stop_after_trials:
         callbacks.append(InterruptAfterTrials(stop_after_trials))
     if resume:
+        # a trial that failed runs again (fixed code, a node back), one that diverged ends at once
         tuner = tune.Tuner.restore(str(path), trainable, resume_errored=True)
     else:
         param_space = {p.key: p.tune_domain(space.search) for p in space.params}
@@ -400,8 +432,8 @@ class _TrialLines(Callback):
 
 
 class InterruptAfterTrials(Callback):
-    """Sends this process a Ctrl-C once ``n`` trials have finished: Tune saves the sweep's state and
-    stops, exactly as on a real Ctrl-C, and ``--resume`` goes on from there."""
+    """Sends this process a Ctrl-C once ``n`` trials have finished (failed ones too): Tune saves the
+    sweep's state and stops, exactly as on a real Ctrl-C, and ``--resume`` goes on from there."""
 
     _armed: ClassVar[set[str]] = set()  # Tune pickles callbacks into the sweep state: fire once only
 
@@ -416,6 +448,9 @@ class InterruptAfterTrials(Callback):
         if self.finished >= self.n and self.token in self._armed:
             self._armed.discard(self.token)
             os.kill(os.getpid(), signal.SIGINT)
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        self.on_trial_complete(iteration, trials, trial, **info)
 
 
 def trial_table(results, space: SearchSpace, base_rounds: int) -> pd.DataFrame:

@@ -19,10 +19,12 @@ from fedray.platform.errors import ConfigError
 from fedray.platform.tracking.names import Metrics, RunKind, Tags, tag_filter
 from fedray.sweeps.space import SPACES_DIR, check_space, load_space, trial_config
 from fedray.sweeps.tune_sweep import (
+    NOT_RUN_AGAIN,
     SweepResult,
     _scheduler,
     _TrialLines,
     best_row,
+    diverged_trials,
     prepare_base,
     run_sweep,
     trial_status,
@@ -230,10 +232,12 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
 ):
     # one trial at a time: lr=0.1 runs its 2 rounds; lr=1e-4 is far behind it after round 1, so ASHA
     # (grace 1 round, halving) stops it there, in the first trial's reused process; the third trial
-    # starts in that process only once the stopped one has closed its run; then Ctrl-C (an
-    # interrupt right after the stopped trial would race its closing), and the resume runs the last
+    # starts in that process only once the stopped one has closed its run, and diverges in its first
+    # round; then Ctrl-C (an interrupt right after the stopped trial would race its closing), and the
+    # resume runs the last two and not the diverged one: it would diverge again
     path = tmp_path / "space.yaml"
-    lrs = [0.1, 0.0001, 0.05, 0.08]
+    exploding = 1e30
+    lrs = [0.1, 0.0001, exploding, 0.05, 0.08]
     space = {"search": "grid", "scheduler": "asha", "grace_rounds": 1, "metric": Metrics.ACC_GLOBAL}
     path.write_text(yaml.safe_dump({**space, "params": {"train.lr": lrs}}))
     overrides = tiny_overrides(rounds=2)
@@ -244,11 +248,12 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
     rounds = dict(zip(first.trials["train.lr"], first.trials["rounds run"], strict=True))
     assert len(rounds) == 3 and rounds[0.1] == 2 and rounds[0.0001] == 1
     status = dict(zip(first.trials["train.lr"], first.trials["status"], strict=True))
-    assert status[0.1] == "ok" and status[0.0001] == "stopped early", status
+    assert status == {0.1: "ok", 0.0001: "stopped early", exploding: "diverged"}, status
     trial = dict(zip(first.trials["train.lr"], first.trials["trial"], strict=True))
     lines = capsys.readouterr().out.splitlines()
     assert f"trial {trial[0.1]} finished after 2 rounds: acc_global=" in "\n".join(lines), lines
     assert f"trial {trial[0.0001]} stopped early by the scheduler after 1 round: " in "\n".join(lines), lines
+    assert f"trial {trial[exploding]} diverged after 0 rounds" in "\n".join(lines), lines
     # the stopped trial's Coordinator was halted between rounds and its processes served the third
     # trial: one trial process, one Coordinator and two ClientActors for all three
     started = sorted(name for actor, name in actor_classes().items() if actor not in before)
@@ -257,17 +262,22 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
     assert client.get_run(first.parent_run_id).info.status == "KILLED"
 
     resumed = run_sweep("fedavg", space_file=str(path), overrides=overrides, resume=True)
-    assert len(resumed.trials) == 4 and resumed.parent_run_id == first.parent_run_id
+    assert len(resumed.trials) == 5 and resumed.parent_run_id == first.parent_run_id
     children = client.search_runs(
         [client.get_run(first.parent_run_id).info.experiment_id],
         filter_string=tag_filter(Tags.PARENT_RUN_ID, first.parent_run_id),
     )
     by_lr = {float(c.data.params["train.lr"]): c for c in children}
-    assert sorted(by_lr) == sorted(lrs) and len(children) == 4  # each trial ran once: none was redone
+    assert sorted(by_lr) == sorted(lrs) and len(children) == 5  # each trial ran once: none was redone
     # the resumed sweep still says how each trial ended, and Tune still kept its result files
     status = dict(zip(resumed.trials["train.lr"], resumed.trials["status"], strict=True))
     assert status[0.1] == "ok" and status[0.0001] == "stopped early", status
-    assert len(list(resumed.path.rglob("result.json"))) == 4
+    assert status[exploding] == "diverged" and by_lr[exploding].info.status == "FAILED", status
+    # Tune resumed the diverged trial, which ended at once with its first run's line
+    (error_file,) = resumed.path.glob(f"*{trial[exploding]}*/error.txt")
+    last_failure = error_file.read_text().rsplit("Failure # ", 1)[-1]
+    assert "round 1: training diverged" in last_failure and NOT_RUN_AGAIN in last_failure, last_failure
+    assert len(list(resumed.path.rglob("result.json"))) == 5
     # the trial that ran its rounds finished (its last round reached Tune after the run was closed);
     # the one ASHA stopped is closed as KILLED, tagged, with the one round it ran
     assert by_lr[0.1].info.status == "FINISHED" and Tags.STOPPED_EARLY not in by_lr[0.1].data.tags
@@ -340,6 +350,27 @@ def test_a_failed_trial_is_never_the_best_whatever_its_last_value():
     assert list(table["status"]) == ["ok", "diverged", "error"]
     assert best_row(table, space.metric)["trial"] == "ok"
     assert best_row(table.iloc[1:].reset_index(drop=True), space.metric) is None  # no trial has a result
+
+
+def test_a_resumed_sweep_names_its_diverged_trials_by_folder_with_their_own_line():
+    # what Tune keeps of a trial's error: a remote traceback whose last line is the run's, after its
+    # class's name; a trial resumed once already (its line says so) is named the same way, once
+    tune_error = "Traceback (most recent call last):\n  ...\n"
+    line = "round 1: training diverged, the training loss is not finite on any of the 4 clients"
+    results = [
+        SimpleNamespace(path="/s/run_trial_a_0", error=RuntimeError(f"{tune_error}x.RunAborted: {line}")),
+        SimpleNamespace(path="/s/run_trial_a_1", error=RuntimeError(f"{tune_error}OSError: disk full")),
+        SimpleNamespace(path="/s/run_trial_a_2", error=None),
+        SimpleNamespace(
+            path="/s/run_trial_a_3", error=RuntimeError(f"fedray.Diverged: {line}{NOT_RUN_AGAIN}")
+        ),
+    ]
+    assert diverged_trials(results) == {
+        "run_trial_a_0": line + NOT_RUN_AGAIN,
+        "run_trial_a_3": line + NOT_RUN_AGAIN,
+    }
+    # and the line still reads as diverged where the sweep's table is made
+    assert trial_status({}, diverged_trials(results)["run_trial_a_0"], 2, {}) == "diverged"
 
 
 def test_trial_lines_restored_from_an_older_sweep_say_finished(capsys, tmp_path):
