@@ -65,8 +65,6 @@ class SweepResult:
     best_config: dict[str, Any]
     path: Path
     params: list[str] = field(default_factory=list)  # the swept keys, as the space names them
-    # most trials that ran side by side; 0 after --resume (Tune runs the callbacks it restored)
-    max_concurrent: int = 0
 
 
 def unreported_metric(
@@ -368,9 +366,7 @@ def run_sweep(
             )
     finally:
         parent.end(status)
-    result = summarize(grid, space, parent, path, base)
-    result.max_concurrent = lines.max_running
-    return result
+    return summarize(grid, space, parent, path, base)
 
 
 @contextlib.contextmanager
@@ -397,11 +393,9 @@ class _TrialLines(Callback):
         self.metric = tune_key(metric)
         self.rounds = rounds  # the base config's: a trial stopped before its rounds was stopped early
         self.running = 0
-        self.max_running = 0
 
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
         self.running += 1
-        self.max_running = max(self.max_running, self.running)
         point = ", ".join(f"{k}={v}" for k, v in trial.config.items())
         print(f"trial {trial.trial_id} started ({self.running} running): {point}", flush=True)
 

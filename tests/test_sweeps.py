@@ -376,7 +376,7 @@ def test_a_resumed_sweep_names_its_diverged_trials_by_folder_with_their_own_line
 def test_trial_lines_restored_from_an_older_sweep_say_finished(capsys, tmp_path):
     # Tune restores a resumed sweep's callbacks as pickled: one from before `rounds` existed lacks it
     old = _TrialLines.__new__(_TrialLines)
-    old.__dict__.update(metric="acc_global", running=1, max_running=1)
+    old.__dict__.update(metric="acc_global", running=1)
     trial = SimpleNamespace(trial_id="t1", last_result={"round": 3, "acc_global": 0.5}, config={})
     old.on_trial_complete(0, [], trial)
     assert capsys.readouterr().out == "trial t1 finished after 3 rounds: acc_global=0.5000\n"
