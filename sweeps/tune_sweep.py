@@ -191,13 +191,18 @@ NOT_RUN_AGAIN = " (before the resume; not run again: the same settings diverge a
 def diverged_trials(results) -> dict[str, str]:
     """A sweep's trials whose run diverged, by trial folder (what Tune keeps for a resumed trial):
     the line a resumed one ends with."""
-    lines = {Path(r.path).name: first_line(r.error) for r in results if r.error}
+    lines = {Path(r.path).name: error_line(str(r.error)) for r in results if r.error}
     return {
-        # the run's own line, without the class name Tune's error puts before it
-        name: re.sub(r"^[\w.]+: ", "", line).removesuffix(NOT_RUN_AGAIN) + NOT_RUN_AGAIN
+        name: line.removesuffix(NOT_RUN_AGAIN) + NOT_RUN_AGAIN
         for name, line in lines.items()
         if Diverged.MARK in line
     }
+
+
+def error_line(error: str) -> str:
+    """A trial's error as Tune keeps it (a remote traceback) in one line: its last, without the name
+    of fedray's own error class before it (their lines are written to be read alone)."""
+    return re.sub(r"^fedray\.[\w.]+: ", "", first_line(RuntimeError(error)))
 
 
 def trial_label(point: dict[str, Any]) -> str:
@@ -343,7 +348,7 @@ def run_sweep(
     status = "FAILED"
     try:
         try:
-            with no_default_tune_loggers() if own_loggers else contextlib.nullcontext():
+            with tune_settings(own_loggers):
                 grid = tuner.fit()
         except (ValueError, TuneError) as err:  # Tune's check of the first result that lacks the metric
             if f"metric(s) `{metric}`" not in str(err):
@@ -370,18 +375,24 @@ def run_sweep(
 
 
 @contextlib.contextmanager
-def no_default_tune_loggers() -> Iterator[None]:
-    """Tune adds its CSV, JSON and TensorBoard loggers to a fit's callbacks unless this is set."""
-    key = "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"
-    before = os.environ.get(key)
-    os.environ[key] = "1"
+def tune_settings(own_loggers: bool) -> Iterator[None]:
+    """Tune's settings for one fit (it reads them from the environment as the fit starts): no
+    traceback of its own per failed trial, whose line (:class:`_TrialLines`) names the error and its
+    file; and, unless the sweep was started before fedray passed Tune its loggers itself, none of
+    Tune's default loggers (its CSV, JSON and TensorBoard files)."""
+    values = {"TUNE_PRINT_ALL_TRIAL_ERRORS": "0"}
+    if own_loggers:
+        values["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = before
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class _TrialLines(Callback):
@@ -399,14 +410,15 @@ class _TrialLines(Callback):
         point = ", ".join(f"{k}={v}" for k, v in trial.config.items())
         print(f"trial {trial.trial_id} started ({self.running} running): {point}", flush=True)
 
-    def _ended(self, trial, how: str) -> None:
+    def _ended(self, trial, how: str, why: str = "") -> None:
         self.running = max(0, self.running - 1)
         last = trial.last_result or {}
         value = last.get(self.metric)
         shown = "-" if value is None else f"{value:.4f}"
         rounds = last.get("round", 0)
         print(
-            f"trial {trial.trial_id} {how} after {rounds} round{'s' * (rounds != 1)}: {self.metric}={shown}",
+            f"trial {trial.trial_id} {how} after {rounds} round{'s' * (rounds != 1)}: "
+            f"{self.metric}={shown}{why}",
             flush=True,
         )
 
@@ -417,12 +429,14 @@ class _TrialLines(Callback):
         self._ended(trial, "stopped early by the scheduler" if stopped else "finished")
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
-        # Tune wrote the trial's error to its local folder before it calls this (its storage copy
-        # comes later): the run's line says whether it diverged
+        # Tune wrote the trial's error to its local folder before it calls this (its storage copy,
+        # which outlives Ray's session folder, comes later): the run's line says whether it diverged
         path, error = trial.error_file, ""
         with contextlib.suppress(OSError, UnicodeError):  # a line to print: never the sweep's end
             error = Path(path).read_text().rsplit("Failure # ", 1)[-1] if path else ""  # the last failure
-        self._ended(trial, "diverged" if Diverged.MARK in error else "FAILED")
+        kept = Path(trial.path) / "error.txt" if trial.path else path
+        why = f" ({error_line(error)}; traceback: {kept})" if error.strip() else ""
+        self._ended(trial, "diverged" if Diverged.MARK in error else "FAILED", why)
 
 
 class InterruptAfterTrials(Callback):

@@ -176,6 +176,7 @@ def test_two_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store, mo
     assert len(list(result.path.rglob("result.json"))) == 2 and not list(result.path.rglob("events.out.*"))
     assert "TensorBoard" not in capsys.readouterr().out
     assert "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS" not in os.environ  # set for the fit only
+    assert "TUNE_PRINT_ALL_TRIAL_ERRORS" not in os.environ
     # the second trial ran in the first one's processes (Tune's reuse_actors and KeptRuntime): one
     # trial process, one Coordinator and two ClientActors started for the whole sweep
     started = sorted(name for actor, name in actor_classes().items() if actor not in before)
@@ -253,7 +254,9 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
     lines = capsys.readouterr().out.splitlines()
     assert f"trial {trial[0.1]} finished after 2 rounds: acc_global=" in "\n".join(lines), lines
     assert f"trial {trial[0.0001]} stopped early by the scheduler after 1 round: " in "\n".join(lines), lines
-    assert f"trial {trial[exploding]} diverged after 0 rounds" in "\n".join(lines), lines
+    assert f"trial {trial[exploding]} diverged after 0 rounds: acc_global=- (round 1: training diverged" in (
+        "\n".join(lines)
+    ), lines
     # the stopped trial's Coordinator was halted between rounds and its processes served the third
     # trial: one trial process, one Coordinator and two ClientActors for all three
     started = sorted(name for actor, name in actor_classes().items() if actor not in before)
@@ -354,11 +357,14 @@ def test_a_failed_trial_is_never_the_best_whatever_its_last_value():
 
 def test_a_resumed_sweep_names_its_diverged_trials_by_folder_with_their_own_line():
     # what Tune keeps of a trial's error: a remote traceback whose last line is the run's, after its
-    # class's name; a trial resumed once already (its line says so) is named the same way, once
+    # class's name; a trial resumed once already (its line says so) is named the same way, once;
+    # a trial that failed otherwise runs again
     tune_error = "Traceback (most recent call last):\n  ...\n"
     line = "round 1: training diverged, the training loss is not finite on any of the 4 clients"
     results = [
-        SimpleNamespace(path="/s/run_trial_a_0", error=RuntimeError(f"{tune_error}x.RunAborted: {line}")),
+        SimpleNamespace(
+            path="/s/run_trial_a_0", error=RuntimeError(f"{tune_error}fedray.runtime.RunAborted: {line}")
+        ),
         SimpleNamespace(path="/s/run_trial_a_1", error=RuntimeError(f"{tune_error}OSError: disk full")),
         SimpleNamespace(path="/s/run_trial_a_2", error=None),
         SimpleNamespace(
@@ -380,12 +386,22 @@ def test_trial_lines_restored_from_an_older_sweep_say_finished(capsys, tmp_path)
     trial = SimpleNamespace(trial_id="t1", last_result={"round": 3, "acc_global": 0.5}, config={})
     old.on_trial_complete(0, [], trial)
     assert capsys.readouterr().out == "trial t1 finished after 3 rounds: acc_global=0.5000\n"
-    # a trial whose run diverged says so, one that crashed that it failed
-    error_file = tmp_path / "error.txt"  # as Tune writes it
-    for error, how in (("RunAborted: round 4: training diverged, ...", "diverged"), ("OSError: x", "FAILED")):
-        error_file.write_text(f"Failure # 1 (occurred at now)\n{error}\n")
-        old.on_trial_error(0, [], SimpleNamespace(**vars(trial), error_file=str(error_file)))
-        assert capsys.readouterr().out == f"trial t1 {how} after 3 rounds: acc_global=0.5000\n"
+    # a trial whose run diverged says so, one that crashed that it failed, each with its error's
+    # line (fedray's own without its class name) and where its traceback stays (Tune prints none)
+    error_file = tmp_path / "error.txt"  # as Tune writes it, in Ray's session folder
+    kept = tmp_path / "sweep" / "trial"  # the trial's folder in the sweep's storage
+    diverged = "round 4: training diverged, the training loss is not finite"
+    for error, how, line in (
+        (f"fedray.platform.runtime.session.RunAborted: {diverged}", "diverged", diverged),
+        ("OSError: disk full", "FAILED", "OSError: disk full"),
+    ):
+        error_file.write_text(
+            f"Failure # 1 (occurred at before)\nKeyError: 'x'\nFailure # 2 (now)\n  ...\n{error}\n"
+        )
+        old.on_trial_error(0, [], SimpleNamespace(**vars(trial), error_file=str(error_file), path=str(kept)))
+        assert capsys.readouterr().out == (
+            f"trial t1 {how} after 3 rounds: acc_global=0.5000 ({line}; traceback: {kept / 'error.txt'})\n"
+        )
 
 
 def test_asha_lets_a_trial_run_the_most_rounds_the_space_gives(tmp_path):
