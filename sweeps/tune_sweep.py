@@ -14,7 +14,7 @@ import json
 import os
 import re
 import signal
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -27,7 +27,7 @@ from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
 from fedray.platform.catalog import build_config
 from fedray.platform.config import ExperimentConfig, merge, raw_config
-from fedray.platform.errors import ConfigError, Diverged, first_line
+from fedray.platform.errors import ConfigError, Diverged
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.driver import Trial, ensure_ray, require_gpus, run_experiment
 from fedray.platform.runtime.processes import KeptRuntime
@@ -114,14 +114,15 @@ def run_trial(
     diverged: dict[str, str] | None = None,
 ) -> None:
     """The Tune trainable: one federated run with the sampled values, reporting every round.
-    ``diverged`` (a resumed sweep's :func:`diverged_trials`) names the trials that diverged before:
-    Tune resumes every failed trial, and one of these ends at once with its line, as it would again."""
+    ``diverged`` (the sweep's state, :func:`remember_divergences`) names the trials whose run
+    diverged before a resume: Tune resumes every failed trial, and one of these ends as soon as it
+    is scheduled, before a run starts, with its line: the same settings would diverge again."""
     import ray
     from ray import tune
 
     line = (diverged or {}).get(Path(tune.get_context().get_trial_dir()).name)
     if line is not None:
-        raise Diverged(line)
+        raise Diverged(line + NOT_RUN_AGAIN)
     cfg = trial_config(base, point)
     # the sweep's store, made absolute by prepare_base: a relative MLFLOW_TRACKING_URI inherited by
     # this worker would name a store in the trial's own directory
@@ -179,30 +180,40 @@ def trial_status(metrics: dict[str, Any], error: Any, base_rounds: int, point: d
     counts as done), ``interrupted`` (the sweep was, before the trial was done), ``diverged`` (its
     training loss went non-finite: its run stopped, :class:`Diverged`) or ``error``."""
     if error:
-        return "diverged" if Diverged.MARK in str(error) else "error"
+        return "diverged" if is_divergence(str(error)) else "error"
     if not metrics.get("done"):
         return "interrupted"
     return "stopped early" if metrics.get("round", 0) < rounds_planned(base_rounds, point) else "ok"
 
 
 NOT_RUN_AGAIN = " (before the resume; not run again: the same settings diverge again)"
-
-
-def diverged_trials(results) -> dict[str, str]:
-    """A sweep's trials whose run diverged, by trial folder (what Tune keeps for a resumed trial):
-    the line a resumed one ends with."""
-    lines = {Path(r.path).name: error_line(str(r.error)) for r in results if r.error}
-    return {
-        name: line.removesuffix(NOT_RUN_AGAIN) + NOT_RUN_AGAIN
-        for name, line in lines.items()
-        if Diverged.MARK in line
-    }
+# a run's own line when it diverged (Diverged); a client's error that only mentions the words is not
+DIVERGED_LINE = re.compile(r"(\w+: )?round \d+: " + re.escape(Diverged.MARK))
 
 
 def error_line(error: str) -> str:
     """A trial's error as Tune keeps it (a remote traceback) in one line: its last, without the name
     of fedray's own error class before it (their lines are written to be read alone)."""
-    return re.sub(r"^fedray\.[\w.]+: ", "", first_line(RuntimeError(error)))
+    lines = error.strip().splitlines()
+    return re.sub(r"^fedray\.[\w.]+: ", "", lines[-1] if lines else "")[:300]
+
+
+def is_divergence(error: str) -> bool:
+    """Whether a trial's error (as Tune keeps it) is its run's divergence."""
+    return DIVERGED_LINE.match(error_line(error)) is not None
+
+
+def remember_divergences(known: dict[str, str], results) -> dict[str, str]:
+    """The trials of a sweep whose run diverged, by trial folder (the name Tune keeps for a resumed
+    trial), each with the run's line: those ``known`` from the sweep's state, and those whose error in
+    ``results`` says so. The state keeps them: a resumed trial's error is cleared until it ends
+    again, so a resume interrupted before then would leave Tune's results without it."""
+    found = {
+        Path(r.path).name: error_line(str(r.error)).removesuffix(NOT_RUN_AGAIN)
+        for r in results
+        if r.error and is_divergence(str(r.error))
+    }
+    return {**found, **known}  # the first run's own line, not what its resume raised
 
 
 def trial_label(point: dict[str, Any]) -> str:
@@ -266,8 +277,8 @@ def run_sweep(
 ) -> SweepResult:
     """Run (or ``resume``) a sweep of ``algorithm`` and return its trial table and best config.
 
-    ``stop_after_trials`` stops the sweep as Ctrl-C would once that many trials have finished (a job
-    with a time budget); ``--resume`` continues it."""
+    ``stop_after_trials`` stops the sweep as Ctrl-C would once that many trials have ended in this
+    call (a job with a time budget), a resumed one too; ``--resume`` continues it."""
     from ray import tune
 
     base = prepare_base(config_path, algorithm, overrides or [])
@@ -289,10 +300,18 @@ def run_sweep(
         if not tune.Tuner.can_restore(str(path)) or not state_file.is_file():
             raise ConfigError(f"--resume: no sweep to resume at {path}")
         state = json.loads(state_file.read_text())
+        if stop_after_trials and not state.get("interruptible"):
+            raise ConfigError(
+                "--stop-after-trials: this sweep was started by an older fedray, whose resume cannot "
+                "stop after N trials; resume it without the option"
+            )
+        # read before the parent run is reopened: a sweep whose state Tune cannot read leaves it as it was
+        previous = tune.Tuner.restore(str(path), run_trial).get_results()
+        state["diverged"] = remember_divergences(state.get("diverged", {}), previous)
+        state_file.write_text(json.dumps(state))
         parent = RunTracker(base_cfg, run_id=state["parent_run_id"])
         # a sweep started before fedray passed Tune its loggers itself gets Tune's defaults
         own_loggers = state.get("tune_loggers") == "explicit"
-        diverged = diverged_trials(tune.Tuner.restore(str(path), run_trial).get_results())
     else:
         parent_cfg = build_config(merge(base, {"name": base_cfg.tracking.experiment or base_cfg.name}))
         parent = RunTracker(parent_cfg, extra_tags={Tags.KIND: RunKind.SWEEP, Tags.SWEEP_ID: name})
@@ -304,21 +323,31 @@ def run_sweep(
         parent.log_text(Path(space.path).read_text(), "search_space.yaml")
         parent.log_text(yaml.safe_dump(base, sort_keys=False), "base_config.yaml")
         path.mkdir(parents=True, exist_ok=True)
-        diverged = {}
+        # what --resume reads back: the parent run, Tune's settings, the trials that diverged
+        state = {
+            "parent_run_id": parent.run_id,
+            "algorithm": algorithm,
+            "tune_loggers": "explicit",
+            "interruptible": True,  # InterruptAfterTrials among the callbacks Tune restores
+            "diverged": {},
+        }
+        own_loggers = True
 
     trainable = tune.with_resources(
         tune.with_parameters(
-            run_trial, base=base, parent_run_id=parent.run_id, sweep_id=name, diverged=diverged
+            run_trial, base=base, parent_run_id=parent.run_id, sweep_id=name, diverged=state["diverged"]
         ),
         resources=trial_resources(base_cfg),
     )
-    lines = _TrialLines(space.metric, base_cfg.rounds)
     # Tune's own result files (what its ResultGrid reads back), without its TensorBoard files: every
     # round is in MLflow, and Tune would print a TensorBoard command for files nobody needs. A
     # resumed sweep runs the callbacks it was started with (Tune restores them), not these
-    callbacks: list[Callback] = [lines, CSVLoggerCallback(), JsonLoggerCallback()]
-    if stop_after_trials:
-        callbacks.append(InterruptAfterTrials(stop_after_trials))
+    callbacks: list[Callback] = [
+        _TrialLines(space.metric, base_cfg.rounds),
+        CSVLoggerCallback(),
+        JsonLoggerCallback(),
+        InterruptAfterTrials(),
+    ]
     if resume:
         # a trial that failed runs again (fixed code, a node back), one that diverged ends at once
         tuner = tune.Tuner.restore(str(path), trainable, resume_errored=True)
@@ -342,13 +371,11 @@ def run_sweep(
                 name=name, storage_path=str(sweeps_dir), callbacks=callbacks, verbose=0
             ),
         )
-        state = {"parent_run_id": parent.run_id, "algorithm": algorithm, "tune_loggers": "explicit"}
         state_file.write_text(json.dumps(state))
-        own_loggers = True
     status = "FAILED"
     try:
         try:
-            with tune_settings(own_loggers):
+            with tune_settings(own_loggers), InterruptAfterTrials.limited(stop_after_trials):
                 grid = tuner.fit()
         except (ValueError, TuneError) as err:  # Tune's check of the first result that lacks the metric
             if f"metric(s) `{metric}`" not in str(err):
@@ -359,6 +386,8 @@ def run_sweep(
             ) from None
         # Ctrl-C makes Tune save its state and return early: unfinished trials mean "interrupted"
         trials = [grid[i] for i in range(len(grid))]
+        state["diverged"] = remember_divergences(state["diverged"], trials)
+        state_file.write_text(json.dumps(state))
         finished = sum(1 for r in trials if (r.metrics or {}).get("done") or r.error)
         status = "FINISHED" if finished >= space.num_trials() else "KILLED"
         unreported = unreported_metric(space, [r.metrics or {} for r in trials], base_cfg.eval.clients)
@@ -371,7 +400,7 @@ def run_sweep(
             )
     finally:
         parent.end(status)
-    return summarize(grid, space, parent, path, base)
+    return summarize(grid, space, parent, path, base, state["diverged"])
 
 
 @contextlib.contextmanager
@@ -405,6 +434,9 @@ class _TrialLines(Callback):
         self.rounds = rounds  # the base config's: a trial stopped before its rounds was stopped early
         self.running = 0
 
+    def setup(self, stop=None, num_samples=None, total_num_samples=None, **info) -> None:
+        self.running = 0  # this fit's, not the count Tune restored with the callback
+
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
         self.running += 1
         point = ", ".join(f"{k}={v}" for k, v in trial.config.items())
@@ -431,52 +463,66 @@ class _TrialLines(Callback):
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         # Tune wrote the trial's error to its local folder before it calls this (its storage copy,
         # which outlives Ray's session folder, comes later): the run's line says whether it diverged
-        path, error = trial.error_file, ""
-        with contextlib.suppress(OSError, UnicodeError):  # a line to print: never the sweep's end
-            error = Path(path).read_text().rsplit("Failure # ", 1)[-1] if path else ""  # the last failure
-        kept = Path(trial.path) / "error.txt" if trial.path else path
-        why = f" ({error_line(error)}; traceback: {kept})" if error.strip() else ""
-        self._ended(trial, "diverged" if Diverged.MARK in error else "FAILED", why)
+        path, error, why = trial.error_file, "", ""
+        with contextlib.suppress(OSError, UnicodeError, TypeError):  # a line to print: never the sweep's end
+            error = Path(path).read_text().rsplit("Failure # ", 1)[-1]  # the last failure
+            kept = Path(trial.path) / Path(path).name if trial.path else path
+            why = f"; {error_line(error)}; traceback: {kept}" if error.strip() else ""
+        self._ended(trial, "diverged" if is_divergence(error) else "FAILED", why)
 
 
 class InterruptAfterTrials(Callback):
-    """Sends this process a Ctrl-C once ``n`` trials have finished (failed ones too): Tune saves the
-    sweep's state and stops, exactly as on a real Ctrl-C, and ``--resume`` goes on from there."""
+    """Sends this process a Ctrl-C once :attr:`limit` trials have ended in this fit (failed ones too):
+    Tune saves the sweep's state and stops, exactly as on a real Ctrl-C, and ``--resume`` goes on
+    from there. Every sweep has one, and the limit is the class's, set for one fit by
+    :meth:`limited`: Tune pickles a sweep's callbacks into its state and a resumed sweep runs those,
+    not the ones it is given, so a limit kept in the instance would be the first fit's forever."""
 
-    _armed: ClassVar[set[str]] = set()  # Tune pickles callbacks into the sweep state: fire once only
+    limit: ClassVar[int | None] = None
 
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.finished = 0
-        self.token = os.urandom(8).hex()
-        self._armed.add(self.token)
+    def setup(self, stop=None, num_samples=None, total_num_samples=None, **info) -> None:
+        self.ended = 0  # this fit's count, not the one Tune restored with the callback
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
-        self.finished += 1
-        if self.finished >= self.n and self.token in self._armed:
-            self._armed.discard(self.token)
+        self.ended = getattr(self, "ended", 0) + 1
+        if self.limit is not None and self.ended == self.limit:
             os.kill(os.getpid(), signal.SIGINT)
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         self.on_trial_complete(iteration, trials, trial, **info)
 
+    @classmethod
+    @contextlib.contextmanager
+    def limited(cls, n: int | None) -> Iterator[None]:
+        cls.limit = n
+        try:
+            yield
+        finally:
+            cls.limit = None
 
-def trial_table(results, space: SearchSpace, base_rounds: int) -> pd.DataFrame:
+
+def trial_table(
+    results, space: SearchSpace, base_rounds: int, diverged: Collection[str] = ()
+) -> pd.DataFrame:
     """One row per trial, the best first: its point, the metric, the rounds it ran, how it ended and
     its id. Columns of Python objects: a trial that never reported has no values (``None``), and
-    must not turn the other trials' integers into floats (``num_middleware=5.0`` in the best config)."""
+    must not turn the other trials' integers into floats (``num_middleware=5.0`` in the best config).
+    A trial whose folder is in ``diverged`` diverged, whatever Tune says (its resume was interrupted
+    before it ended again)."""
     metric = tune_key(space.metric)
     rows = []
     for result in results:
         point = {k: v for k, v in (result.config or {}).items()}
         metrics = result.metrics or {}
+        folder = os.path.basename(result.path or "")
+        status = trial_status(metrics, result.error, base_rounds, point)
         rows.append(
             {
                 **point,
                 space.metric: metrics.get(metric),
                 "rounds run": metrics.get("round"),  # not "rounds": a space may sweep those
-                "status": trial_status(metrics, result.error, base_rounds, point),
-                "trial": metrics.get("trial_id") or os.path.basename(result.path or ""),  # Tune's own field
+                "status": "diverged" if folder in diverged else status,
+                "trial": metrics.get("trial_id") or folder,  # Tune's own field
             }
         )
     table = pd.DataFrame(rows, dtype=object)
@@ -495,10 +541,12 @@ def best_row(table: pd.DataFrame, metric: str) -> pd.Series | None:
     return table.iloc[0]
 
 
-def summarize(grid, space: SearchSpace, parent, path: Path, base: dict[str, Any]) -> SweepResult:
+def summarize(
+    grid, space: SearchSpace, parent, path: Path, base: dict[str, Any], diverged: Collection[str] = ()
+) -> SweepResult:
     """Trial table, best config (logged on the parent), and stray child runs closed as KILLED."""
     base_cfg = build_config(base)
-    table = trial_table(grid, space, base_cfg.rounds)
+    table = trial_table(grid, space, base_cfg.rounds, diverged)
     top = best_row(table, space.metric)
     best_point = {}
     if top is not None:

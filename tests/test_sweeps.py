@@ -2,7 +2,9 @@
 
 import json
 import os
+import pickle
 import re
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,12 +22,13 @@ from fedray.platform.tracking.names import Metrics, RunKind, Tags, tag_filter
 from fedray.sweeps.space import SPACES_DIR, check_space, load_space, trial_config
 from fedray.sweeps.tune_sweep import (
     NOT_RUN_AGAIN,
+    InterruptAfterTrials,
     SweepResult,
     _scheduler,
     _TrialLines,
     best_row,
-    diverged_trials,
     prepare_base,
+    remember_divergences,
     run_sweep,
     trial_status,
     trial_table,
@@ -234,8 +237,8 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
     # one trial at a time: lr=0.1 runs its 2 rounds; lr=1e-4 is far behind it after round 1, so ASHA
     # (grace 1 round, halving) stops it there, in the first trial's reused process; the third trial
     # starts in that process only once the stopped one has closed its run, and diverges in its first
-    # round; then Ctrl-C (an interrupt right after the stopped trial would race its closing), and the
-    # resume runs the last two and not the diverged one: it would diverge again
+    # round; then Ctrl-C (an interrupt right after the stopped trial would race its closing); two
+    # resumes run the last two and not the diverged one: it would diverge again
     path = tmp_path / "space.yaml"
     exploding = 1e30
     lrs = [0.1, 0.0001, exploding, 0.05, 0.08]
@@ -254,7 +257,7 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
     lines = capsys.readouterr().out.splitlines()
     assert f"trial {trial[0.1]} finished after 2 rounds: acc_global=" in "\n".join(lines), lines
     assert f"trial {trial[0.0001]} stopped early by the scheduler after 1 round: " in "\n".join(lines), lines
-    assert f"trial {trial[exploding]} diverged after 0 rounds: acc_global=- (round 1: training diverged" in (
+    assert f"trial {trial[exploding]} diverged after 0 rounds: acc_global=-; round 1: training diverged" in (
         "\n".join(lines)
     ), lines
     # the stopped trial's Coordinator was halted between rounds and its processes served the third
@@ -262,6 +265,13 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
     started = sorted(name for actor, name in actor_classes().items() if actor not in before)
     assert started == ["ClientActor", "ClientActor", "Coordinator", "ImplicitFunc"], started
     client = MlflowClient(mlflow_store)
+    assert client.get_run(first.parent_run_id).info.status == "KILLED"
+
+    # a resume with its own budget (a job's time limit): it stops once one more trial has ended,
+    # whichever Tune ran first, the diverged one (which ends at once) or the next
+    run_sweep("fedavg", space_file=str(path), overrides=overrides, resume=True, stop_after_trials=1)
+    ended = re.findall(r"^trial \S+ (finished|stopped early|diverged|FAILED) ", capsys.readouterr().out, re.M)
+    assert len(ended) == 1, ended
     assert client.get_run(first.parent_run_id).info.status == "KILLED"
 
     resumed = run_sweep("fedavg", space_file=str(path), overrides=overrides, resume=True)
@@ -355,34 +365,74 @@ def test_a_failed_trial_is_never_the_best_whatever_its_last_value():
     assert best_row(table.iloc[1:].reset_index(drop=True), space.metric) is None  # no trial has a result
 
 
-def test_a_resumed_sweep_names_its_diverged_trials_by_folder_with_their_own_line():
+def test_a_sweep_remembers_its_diverged_trials_by_folder_with_their_own_line(tmp_path):
     # what Tune keeps of a trial's error: a remote traceback whose last line is the run's, after its
-    # class's name; a trial resumed once already (its line says so) is named the same way, once;
-    # a trial that failed otherwise runs again
+    # class's name. A trial that failed otherwise (even on a client's error that mentions the words)
+    # runs again on a resume; one resumed once already raised its line and NOT_RUN_AGAIN
     tune_error = "Traceback (most recent call last):\n  ...\n"
     line = "round 1: training diverged, the training loss is not finite on any of the 4 clients"
-    results = [
+    client_error = "round 2: all 4 selected clients failed (client 0: ValueError: training diverged)"
+
+    def result(folder, error):
+        return SimpleNamespace(path=f"/s/{folder}", error=None if error is None else RuntimeError(error))
+
+    first = [
+        result("t0", f"{tune_error}fedray.platform.runtime.session.RunAborted: {line}"),
+        result("t1", f"{tune_error}OSError: disk full"),
+        result("t2", f"{tune_error}fedray.platform.errors.RoundFailed: {client_error}"),
+        result("t3", None),
+    ]
+    known = remember_divergences({}, first)
+    assert known == {"t0": line}
+    assert [trial_status({}, r.error, 2, {}) for r in first[:3]] == ["diverged", "error", "error"]
+    # the first resume: t0 raised its line again; the second (its state file's map): the same map
+    resumed = [result("t0", f"{tune_error}fedray.platform.errors.Diverged: {line}{NOT_RUN_AGAIN}")]
+    assert remember_divergences(known, resumed) == {"t0": line}
+    assert remember_divergences({}, resumed) == {"t0": line}  # a state without the map: Tune's line
+    # a resume interrupted before t0 ended again: Tune holds it as pending, without its error; the
+    # state still names it, and the sweep's table says it diverged (not interrupted, not the best)
+    pending = [
         SimpleNamespace(
-            path="/s/run_trial_a_0", error=RuntimeError(f"{tune_error}fedray.runtime.RunAborted: {line}")
+            config={"lr": 1e30}, metrics={"round": 1, "acc_global": 0.9}, error=None, path="/s/t0"
         ),
-        SimpleNamespace(path="/s/run_trial_a_1", error=RuntimeError(f"{tune_error}OSError: disk full")),
-        SimpleNamespace(path="/s/run_trial_a_2", error=None),
         SimpleNamespace(
-            path="/s/run_trial_a_3", error=RuntimeError(f"fedray.Diverged: {line}{NOT_RUN_AGAIN}")
+            config={"lr": 0.1},
+            metrics={"round": 2, "acc_global": 0.5, "done": True},
+            error=None,
+            path="/s/t3",
         ),
     ]
-    assert diverged_trials(results) == {
-        "run_trial_a_0": line + NOT_RUN_AGAIN,
-        "run_trial_a_3": line + NOT_RUN_AGAIN,
-    }
-    # and the line still reads as diverged where the sweep's table is made
-    assert trial_status({}, diverged_trials(results)["run_trial_a_0"], 2, {}) == "diverged"
+    assert remember_divergences(known, pending) == known
+    space = SimpleNamespace(metric="acc_global", mode="max")
+    table = trial_table(pending, space, base_rounds=2, diverged=known)
+    assert list(table["status"]) == ["ok", "diverged"] and best_row(table, "acc_global")["trial"] == "t3"
+    assert list(trial_table(pending, space, base_rounds=2)["status"]) == ["interrupted", "ok"]
+
+
+def test_a_stop_after_trials_limit_is_the_fits_own_and_holds_for_a_restored_callback(monkeypatch):
+    # Tune restores a resumed sweep's callbacks as pickled: the limit is read from the class, for
+    # the fit it is set for, and the count starts again at every fit (setup)
+    kills = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: kills.append(sig))
+    restored = pickle.loads(pickle.dumps(InterruptAfterTrials()))
+    restored.setup()
+    for _ in range(3):  # a fit without the option: no interrupt
+        restored.on_trial_complete(0, [], None)
+    assert kills == []
+    with InterruptAfterTrials.limited(2):
+        restored.setup()
+        restored.on_trial_error(0, [], None)  # a failed trial counts as ended
+        assert kills == []
+        restored.on_trial_complete(0, [], None)
+        assert kills == [signal.SIGINT]
+        restored.on_trial_complete(0, [], None)  # once only
+    assert kills == [signal.SIGINT] and InterruptAfterTrials.limit is None
 
 
 def test_trial_lines_restored_from_an_older_sweep_say_finished(capsys, tmp_path):
     # Tune restores a resumed sweep's callbacks as pickled: one from before `rounds` existed lacks it
     old = _TrialLines.__new__(_TrialLines)
-    old.__dict__.update(metric="acc_global", running=1)
+    old.__dict__.update(metric="acc_global", running=1, max_running=1)
     trial = SimpleNamespace(trial_id="t1", last_result={"round": 3, "acc_global": 0.5}, config={})
     old.on_trial_complete(0, [], trial)
     assert capsys.readouterr().out == "trial t1 finished after 3 rounds: acc_global=0.5000\n"
@@ -400,7 +450,7 @@ def test_trial_lines_restored_from_an_older_sweep_say_finished(capsys, tmp_path)
         )
         old.on_trial_error(0, [], SimpleNamespace(**vars(trial), error_file=str(error_file), path=str(kept)))
         assert capsys.readouterr().out == (
-            f"trial t1 {how} after 3 rounds: acc_global=0.5000 ({line}; traceback: {kept / 'error.txt'})\n"
+            f"trial t1 {how} after 3 rounds: acc_global=0.5000; {line}; traceback: {kept / 'error.txt'}\n"
         )
 
 
