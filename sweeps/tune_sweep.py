@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import threading
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -216,6 +217,26 @@ def remember_divergences(known: dict[str, str], results) -> dict[str, str]:
     return {**found, **known}  # the first run's own line, not what its resume raised
 
 
+def save_state(state_file: Path, state: dict[str, Any]) -> None:
+    """Writes the sweep's state whole or not at all (a second Ctrl-C may land in the write)."""
+    partial = state_file.with_name(state_file.name + ".partial")
+    partial.write_text(json.dumps(state))
+    os.replace(partial, state_file)
+
+
+def remember_divergence(trial_path: str, line: str) -> None:
+    """Adds a trial whose run just diverged to its sweep's state at once (the sweep's folder holds
+    the trial's): a driver that dies before Tune saves its own state would otherwise resume it."""
+    state_file = Path(trial_path).parent / SWEEP_STATE
+    if not state_file.is_file():
+        return
+    state = json.loads(state_file.read_text())
+    known = state.setdefault("diverged", {})
+    if Path(trial_path).name not in known:
+        known[Path(trial_path).name] = line.removesuffix(NOT_RUN_AGAIN)
+        save_state(state_file, state)
+
+
 def trial_label(point: dict[str, Any]) -> str:
     """``alpha=0.9 selection=in_order``: a trial's swept values, short keys, in the space's order."""
 
@@ -293,9 +314,9 @@ def run_sweep(
     state_file = path / SWEEP_STATE
     metric = tune_key(space.metric)
 
-    ensure_ray(base_cfg)
-    KeptRuntime.release()  # a caller's last run's processes would hold the CPUs the trials reserve
-    require_gpus(base_cfg)  # a trial asking for GPUs the cluster lacks would wait forever to be placed
+    if stop_after_trials and threading.current_thread() is not threading.main_thread():
+        # Tune takes its stop signal in the main thread only: elsewhere the sweep would never stop
+        raise ConfigError("--stop-after-trials: run the sweep in the main thread (Tune's stop signal)")
     if resume:
         if not tune.Tuner.can_restore(str(path)) or not state_file.is_file():
             raise ConfigError(f"--resume: no sweep to resume at {path}")
@@ -305,10 +326,18 @@ def run_sweep(
                 "--stop-after-trials: this sweep was started by an older fedray, whose resume cannot "
                 "stop after N trials; resume it without the option"
             )
+
+    ensure_ray(base_cfg)
+    KeptRuntime.release()  # a caller's last run's processes would hold the CPUs the trials reserve
+    require_gpus(base_cfg)  # a trial asking for GPUs the cluster lacks would wait forever to be placed
+    if resume:
         # read before the parent run is reopened: a sweep whose state Tune cannot read leaves it as it was
-        previous = tune.Tuner.restore(str(path), run_trial).get_results()
+        try:
+            previous = tune.Tuner.restore(str(path), run_trial).get_results()
+        except RuntimeError as err:  # Tune's: the sweep stopped before its first results were saved
+            raise ConfigError(f"--resume: {path}: Tune cannot read the sweep's results ({err})") from None
         state["diverged"] = remember_divergences(state.get("diverged", {}), previous)
-        state_file.write_text(json.dumps(state))
+        save_state(state_file, state)
         parent = RunTracker(base_cfg, run_id=state["parent_run_id"])
         # a sweep started before fedray passed Tune its loggers itself gets Tune's defaults
         own_loggers = state.get("tune_loggers") == "explicit"
@@ -371,11 +400,15 @@ def run_sweep(
                 name=name, storage_path=str(sweeps_dir), callbacks=callbacks, verbose=0
             ),
         )
-        state_file.write_text(json.dumps(state))
+        save_state(state_file, state)
     status = "FAILED"
     try:
         try:
-            with tune_settings(own_loggers), InterruptAfterTrials.limited(stop_after_trials):
+            # a trial that diverged before ends at once when resumed: it is no trial of this call's
+            with (
+                tune_settings(own_loggers),
+                InterruptAfterTrials.limited(stop_after_trials, state["diverged"]),
+            ):
                 grid = tuner.fit()
         except (ValueError, TuneError) as err:  # Tune's check of the first result that lacks the metric
             if f"metric(s) `{metric}`" not in str(err):
@@ -387,7 +420,7 @@ def run_sweep(
         # Ctrl-C makes Tune save its state and return early: unfinished trials mean "interrupted"
         trials = [grid[i] for i in range(len(grid))]
         state["diverged"] = remember_divergences(state["diverged"], trials)
-        state_file.write_text(json.dumps(state))
+        save_state(state_file, state)
         finished = sum(1 for r in trials if (r.metrics or {}).get("done") or r.error)
         status = "FINISHED" if finished >= space.num_trials() else "KILLED"
         unreported = unreported_metric(space, [r.metrics or {} for r in trials], base_cfg.eval.clients)
@@ -425,7 +458,8 @@ def tune_settings(own_loggers: bool) -> Iterator[None]:
 
 
 class _TrialLines(Callback):
-    """One line per started and finished trial (Tune's own tables are too wide to read)."""
+    """One line per started and finished trial (Tune's own tables are too wide to read); a trial whose
+    run diverged goes into the sweep's state as it ends (:func:`remember_divergence`)."""
 
     rounds: int | None = None  # unset in one restored from a sweep started by an older fedray
 
@@ -468,37 +502,46 @@ class _TrialLines(Callback):
             error = Path(path).read_text().rsplit("Failure # ", 1)[-1]  # the last failure
             kept = Path(trial.path) / Path(path).name if trial.path else path
             why = f"; {error_line(error)}; traceback: {kept}" if error.strip() else ""
-        self._ended(trial, "diverged" if is_divergence(error) else "FAILED", why)
+        diverged = is_divergence(error)
+        if diverged and trial.path:
+            with contextlib.suppress(OSError, ValueError):  # the state's end-of-fit update remains
+                remember_divergence(trial.path, error_line(error))
+        self._ended(trial, "diverged" if diverged else "FAILED", why)
 
 
 class InterruptAfterTrials(Callback):
-    """Sends this process a Ctrl-C once :attr:`limit` trials have ended in this fit (failed ones too):
-    Tune saves the sweep's state and stops, exactly as on a real Ctrl-C, and ``--resume`` goes on
-    from there. Every sweep has one, and the limit is the class's, set for one fit by
-    :meth:`limited`: Tune pickles a sweep's callbacks into its state and a resumed sweep runs those,
-    not the ones it is given, so a limit kept in the instance would be the first fit's forever."""
+    """Stops the sweep once :attr:`limit` of its trials have ended in this fit (failed ones too, not
+    one that diverged before, which a resume ends at once): Tune saves the sweep's state and stops,
+    as on a Ctrl-C (SIGUSR1, which Tune always takes so), and ``--resume`` goes on from there. Every
+    sweep has one, and the limit is the class's, set for one fit by :meth:`limited`: Tune pickles a
+    sweep's callbacks into its state and a resumed sweep runs those, not the ones it is given, so a
+    limit kept in the instance would be the first fit's forever."""
 
     limit: ClassVar[int | None] = None
+    skip: ClassVar[Collection[str]] = ()  # trial folders not counted
 
     def setup(self, stop=None, num_samples=None, total_num_samples=None, **info) -> None:
         self.ended = 0  # this fit's count, not the one Tune restored with the callback
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        if Path(trial.path or "").name in self.skip:
+            return
         self.ended = getattr(self, "ended", 0) + 1
         if self.limit is not None and self.ended == self.limit:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGUSR1)
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         self.on_trial_complete(iteration, trials, trial, **info)
 
     @classmethod
     @contextlib.contextmanager
-    def limited(cls, n: int | None) -> Iterator[None]:
-        cls.limit = n
+    def limited(cls, n: int | None, skip: Collection[str] = ()) -> Iterator[None]:
+        before = cls.limit, cls.skip
+        cls.limit, cls.skip = n, frozenset(skip)
         try:
             yield
         finally:
-            cls.limit = None
+            cls.limit, cls.skip = before
 
 
 def trial_table(

@@ -5,6 +5,7 @@ import os
 import pickle
 import re
 import signal
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -232,13 +233,13 @@ def test_two_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store, mo
 
 @pytest.mark.usefixtures("ray_session")
 def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoing_any(
-    tmp_path, mlflow_store, capsys
+    tmp_path, mlflow_store, capsys, monkeypatch
 ):
     # one trial at a time: lr=0.1 runs its 2 rounds; lr=1e-4 is far behind it after round 1, so ASHA
     # (grace 1 round, halving) stops it there, in the first trial's reused process; the third trial
     # starts in that process only once the stopped one has closed its run, and diverges in its first
-    # round; then Ctrl-C (an interrupt right after the stopped trial would race its closing); two
-    # resumes run the last two and not the diverged one: it would diverge again
+    # round; then Ctrl-C (an interrupt right after the stopped trial would race its closing); the
+    # resumes never run the diverged one again: it would diverge again
     path = tmp_path / "space.yaml"
     exploding = 1e30
     lrs = [0.1, 0.0001, exploding, 0.05, 0.08]
@@ -267,30 +268,41 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
     client = MlflowClient(mlflow_store)
     assert client.get_run(first.parent_run_id).info.status == "KILLED"
 
-    # a resume with its own budget (a job's time limit): it stops once one more trial has ended,
-    # whichever Tune ran first, the diverged one (which ends at once) or the next
-    run_sweep("fedavg", space_file=str(path), overrides=overrides, resume=True, stop_after_trials=1)
-    ended = re.findall(r"^trial \S+ (finished|stopped early|diverged|FAILED) ", capsys.readouterr().out, re.M)
-    assert len(ended) == 1, ended
+    # a resume stopped as it starts (Tune's stop, as a Ctrl-C, before any trial ran): Tune now holds
+    # the diverged trial as pending, its error cleared; the sweep's own state still names it
+    with monkeypatch.context() as patch:
+        patch.setattr(_TrialLines, "setup", lambda self, *a, **info: os.kill(os.getpid(), signal.SIGUSR1))
+        interrupted = run_sweep("fedavg", space_file=str(path), overrides=overrides, resume=True)
+    assert "started" not in capsys.readouterr().out
+    # (a pending trial's row has no values: Tune's result for it is empty; its folder names it)
+    status = dict(zip(interrupted.trials["trial"], interrupted.trials["status"], strict=True))
+    (row,) = [name for name in status if trial[exploding] in name]
+    assert status[row] == "diverged", status
     assert client.get_run(first.parent_run_id).info.status == "KILLED"
 
-    resumed = run_sweep("fedavg", space_file=str(path), overrides=overrides, resume=True)
-    assert len(resumed.trials) == 5 and resumed.parent_run_id == first.parent_run_id
+    # a resume with a budget of its own (a job's time limit), one trial: the diverged one, which
+    # Tune resumes first and which ends at once with its first run's line, is not one of them
+    resumed = run_sweep("fedavg", space_file=str(path), overrides=overrides, resume=True, stop_after_trials=1)
+    out = capsys.readouterr().out
+    assert len(re.findall(r"^trial \S+ (finished|stopped early) ", out, re.M)) == 1, out
+    (again,) = re.findall(rf"^trial {trial[exploding]} diverged after 0 rounds: .*$", out, re.M)
+    assert "round 1: training diverged" in again and NOT_RUN_AGAIN in again, again
+    assert client.get_run(first.parent_run_id).info.status == "KILLED"
+    assert resumed.parent_run_id == first.parent_run_id
     children = client.search_runs(
         [client.get_run(first.parent_run_id).info.experiment_id],
         filter_string=tag_filter(Tags.PARENT_RUN_ID, first.parent_run_id),
     )
     by_lr = {float(c.data.params["train.lr"]): c for c in children}
-    assert sorted(by_lr) == sorted(lrs) and len(children) == 5  # each trial ran once: none was redone
+    # each trial ran once (none was redone, the diverged one neither), and the budget left lr=0.08
+    assert sorted(by_lr) == sorted([0.1, 0.0001, exploding, 0.05]) and len(children) == 4, sorted(by_lr)
     # the resumed sweep still says how each trial ended, and Tune still kept its result files
     status = dict(zip(resumed.trials["train.lr"], resumed.trials["status"], strict=True))
     assert status[0.1] == "ok" and status[0.0001] == "stopped early", status
     assert status[exploding] == "diverged" and by_lr[exploding].info.status == "FAILED", status
-    # Tune resumed the diverged trial, which ended at once with its first run's line
     (error_file,) = resumed.path.glob(f"*{trial[exploding]}*/error.txt")
-    last_failure = error_file.read_text().rsplit("Failure # ", 1)[-1]
-    assert "round 1: training diverged" in last_failure and NOT_RUN_AGAIN in last_failure, last_failure
-    assert len(list(resumed.path.rglob("result.json"))) == 5
+    assert NOT_RUN_AGAIN in error_file.read_text().rsplit("Failure # ", 1)[-1]
+    assert len(list(resumed.path.rglob("result.json"))) == 4
     # the trial that ran its rounds finished (its last round reached Tune after the run was closed);
     # the one ASHA stopped is closed as KILLED, tagged, with the one round it ran
     assert by_lr[0.1].info.status == "FINISHED" and Tags.STOPPED_EARLY not in by_lr[0.1].data.tags
@@ -411,47 +423,84 @@ def test_a_sweep_remembers_its_diverged_trials_by_folder_with_their_own_line(tmp
 
 def test_a_stop_after_trials_limit_is_the_fits_own_and_holds_for_a_restored_callback(monkeypatch):
     # Tune restores a resumed sweep's callbacks as pickled: the limit is read from the class, for
-    # the fit it is set for, and the count starts again at every fit (setup)
+    # the fit it is set for, the count starts again at every fit (setup), and a trial that diverged
+    # before (which the resume ends at once) is not one of the fit's trials
     kills = []
     monkeypatch.setattr(os, "kill", lambda pid, sig: kills.append(sig))
     restored = pickle.loads(pickle.dumps(InterruptAfterTrials()))
+    trial = SimpleNamespace(path="/s/sweep/run_trial_a_1")
     restored.setup()
     for _ in range(3):  # a fit without the option: no interrupt
-        restored.on_trial_complete(0, [], None)
+        restored.on_trial_complete(0, [], trial)
     assert kills == []
-    with InterruptAfterTrials.limited(2):
+    with InterruptAfterTrials.limited(2, skip={"run_trial_a_0"}):
         restored.setup()
-        restored.on_trial_error(0, [], None)  # a failed trial counts as ended
+        restored.on_trial_error(0, [], SimpleNamespace(path="/s/sweep/run_trial_a_0"))  # diverged before
+        restored.on_trial_error(0, [], trial)  # a trial that failed now counts as ended
         assert kills == []
-        restored.on_trial_complete(0, [], None)
-        assert kills == [signal.SIGINT]
-        restored.on_trial_complete(0, [], None)  # once only
-    assert kills == [signal.SIGINT] and InterruptAfterTrials.limit is None
+        restored.on_trial_complete(0, [], trial)
+        assert kills == [signal.SIGUSR1]  # Tune's stop, whether or not it took over SIGINT
+        restored.on_trial_complete(0, [], trial)  # once only
+    assert kills == [signal.SIGUSR1] and InterruptAfterTrials.limit is None
+
+
+def test_a_resume_refuses_what_it_cannot_do_before_ray_starts(tmp_path, monkeypatch):
+    # a sweep started by an older fedray has no stop-after-trials callback for Tune to restore, and
+    # Tune takes its stop signal in the main thread only: each a one-line error, before Ray
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(
+        "fedray.sweeps.tune_sweep.ensure_ray", lambda cfg: pytest.fail("Ray started before the error")
+    )
+    folder = tmp_path / ".fedray" / "sweeps" / "old"
+    folder.mkdir(parents=True)
+    (folder / "fedray_sweep.json").write_text(json.dumps({"parent_run_id": "x", "tune_loggers": "explicit"}))
+    monkeypatch.setattr("ray.tune.Tuner.can_restore", lambda path: path == str(folder))
+    args = {"space_file": _tiny_space(tmp_path), "overrides": tiny_overrides(), "name": "old"}
+    with pytest.raises(ConfigError, match=r"^--stop-after-trials: this sweep was started by an older fedray"):
+        run_sweep("fedprox", resume=True, stop_after_trials=2, **args)
+    errors = []
+
+    def in_a_thread():
+        try:
+            run_sweep("fedprox", stop_after_trials=2, **args)
+        except ConfigError as err:
+            errors.append(str(err))
+
+    worker = threading.Thread(target=in_a_thread)
+    worker.start()
+    worker.join(timeout=60)
+    assert errors == ["--stop-after-trials: run the sweep in the main thread (Tune's stop signal)"]
 
 
 def test_trial_lines_restored_from_an_older_sweep_say_finished(capsys, tmp_path):
     # Tune restores a resumed sweep's callbacks as pickled: one from before `rounds` existed lacks it
     old = _TrialLines.__new__(_TrialLines)
-    old.__dict__.update(metric="acc_global", running=1, max_running=1)
+    old.__dict__.update(metric="acc_global", running=1, max_running=1)  # max_running: gone since
     trial = SimpleNamespace(trial_id="t1", last_result={"round": 3, "acc_global": 0.5}, config={})
     old.on_trial_complete(0, [], trial)
     assert capsys.readouterr().out == "trial t1 finished after 3 rounds: acc_global=0.5000\n"
     # a trial whose run diverged says so, one that crashed that it failed, each with its error's
-    # line (fedray's own without its class name) and where its traceback stays (Tune prints none)
+    # line (fedray's own without its class name) and where its traceback stays (Tune prints none);
+    # the diverged one is in the sweep's state at once, by its folder, with its line
     error_file = tmp_path / "error.txt"  # as Tune writes it, in Ray's session folder
-    kept = tmp_path / "sweep" / "trial"  # the trial's folder in the sweep's storage
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "fedray_sweep.json").write_text(json.dumps({"parent_run_id": "p", "diverged": {}}))
     diverged = "round 4: training diverged, the training loss is not finite"
-    for error, how, line in (
-        (f"fedray.platform.runtime.session.RunAborted: {diverged}", "diverged", diverged),
-        ("OSError: disk full", "FAILED", "OSError: disk full"),
+    for folder, error, how, line in (
+        ("t1", f"fedray.platform.runtime.session.RunAborted: {diverged}", "diverged", diverged),
+        ("t2", "OSError: disk full", "FAILED", "OSError: disk full"),
     ):
         error_file.write_text(
             f"Failure # 1 (occurred at before)\nKeyError: 'x'\nFailure # 2 (now)\n  ...\n{error}\n"
         )
+        kept = sweep / folder  # the trial's folder in the sweep's storage
         old.on_trial_error(0, [], SimpleNamespace(**vars(trial), error_file=str(error_file), path=str(kept)))
         assert capsys.readouterr().out == (
             f"trial t1 {how} after 3 rounds: acc_global=0.5000; {line}; traceback: {kept / 'error.txt'}\n"
         )
+    state = json.loads((sweep / "fedray_sweep.json").read_text())
+    assert state == {"parent_run_id": "p", "diverged": {"t1": diverged}}
 
 
 def test_asha_lets_a_trial_run_the_most_rounds_the_space_gives(tmp_path):

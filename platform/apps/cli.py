@@ -155,7 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--name", help="sweep name (default: sweep-<algo>-<config name>)")
     sweep.add_argument("--resume", action="store_true", help="continue an interrupted sweep")
     sweep.add_argument(
-        "--stop-after-trials", type=int, metavar="N", help="stop (resumably) once N trials have finished"
+        "--stop-after-trials",
+        type=int,
+        metavar="N",
+        help="stop (resumably) once N trials have ended in this command, failed ones too",
     )
     sweep.add_argument("overrides", nargs="*", help="key=value overrides for every trial")
     sweep.set_defaults(func=_sweep)
