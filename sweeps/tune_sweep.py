@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -436,20 +437,31 @@ def run_sweep(
     return summarize(grid, space, parent, path, base, state["diverged"])
 
 
+def _not_said_better(record: logging.LogRecord) -> bool:
+    """Drops Tune's lines that the sweep says better: how to resume (Tune's Python call, where the
+    sweep prints its own command) and which trials did not complete (its table says how each ended)."""
+    message = record.getMessage()
+    return not (message.startswith("Trials did not complete") or "Resume experiment with:" in message)
+
+
 @contextlib.contextmanager
 def tune_settings(own_loggers: bool) -> Iterator[None]:
     """Tune's settings for one fit (it reads them from the environment as the fit starts): no
     traceback of its own per failed trial, whose line (:class:`_TrialLines`) names the error and its
     file; and, unless the sweep was started before fedray passed Tune its loggers itself, none of
-    Tune's default loggers (its CSV, JSON and TensorBoard files)."""
+    Tune's default loggers (its CSV, JSON and TensorBoard files). Nor the lines of
+    :func:`_not_said_better`."""
     values = {"TUNE_PRINT_ALL_TRIAL_ERRORS": "0"}
     if own_loggers:
         values["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"
     before = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
+    tune_logger = logging.getLogger("ray.tune.tune")
+    tune_logger.addFilter(_not_said_better)
     try:
         yield
     finally:
+        tune_logger.removeFilter(_not_said_better)
         for key, value in before.items():
             if value is None:
                 os.environ.pop(key, None)

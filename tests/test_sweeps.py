@@ -1,6 +1,7 @@
 """Ray Tune sweeps: space files checked without Ray; a real 4-trial sweep; interrupt and resume."""
 
 import json
+import logging
 import os
 import pickle
 import re
@@ -33,6 +34,7 @@ from fedray.sweeps.tune_sweep import (
     run_sweep,
     trial_status,
     trial_table,
+    tune_settings,
     unreported_metric,
 )
 
@@ -501,6 +503,25 @@ def test_trial_lines_restored_from_an_older_sweep_say_finished(capsys, tmp_path)
         )
     state = json.loads((sweep / "fedray_sweep.json").read_text())
     assert state == {"parent_run_id": "p", "diverged": {"t1": diverged}}
+
+
+def test_tune_prints_no_line_the_sweep_says_better_and_only_during_the_fit(caplog):
+    # Tune's resume hint is its Python call (the sweep prints its own command) and its list of
+    # trials that did not complete repeats the sweep's table; its other warnings still show
+    tune_logger = logging.getLogger("ray.tune.tune")
+    lines = [
+        "Experiment has been interrupted, but the most recent state was saved.\nResume experiment with: Tuner.restore(...)",
+        "Trials did not complete: [run_trial_a_00002]",
+        "Stop signal received (e.g. via SIGINT/Ctrl+C), ending Ray Tune run.",
+    ]
+    with caplog.at_level(logging.WARNING, logger="ray.tune"), tune_settings(own_loggers=True):
+        for line in lines:
+            tune_logger.warning(line)
+    assert [r.getMessage() for r in caplog.records] == lines[2:]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ray.tune"):
+        tune_logger.warning(lines[1])  # outside a sweep's fit: Tune's as it is
+    assert [r.getMessage() for r in caplog.records] == lines[1:2]
 
 
 def test_asha_lets_a_trial_run_the_most_rounds_the_space_gives(tmp_path):
