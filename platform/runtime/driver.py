@@ -52,7 +52,7 @@ from fedray.platform.runtime.events import ClientFailed, RoundEnded
 from fedray.platform.runtime.process_roles import set_up_driver
 from fedray.platform.runtime.processes import KeptRuntime, Runtime, start_runtime
 from fedray.platform.runtime.progress import Progress, mb
-from fedray.platform.runtime.session import RunSession
+from fedray.platform.runtime.session import Ending, RunSession
 from fedray.platform.runtime.worker import model_of_arch
 from fedray.platform.tracking.dataset import federation_dataset
 from fedray.platform.tracking.descriptions import run_description
@@ -366,12 +366,12 @@ class CoordinatorHandle:
     def client_models(self) -> tuple[dict[int, dict[str, torch.Tensor]], str]:
         return ray.get(self.runtime.coordinator.client_models.remote(self.cfg.tracking.log_client_models))
 
-    def halted(self, failed_on_own_error: bool = False) -> bool:
+    def halted(self, ending: Ending = Ending.FINISHED) -> bool:
         """The Coordinator's ``run`` has returned, or returns at the end of its round: waited for about
         as long as a round takes, and at most ``HALT_WAIT_MAX_S`` (new processes start sooner than a
         longer round ends). False if it did not, or failed: a failure (its last checkpoint's write,
         say) is logged, as nothing else reports it, unless it is the algorithm's own error that the
-        run has just stopped on (``failed_on_own_error``), which leaves the processes sound."""
+        run has just stopped on (``Ending.OWN_ERROR``), which leaves the processes sound."""
         if self.run_ref is None:
             return True
         try:
@@ -383,18 +383,18 @@ class CoordinatorHandle:
         except ray.exceptions.GetTimeoutError:
             return False
         except ray.exceptions.RayError as err:
-            if failed_on_own_error and isinstance(getattr(err, "cause", None), ALGORITHM_ERRORS):
+            if ending is Ending.OWN_ERROR and isinstance(getattr(err, "cause", None), ALGORITHM_ERRORS):
                 return True  # the run's line already
             logger.warning("the stopped run's Coordinator failed as it halted: %s", first_line(err))
             return False
 
-    def release(self, reusable: bool, failed_on_own_error: bool = False) -> None:
-        """The run's processes end, or wait for the driver's next run when this one ended well, was
-        stopped early or failed on the algorithm's own error, and its Coordinator halted. A Tune
-        trial's failed run keeps nothing: Tune never hands a failed trial's process another trial."""
-        if failed_on_own_error and self.trial.placement_group is not None:
-            reusable = False
-        if reusable and self.halted(failed_on_own_error):
+    def release(self, ending: Ending) -> None:
+        """The run's processes end, or wait for the driver's next run when this one did not end
+        ``BROKEN`` and its Coordinator halted. A Tune trial's failed run keeps nothing: Tune never
+        hands a failed trial's process another trial."""
+        in_a_trial = self.trial.placement_group is not None
+        reusable = ending is not Ending.BROKEN and not (ending is Ending.OWN_ERROR and in_a_trial)
+        if reusable and self.halted(ending):
             KeptRuntime.put(self.runtime, self.trial.placement_group)
         else:
             self.runtime.stop()

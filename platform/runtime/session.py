@@ -9,6 +9,7 @@ line saying how to resume, and the record is closed with the right status in eve
 from __future__ import annotations
 
 import contextlib
+import enum
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,6 +26,17 @@ from fedray.platform.tracking.outage import TrackingUnavailable
 
 class RunAborted(RuntimeError):
     """The run cannot go on (its Coordinator died); the message says how to resume. One line."""
+
+
+class Ending(enum.Enum):
+    """How a run ended, as far as its processes go: every ending but ``BROKEN`` leaves them sound,
+    to be kept for the driver's next run."""
+
+    FINISHED = "finished"  # its rounds, or as many as --stop-after asked
+    STOPPED_EARLY = "stopped early"  # by Tune: its Coordinator halts at the end of its round
+    # a broken contract rule, a round whose every client failed or diverged: the processes answered it
+    OWN_ERROR = "the algorithm's own error"
+    BROKEN = "broken"  # a dead process, the driver's own error, a tracking outage, Ctrl-C
 
 
 class StoppedEarly(Exception):
@@ -95,20 +107,18 @@ class RunSession:
         return self.wall_s
 
     @contextlib.contextmanager
-    def guard(self, release: Callable[[bool, bool], None]) -> Iterator[RunSession]:
-        """Run the body; map what stops it to its one line; close the record; then
-        ``release(reusable, failed_on_own_error)`` the run's processes (kept for the driver's next run
-        if it went well, was stopped early or failed on the algorithm's own error, else stopped).
-        Ctrl-C and SIGTERM stop the body, and the closing too, between tracking writes, never inside one."""
-        stopped_early = False
-        # the processes answered with the algorithm's own error (a broken rule, a round whose every
-        # client failed or diverged): they are as sound as a finished run's, and kept as its are
-        sound = False
+    def guard(self, release: Callable[[Ending], None]) -> Iterator[RunSession]:
+        """Run the body; map what stops it to its one line; close the record; then ``release`` the
+        run's processes, told how the run ended (:class:`Ending`: kept for the driver's next run
+        unless ``BROKEN``). Ctrl-C and SIGTERM stop the body, and the closing too, between tracking
+        writes, never inside one."""
+        ending = Ending.BROKEN
         with stops_as_interrupt():
             try:
                 yield self
             except ray.exceptions.RayTaskError as err:
-                sound = isinstance(err.cause, ALGORITHM_ERRORS)
+                if isinstance(err.cause, ALGORITHM_ERRORS):
+                    ending = Ending.OWN_ERROR
                 if isinstance(err.cause, ConfigError):  # an algorithm that breaks the contract: its line
                     raise err.cause from None
                 if isinstance(err.cause, RoundFailed):
@@ -136,7 +146,7 @@ class RunSession:
                     f"{err}: the run stopped as Ctrl-C stops it; resume with  {self.resume_command()}"
                 ) from None
             except StoppedEarly:
-                self.status, stopped_early = "KILLED", True
+                self.status, ending = "KILLED", Ending.STOPPED_EARLY
                 if self.tracker is not None:
                     self.tracker.set_tags({Tags.STOPPED_EARLY: "true"})
                 raise
@@ -149,7 +159,7 @@ class RunSession:
                 try:
                     self.close()
                 finally:  # whatever MLflow did, the run's processes end, or wait for the next if it went well
-                    release(self.wall_s is not None or stopped_early or sound, sound)
+                    release(Ending.FINISHED if self.wall_s is not None else ending)
 
     def resume_command(self) -> str:
         """The command that resumes this run (it has an MLflow run: the id names it)."""
