@@ -39,7 +39,12 @@ class Diverged(RoundFailed):
 ALGORITHM_ERRORS = (ConfigError, RoundFailed)
 
 
+def last_line(text: str) -> str:
+    """The last line of a message (a remote traceback's is its cause), or "" if it has none."""
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
 def first_line(err: BaseException) -> str:
     """An exception as one line: the last line of its message (a remote traceback's cause), capped."""
-    text = str(err).strip().splitlines()
-    return (text[-1] if text else type(err).__name__)[:300]
+    return (last_line(str(err)) or type(err).__name__)[:300]

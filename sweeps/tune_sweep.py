@@ -29,7 +29,8 @@ from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
 from fedray.platform.catalog import build_config
 from fedray.platform.config import ExperimentConfig, merge, raw_config
-from fedray.platform.errors import ConfigError, Diverged
+from fedray.platform.environ import environ_restored
+from fedray.platform.errors import ConfigError, Diverged, last_line
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.driver import Trial, ensure_ray, require_gpus, run_experiment
 from fedray.platform.runtime.processes import KeptRuntime
@@ -196,8 +197,7 @@ DIVERGED_LINE = re.compile(r"(\w+: )?round \d+: " + re.escape(Diverged.MARK))
 def error_line(error: str) -> str:
     """A trial's error as Tune keeps it (a remote traceback) in one line: its last, without the name
     of fedray's own error class before it (their lines are written to be read alone)."""
-    lines = error.strip().splitlines()
-    return re.sub(r"^fedray\.[\w.]+: ", "", lines[-1] if lines else "")[:300]
+    return re.sub(r"^fedray\.[\w.]+: ", "", last_line(error))[:300]
 
 
 def is_divergence(error: str) -> bool:
@@ -207,9 +207,10 @@ def is_divergence(error: str) -> bool:
 
 def remember_divergences(known: dict[str, str], results) -> dict[str, str]:
     """The trials of a sweep whose run diverged, by trial folder (the name Tune keeps for a resumed
-    trial), each with the run's line: those ``known`` from the sweep's state, and those whose error in
-    ``results`` says so. The state keeps them: a resumed trial's error is cleared until it ends
-    again, so a resume interrupted before then would leave Tune's results without it."""
+    trial), each with the run's line: those ``known`` from the sweep's state (:func:`record_divergence`
+    writes each as it ends), and those whose error in Tune's ``results`` says so (one the record
+    missed, or a sweep started before it). The state keeps them: a resumed trial's error is cleared
+    until it ends again, so a resume interrupted before then would leave Tune's results without it."""
     found = {
         Path(r.path).name: error_line(str(r.error)).removesuffix(NOT_RUN_AGAIN)
         for r in results
@@ -225,7 +226,7 @@ def save_state(state_file: Path, state: dict[str, Any]) -> None:
     os.replace(partial, state_file)
 
 
-def remember_divergence(trial_path: str, line: str) -> None:
+def record_divergence(trial_path: str, line: str) -> None:
     """Adds a trial whose run just diverged to its sweep's state at once (the sweep's folder holds
     the trial's): a driver that dies before Tune saves its own state would otherwise resume it."""
     state_file = Path(trial_path).parent / SWEEP_STATE
@@ -420,8 +421,6 @@ def run_sweep(
             ) from None
         # Ctrl-C makes Tune save its state and return early: unfinished trials mean "interrupted"
         trials = [grid[i] for i in range(len(grid))]
-        state["diverged"] = remember_divergences(state["diverged"], trials)
-        save_state(state_file, state)
         finished = sum(1 for r in trials if (r.metrics or {}).get("done") or r.error)
         status = "FINISHED" if finished >= space.num_trials() else "KILLED"
         unreported = unreported_metric(space, [r.metrics or {} for r in trials], base_cfg.eval.clients)
@@ -454,24 +453,19 @@ def tune_settings(own_loggers: bool) -> Iterator[None]:
     values = {"TUNE_PRINT_ALL_TRIAL_ERRORS": "0"}
     if own_loggers:
         values["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"
-    before = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
     tune_logger = logging.getLogger("ray.tune.tune")
-    tune_logger.addFilter(_not_said_better)
-    try:
-        yield
-    finally:
-        tune_logger.removeFilter(_not_said_better)
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with environ_restored(values):
+        os.environ.update(values)
+        tune_logger.addFilter(_not_said_better)
+        try:
+            yield
+        finally:
+            tune_logger.removeFilter(_not_said_better)
 
 
 class _TrialLines(Callback):
     """One line per started and finished trial (Tune's own tables are too wide to read); a trial whose
-    run diverged goes into the sweep's state as it ends (:func:`remember_divergence`)."""
+    run diverged goes into the sweep's state as it ends (:func:`record_divergence`)."""
 
     rounds: int | None = None  # unset in one restored from a sweep started by an older fedray
 
@@ -516,8 +510,8 @@ class _TrialLines(Callback):
             why = f"; {error_line(error)}; traceback: {kept}" if error.strip() else ""
         diverged = is_divergence(error)
         if diverged and trial.path:
-            with contextlib.suppress(OSError, ValueError):  # the state's end-of-fit update remains
-                remember_divergence(trial.path, error_line(error))
+            with contextlib.suppress(OSError, ValueError):  # the next resume reads Tune's error too
+                record_divergence(trial.path, error_line(error))
         self._ended(trial, "diverged" if diverged else "FAILED", why)
 
 
@@ -538,7 +532,7 @@ class InterruptAfterTrials(Callback):
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
         if Path(trial.path or "").name in self.skip:
             return
-        self.ended = getattr(self, "ended", 0) + 1
+        self.ended += 1
         if self.limit is not None and self.ended == self.limit:
             os.kill(os.getpid(), signal.SIGUSR1)
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from fedray.platform.config import ExperimentConfig, config_yaml, flatten
+from fedray.platform.environ import environ_restored
 from fedray.platform.errors import ConfigError, first_line
 from fedray.platform.interrupts import deferred
 from fedray.platform.tracking.descriptions import partition_names
@@ -240,20 +241,15 @@ def mlflow_globals(uri: str, experiment_id: str):
     from mlflow.tracking import fluent
     from mlflow.tracking._tracking_service import utils
 
-    saved_env = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID")}
     saved = (utils._tracking_uri, fluent._active_experiment_id)
-    try:
-        with deferred():  # it reads the experiment
-            mlflow.set_tracking_uri(uri)
-            mlflow.set_experiment(experiment_id=experiment_id)
-        yield
-    finally:
-        utils._tracking_uri, fluent._active_experiment_id = saved
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with environ_restored(("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID")):
+        try:
+            with deferred():  # it reads the experiment
+                mlflow.set_tracking_uri(uri)
+                mlflow.set_experiment(experiment_id=experiment_id)
+            yield
+        finally:
+            utils._tracking_uri, fluent._active_experiment_id = saved
 
 
 class SystemMetrics:
