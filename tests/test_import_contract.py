@@ -19,8 +19,9 @@ LAYERS: list[tuple[str, ...]] = [
     # the names MLflow records under: the author API writes one (ClientModule's "loss/train") below the
     # tracking layer that holds them, so this one module sits at the bottom and imports nothing of fedray
     ("fedray.platform.tracking.names",),
-    # seeds: named random streams, numpy and torch; interrupts: Ctrl-C held past a tracking write
-    ("fedray.platform.errors", "fedray.platform.seeds", "fedray.platform.interrupts"),
+    # seeds: named random streams, numpy and torch; interrupts: Ctrl-C held past a tracking write;
+    # environ: environment variables put back after a library's call
+    ("fedray.platform.errors", "fedray.platform.seeds", "fedray.platform.interrupts", "fedray.platform.environ"),
     ("fedray.platform.config",),
     ("fedray.platform.data", "fedray.platform.models"),
     ("fedray.platform.api",),
