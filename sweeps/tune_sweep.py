@@ -118,8 +118,9 @@ def run_trial(
 ) -> None:
     """The Tune trainable: one federated run with the sampled values, reporting every round.
     ``diverged`` (the sweep's state, :func:`remember_divergences`) names the trials whose run
-    diverged before a resume: Tune resumes every failed trial, and one of these ends as soon as it
-    is scheduled, before a run starts, with its line: the same settings would diverge again."""
+    diverged before a resume: when Tune resumes them (with a trial that failed otherwise,
+    :func:`failed_otherwise`), one of these ends as soon as it is scheduled, before a run starts,
+    with its line: the same settings would diverge again."""
     import ray
     from ray import tune
 
@@ -217,6 +218,13 @@ def remember_divergences(known: dict[str, str], results) -> dict[str, str]:
         if r.error and is_divergence(str(r.error))
     }
     return {**found, **known}  # the first run's own line, not what its resume raised
+
+
+def failed_otherwise(results, diverged: Collection[str]) -> bool:
+    """Whether a trial in Tune's ``results`` failed on something other than its run diverging (a bug
+    since fixed, a lost node), which a resume runs again. Tune resumes every failed trial or none:
+    when none did, the diverged ones are left as they ended and cost no trial process."""
+    return any(r.error and Path(r.path).name not in diverged for r in results)
 
 
 def save_state(state_file: Path, state: dict[str, Any]) -> None:
@@ -380,8 +388,10 @@ def run_sweep(
         InterruptAfterTrials(),
     ]
     if resume:
-        # a trial that failed runs again (fixed code, a node back), one that diverged ends at once
-        tuner = tune.Tuner.restore(str(path), trainable, resume_errored=True)
+        # a trial that failed runs again (fixed code, a node back); one that diverged is left as it
+        # ended, or, when Tune resumes the failed trials, ends at once in run_trial
+        rerun = failed_otherwise(previous, state["diverged"])
+        tuner = tune.Tuner.restore(str(path), trainable, resume_errored=rerun)
     else:
         param_space = {p.key: p.tune_domain(space.search) for p in space.params}
         tuner = tune.Tuner(
@@ -447,10 +457,12 @@ def _not_said_better(record: logging.LogRecord) -> bool:
 def tune_settings(own_loggers: bool) -> Iterator[None]:
     """Tune's settings for one fit (it reads them from the environment as the fit starts): no
     traceback of its own per failed trial, whose line (:class:`_TrialLines`) names the error and its
-    file; and, unless the sweep was started before fedray passed Tune its loggers itself, none of
-    Tune's default loggers (its CSV, JSON and TensorBoard files). Nor the lines of
-    :func:`_not_said_better`."""
-    values = {"TUNE_PRINT_ALL_TRIAL_ERRORS": "0"}
+    file; none of Tune's output engine (its configuration box, and an "errored after" line per
+    failed trial, printed at ``verbose=0`` too, naming the error file in Ray's session folder); and,
+    unless the sweep was started before fedray passed Tune its loggers itself, none of Tune's
+    default loggers (its CSV, JSON and TensorBoard files). Nor the lines of :func:`_not_said_better`."""
+    # RAY_AIR_NEW_OUTPUT=0: Tune's older reporter, which prints nothing at verbose=0
+    values = {"TUNE_PRINT_ALL_TRIAL_ERRORS": "0", "RAY_AIR_NEW_OUTPUT": "0"}
     if own_loggers:
         values["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"
     tune_logger = logging.getLogger("ray.tune.tune")
@@ -561,7 +573,7 @@ def trial_table(
     metric = tune_key(space.metric)
     rows = []
     for result in results:
-        point = {k: v for k, v in (result.config or {}).items()}
+        point = trial_point(result)
         metrics = result.metrics or {}
         folder = os.path.basename(result.path or "")
         status = trial_status(metrics, result.error, base_rounds, point)
@@ -581,6 +593,16 @@ def trial_table(
     if not table.empty:  # a failed trial's last value is not its result: after the others
         table = table.sort_values("status", key=lambda s: s.isin(UNRANKED), kind="stable")
     return table.reset_index(drop=True)
+
+
+def trial_point(result) -> dict[str, Any]:
+    """A trial's sampled values: Tune's, else those its folder's ``params.json`` kept as it started
+    (Tune restores no values for a trial that never reported: one that failed in its first round,
+    one pending in an interrupted resume)."""
+    if result.config:
+        return dict(result.config)
+    params = Path(result.path or "") / "params.json"
+    return json.loads(params.read_text()) if result.path and params.is_file() else {}
 
 
 def best_row(table: pd.DataFrame, metric: str) -> pd.Series | None:

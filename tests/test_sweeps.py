@@ -19,7 +19,7 @@ from ui_helpers import browser_or_skip, page_dom, ui_server
 
 from fedray.platform.apps.cli import main
 from fedray.platform.config import load_yaml
-from fedray.platform.errors import ConfigError
+from fedray.platform.errors import ConfigError, Diverged
 from fedray.platform.tracking.names import Metrics, RunKind, Tags, tag_filter
 from fedray.sweeps.space import SPACES_DIR, check_space, load_space, trial_config
 from fedray.sweeps.tune_sweep import (
@@ -29,9 +29,12 @@ from fedray.sweeps.tune_sweep import (
     _scheduler,
     _TrialLines,
     best_row,
+    failed_otherwise,
+    is_divergence,
     prepare_base,
     remember_divergences,
     run_sweep,
+    run_trial,
     trial_status,
     trial_table,
     tune_settings,
@@ -130,7 +133,7 @@ def test_an_invalid_space_starts_no_ray(tmp_path):
         import json, sys
         import psutil, ray
         from conftest import tiny_overrides
-        from fedray.platform.errors import ConfigError
+        from fedray.platform.errors import ConfigError, Diverged
         from fedray.sweeps.tune_sweep import run_sweep
         for space in json.loads(sys.argv[1]):
             try:
@@ -180,9 +183,11 @@ def test_two_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store, mo
     assert len(result.trials) == 2 and set(result.trials["status"]) == {"ok"}
     # Tune's result files for its own resume, no TensorBoard files nor a command to read them
     assert len(list(result.path.rglob("result.json"))) == 2 and not list(result.path.rglob("events.out.*"))
-    assert "TensorBoard" not in capsys.readouterr().out
+    # the sweep's own lines only: none of Tune's configuration box, nor a command to read TensorBoard
+    out = capsys.readouterr().out
+    assert "TensorBoard" not in out and "Search algorithm" not in out and "View detailed results" not in out
     assert "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS" not in os.environ  # set for the fit only
-    assert "TUNE_PRINT_ALL_TRIAL_ERRORS" not in os.environ
+    assert "TUNE_PRINT_ALL_TRIAL_ERRORS" not in os.environ and "RAY_AIR_NEW_OUTPUT" not in os.environ
     # the second trial ran in the first one's processes (Tune's reuse_actors and KeptRuntime): one
     # trial process, one Coordinator and two ClientActors started for the whole sweep
     started = sorted(name for actor, name in actor_classes().items() if actor not in before)
@@ -241,7 +246,8 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
     # (grace 1 round, halving) stops it there, in the first trial's reused process; the third trial
     # starts in that process only once the stopped one has closed its run, and diverges in its first
     # round; then Ctrl-C (an interrupt right after the stopped trial would race its closing); the
-    # resumes never run the diverged one again: it would diverge again
+    # resumes never run the diverged one again (it would diverge again), nor start a process for it:
+    # no other trial failed, so Tune resumes none of the failed ones
     path = tmp_path / "space.yaml"
     exploding = 1e30
     lrs = [0.1, 0.0001, exploding, 0.05, 0.08]
@@ -263,6 +269,7 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
     assert f"trial {trial[exploding]} diverged after 0 rounds: acc_global=-; round 1: training diverged" in (
         "\n".join(lines)
     ), lines
+    assert not [line for line in lines if "errored after" in line or "Error file" in line], lines  # Tune's
     # the stopped trial's Coordinator was halted between rounds and its processes served the third
     # trial: one trial process, one Coordinator and two ClientActors for all three
     started = sorted(name for actor, name in actor_classes().items() if actor not in before)
@@ -270,25 +277,24 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
     client = MlflowClient(mlflow_store)
     assert client.get_run(first.parent_run_id).info.status == "KILLED"
 
-    # a resume stopped as it starts (Tune's stop, as a Ctrl-C, before any trial ran): Tune now holds
-    # the diverged trial as pending, its error cleared; the sweep's own state still names it
+    # a resume stopped as it starts (Tune's stop, as a Ctrl-C, before any trial ran): the diverged
+    # trial is still one
     with monkeypatch.context() as patch:
         patch.setattr(_TrialLines, "setup", lambda self, *a, **info: os.kill(os.getpid(), signal.SIGUSR1))
         interrupted = run_sweep("fedavg", space_file=str(path), overrides=overrides, resume=True)
     assert "started" not in capsys.readouterr().out
-    # (a pending trial's row has no values: Tune's result for it is empty; its folder names it)
-    status = dict(zip(interrupted.trials["trial"], interrupted.trials["status"], strict=True))
-    (row,) = [name for name in status if trial[exploding] in name]
-    assert status[row] == "diverged", status
+    status = dict(zip(interrupted.trials["train.lr"], interrupted.trials["status"], strict=True))
+    assert status[exploding] == "diverged", status
     assert client.get_run(first.parent_run_id).info.status == "KILLED"
 
-    # a resume with a budget of its own (a job's time limit), one trial: the diverged one, which
-    # Tune resumes first and which ends at once with its first run's line, is not one of them
+    # a resume with a budget of its own (a job's time limit), one trial: lr=0.05; the diverged one
+    # neither starts nor counts
+    error_before = next(first.path.glob(f"*{trial[exploding]}*/error.txt")).read_text()
     resumed = run_sweep("fedavg", space_file=str(path), overrides=overrides, resume=True, stop_after_trials=1)
     out = capsys.readouterr().out
+    assert re.findall(r"^trial \S+ started \(1 running\): (.*)$", out, re.M) == ["train.lr=0.05"], out
     assert len(re.findall(r"^trial \S+ (finished|stopped early) ", out, re.M)) == 1, out
-    (again,) = re.findall(rf"^trial {trial[exploding]} diverged after 0 rounds: .*$", out, re.M)
-    assert "round 1: training diverged" in again and NOT_RUN_AGAIN in again, again
+    assert not re.findall(rf"^trial {trial[exploding]} ", out, re.M), out
     assert client.get_run(first.parent_run_id).info.status == "KILLED"
     assert resumed.parent_run_id == first.parent_run_id
     children = client.search_runs(
@@ -303,7 +309,7 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
     assert status[0.1] == "ok" and status[0.0001] == "stopped early", status
     assert status[exploding] == "diverged" and by_lr[exploding].info.status == "FAILED", status
     (error_file,) = resumed.path.glob(f"*{trial[exploding]}*/error.txt")
-    assert NOT_RUN_AGAIN in error_file.read_text().rsplit("Failure # ", 1)[-1]
+    assert error_file.read_text() == error_before and NOT_RUN_AGAIN not in error_before
     assert len(list(resumed.path.rglob("result.json"))) == 4
     # the trial that ran its rounds finished (its last round reached Tune after the run was closed);
     # the one ASHA stopped is closed as KILLED, tagged, with the one round it ran
@@ -421,6 +427,46 @@ def test_a_sweep_remembers_its_diverged_trials_by_folder_with_their_own_line(tmp
     table = trial_table(pending, space, base_rounds=2, diverged=known)
     assert list(table["status"]) == ["ok", "diverged"] and best_row(table, "acc_global")["trial"] == "t3"
     assert list(trial_table(pending, space, base_rounds=2)["status"]) == ["interrupted", "ok"]
+
+
+def test_a_trial_restored_without_values_is_listed_with_those_it_started_with(tmp_path):
+    # Tune restores no values for a trial that never reported (it failed in its first round, or is
+    # pending in an interrupted resume): the table reads them from the params.json of its folder
+    folder = tmp_path / "run_trial_a_2"
+    folder.mkdir()
+    (folder / "params.json").write_text(json.dumps({"lr": 1e30, "epochs": 2}))
+    results = [
+        SimpleNamespace(config=None, metrics={}, error=RuntimeError("OSError: x"), path=str(folder)),
+        SimpleNamespace(config={}, metrics={}, error=None, path=str(tmp_path / "never_started")),
+    ]
+    space = SimpleNamespace(metric="acc_global", mode="max")
+    table = trial_table(results, space, base_rounds=2).set_index("trial")
+    assert table.loc["run_trial_a_2", ["lr", "epochs", "status"]].tolist() == [1e30, 2, "error"]
+    assert table.loc["never_started", "lr"] is None
+
+
+def test_a_resume_runs_failed_trials_again_only_when_one_failed_otherwise_than_diverging():
+    def result(folder, error):
+        return SimpleNamespace(path=f"/s/{folder}", error=None if error is None else RuntimeError(error))
+
+    diverged = {"t0": "round 1: training diverged, ..."}
+    assert not failed_otherwise([result("t0", "Diverged: ..."), result("t1", None)], diverged)
+    assert failed_otherwise([result("t0", "Diverged: ..."), result("t2", "OSError: disk full")], diverged)
+    assert not failed_otherwise([], diverged)
+
+
+def test_a_trial_that_diverged_before_ends_before_its_run_when_tune_resumes_it(monkeypatch):
+    # Tune resumes every failed trial when one failed otherwise: the diverged one raises its first
+    # run's line at once, before a config is built or a run opened (base={} would fail to build)
+    from ray import tune
+
+    line = "round 1: training diverged, the training loss is not finite on any of the 4 clients"
+    folder = "run_trial_a_2_train_lr=1e30"
+    context = SimpleNamespace(get_trial_dir=lambda: f"/s/sweep/{folder}")
+    monkeypatch.setattr(tune, "get_context", lambda: context)
+    with pytest.raises(Diverged) as raised:
+        run_trial({"train.lr": 1e30}, base={}, parent_run_id="p", sweep_id="s", diverged={folder: line})
+    assert str(raised.value) == line + NOT_RUN_AGAIN and is_divergence(str(raised.value))
 
 
 def test_a_stop_after_trials_limit_is_the_fits_own_and_holds_for_a_restored_callback(monkeypatch):
