@@ -595,6 +595,23 @@ def test_the_sweep_command_names_the_best_trial_by_every_swept_key(tmp_path, mon
     monkeypatch.setattr("fedray.sweeps.tune_sweep.run_sweep", lambda *a, **k: done)
     assert main(["sweep", "--algo", "fedavg"]) == 0
     assert "best trial: rounds=4, train.lr=0.1\n" in capsys.readouterr().out
+    # the table shows the swept values as given, however small or large; the results rounded
+    table.loc[1] = {"rounds": 2, "train.lr": 0.0001, Metrics.ACC_GLOBAL: 0.25, "status": "ok", "trial": "t2"}
+    table.loc[2] = {
+        "rounds": 2,
+        "train.lr": 1e30,
+        Metrics.ACC_GLOBAL: None,
+        "status": "diverged",
+        "trial": "t3",
+    }
+    assert main(["sweep", "--algo", "fedavg"]) == 0
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in capsys.readouterr().out.splitlines()]
+    assert [c[:3] for c in cells if len(c) == 5] == [
+        ["4", "0.1", "0.30"],
+        ["2", "0.0001", "0.25"],
+        ["2", "1e+30", "-"],
+    ]
+    table = table.iloc[:1].copy()
     # every trial failed: no best config, and the line does not name the failed first row
     table.loc[0, "status"] = "diverged"
     failed = SweepResult("parent", table, {}, tmp_path / "sweep-x", ["rounds", "train.lr"])

@@ -96,7 +96,10 @@ def _sweep(args: argparse.Namespace) -> int:
         name=args.name,
         stop_after_trials=args.stop_after_trials,
     )
-    rows = [{k: _short(v) for k, v in row.items()} for row in result.trials.to_dict("records")]
+    rows = [
+        {k: str(v) if k in result.params and isinstance(v, float) else _short(v) for k, v in row.items()}
+        for row in result.trials.to_dict("records")
+    ]  # the swept values as the space gives them (lr=0.0001 is not 0.00), the results rounded
     print_table(summary_table(rows, title=f"sweep {result.path.name}: {len(rows)} trials"))
     # the first row, unless no trial has a result (best_config is empty: every trial failed)
     best = (
