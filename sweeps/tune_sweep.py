@@ -227,6 +227,16 @@ def failed_otherwise(results, diverged: Collection[str]) -> bool:
     return any(r.error and Path(r.path).name not in diverged for r in results)
 
 
+def restored_tuner(path: Path, trainable, previous, diverged: Collection[str]):
+    """Tune's sweep at ``path``, to resume: a trial that failed runs again (fixed code, a node back)
+    when one failed otherwise than diverging (``previous``: Tune's results before the resume); a
+    diverged one is left as it ended, or, when Tune resumes every failed trial, ends at once in
+    :func:`run_trial`."""
+    from ray import tune
+
+    return tune.Tuner.restore(str(path), trainable, resume_errored=failed_otherwise(previous, diverged))
+
+
 def save_state(state_file: Path, state: dict[str, Any]) -> None:
     """Writes the sweep's state whole or not at all (a second Ctrl-C may land in the write)."""
     partial = state_file.with_name(state_file.name + ".partial")
@@ -388,10 +398,7 @@ def run_sweep(
         InterruptAfterTrials(),
     ]
     if resume:
-        # a trial that failed runs again (fixed code, a node back); one that diverged is left as it
-        # ended, or, when Tune resumes the failed trials, ends at once in run_trial
-        rerun = failed_otherwise(previous, state["diverged"])
-        tuner = tune.Tuner.restore(str(path), trainable, resume_errored=rerun)
+        tuner = restored_tuner(path, trainable, previous, state["diverged"])
     else:
         param_space = {p.key: p.tune_domain(space.search) for p in space.params}
         tuner = tune.Tuner(
@@ -416,7 +423,8 @@ def run_sweep(
     status = "FAILED"
     try:
         try:
-            # a trial that diverged before ends at once when resumed: it is no trial of this call's
+            # a trial that diverged before, which a resume leaves as it ended or ends at once, is no
+            # trial of this call's
             with (
                 tune_settings(own_loggers),
                 InterruptAfterTrials.limited(stop_after_trials, state["diverged"]),
@@ -529,7 +537,7 @@ class _TrialLines(Callback):
 
 class InterruptAfterTrials(Callback):
     """Stops the sweep once :attr:`limit` of its trials have ended in this fit (failed ones too, not
-    one that diverged before, which a resume ends at once): Tune saves the sweep's state and stops,
+    one that diverged before, which a resume leaves as it ended or ends at once): Tune saves the sweep's state and stops,
     as on a Ctrl-C (SIGUSR1, which Tune always takes so), and ``--resume`` goes on from there. Every
     sweep has one, and the limit is the class's, set for one fit by :meth:`limited`: Tune pickles a
     sweep's callbacks into its state and a resumed sweep runs those, not the ones it is given, so a
@@ -563,19 +571,24 @@ class InterruptAfterTrials(Callback):
 
 
 def trial_table(
-    results, space: SearchSpace, base_rounds: int, diverged: Collection[str] = ()
+    results,
+    space: SearchSpace,
+    base_rounds: int,
+    diverged: Collection[str] = (),
+    configs: dict[str, dict[str, Any]] | None = None,
 ) -> pd.DataFrame:
     """One row per trial, the best first: its point, the metric, the rounds it ran, how it ended and
-    its id. Columns of Python objects: a trial that never reported has no values (``None``), and
+    its id. Columns of Python objects: a trial that never reported has no metrics (``None``), and
     must not turn the other trials' integers into floats (``num_middleware=5.0`` in the best config).
-    A trial whose folder is in ``diverged`` diverged, whatever Tune says (its resume was interrupted
-    before it ended again)."""
+    Its point comes from ``configs`` (:func:`trial_configs`, by trial folder): Tune's results give
+    none for a trial that never reported. A trial whose folder is in ``diverged`` diverged, whatever
+    Tune says (its resume was interrupted before it ended again)."""
     metric = tune_key(space.metric)
     rows = []
     for result in results:
-        point = trial_point(result)
-        metrics = result.metrics or {}
         folder = os.path.basename(result.path or "")
+        point = dict(result.config or (configs or {}).get(folder) or {})
+        metrics = result.metrics or {}
         status = trial_status(metrics, result.error, base_rounds, point)
         rows.append(
             {
@@ -595,14 +608,13 @@ def trial_table(
     return table.reset_index(drop=True)
 
 
-def trial_point(result) -> dict[str, Any]:
-    """A trial's sampled values: Tune's, else those its folder's ``params.json`` kept as it started
-    (Tune restores no values for a trial that never reported: one that failed in its first round,
-    one pending in an interrupted resume)."""
-    if result.config:
-        return dict(result.config)
-    params = Path(result.path or "") / "params.json"
-    return json.loads(params.read_text()) if result.path and params.is_file() else {}
+def trial_configs(experiment_path: str) -> dict[str, dict[str, Any]]:
+    """Every trial's sampled values, by trial folder, from Tune's experiment state: those of a trial
+    that never reported too (one that failed in its first round, one not started when the sweep was
+    interrupted, one pending in an interrupted resume), which its results lack."""
+    from ray.tune import ExperimentAnalysis
+
+    return {os.path.basename(t.path): t.config for t in ExperimentAnalysis(experiment_path).trials if t.path}
 
 
 def best_row(table: pd.DataFrame, metric: str) -> pd.Series | None:
@@ -617,7 +629,7 @@ def summarize(
 ) -> SweepResult:
     """Trial table, best config (logged on the parent), and stray child runs closed as KILLED."""
     base_cfg = build_config(base)
-    table = trial_table(grid, space, base_cfg.rounds, diverged)
+    table = trial_table(grid, space, base_cfg.rounds, diverged, trial_configs(grid.experiment_path))
     top = best_row(table, space.metric)
     best_point = {}
     if top is not None:

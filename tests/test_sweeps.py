@@ -33,6 +33,7 @@ from fedray.sweeps.tune_sweep import (
     is_divergence,
     prepare_base,
     remember_divergences,
+    restored_tuner,
     run_sweep,
     run_trial,
     trial_status,
@@ -247,7 +248,9 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
     # starts in that process only once the stopped one has closed its run, and diverges in its first
     # round; then Ctrl-C (an interrupt right after the stopped trial would race its closing); the
     # resumes never run the diverged one again (it would diverge again), nor start a process for it:
-    # no other trial failed, so Tune resumes none of the failed ones
+    # no other trial failed, so Tune resumes none of the failed ones. (When one failed otherwise,
+    # Tune resumes them all and the diverged one ends at once: the unit tests of restored_tuner and
+    # run_trial, without Ray; a Tune trial's error cleared by an interrupted resume: the table's.)
     path = tmp_path / "space.yaml"
     exploding = 1e30
     lrs = [0.1, 0.0001, exploding, 0.05, 0.08]
@@ -429,20 +432,21 @@ def test_a_sweep_remembers_its_diverged_trials_by_folder_with_their_own_line(tmp
     assert list(trial_table(pending, space, base_rounds=2)["status"]) == ["interrupted", "ok"]
 
 
-def test_a_trial_restored_without_values_is_listed_with_those_it_started_with(tmp_path):
-    # Tune restores no values for a trial that never reported (it failed in its first round, or is
-    # pending in an interrupted resume): the table reads them from the params.json of its folder
-    folder = tmp_path / "run_trial_a_2"
-    folder.mkdir()
-    (folder / "params.json").write_text(json.dumps({"lr": 1e30, "epochs": 2}))
+def test_a_trial_restored_without_values_is_listed_with_those_it_started_with():
+    # Tune's results give no values for a trial that never reported (it failed in its first round,
+    # was not started before an interrupt, or is pending in an interrupted resume): the table takes
+    # them from Tune's experiment state, by folder
     results = [
-        SimpleNamespace(config=None, metrics={}, error=RuntimeError("OSError: x"), path=str(folder)),
-        SimpleNamespace(config={}, metrics={}, error=None, path=str(tmp_path / "never_started")),
+        SimpleNamespace(config=None, metrics={}, error=RuntimeError("OSError: x"), path="/s/run_trial_a_2"),
+        SimpleNamespace(config={}, metrics={}, error=None, path="/s/run_trial_a_3"),
+        SimpleNamespace(config=None, metrics={}, error=None, path="/s/not_in_the_state"),
     ]
+    configs = {"run_trial_a_2": {"lr": 1e30, "epochs": 2}, "run_trial_a_3": {"lr": 0.1, "epochs": 1}}
     space = SimpleNamespace(metric="acc_global", mode="max")
-    table = trial_table(results, space, base_rounds=2).set_index("trial")
+    table = trial_table(results, space, base_rounds=2, configs=configs).set_index("trial")
     assert table.loc["run_trial_a_2", ["lr", "epochs", "status"]].tolist() == [1e30, 2, "error"]
-    assert table.loc["never_started", "lr"] is None
+    assert table.loc["run_trial_a_3", ["lr", "epochs", "status"]].tolist() == [0.1, 1, "interrupted"]
+    assert table.loc["not_in_the_state", "lr"] is None
 
 
 def test_a_resume_runs_failed_trials_again_only_when_one_failed_otherwise_than_diverging():
@@ -453,6 +457,21 @@ def test_a_resume_runs_failed_trials_again_only_when_one_failed_otherwise_than_d
     assert not failed_otherwise([result("t0", "Diverged: ..."), result("t1", None)], diverged)
     assert failed_otherwise([result("t0", "Diverged: ..."), result("t2", "OSError: disk full")], diverged)
     assert not failed_otherwise([], diverged)
+
+
+def test_a_resume_asks_tune_to_run_failed_trials_again_only_when_one_failed_otherwise(monkeypatch):
+    from ray import tune
+
+    asked = []
+    monkeypatch.setattr(tune.Tuner, "restore", lambda path, trainable, **kw: asked.append(kw))
+
+    def result(folder, error):
+        return SimpleNamespace(path=f"/s/{folder}", error=None if error is None else RuntimeError(error))
+
+    diverged = {"t0": "round 1: training diverged, ..."}
+    restored_tuner(Path("/s"), run_trial, [result("t0", "Diverged: ..."), result("t1", None)], diverged)
+    restored_tuner(Path("/s"), run_trial, [result("t0", "Diverged: ..."), result("t2", "OSError")], diverged)
+    assert asked == [{"resume_errored": False}, {"resume_errored": True}]
 
 
 def test_a_trial_that_diverged_before_ends_before_its_run_when_tune_resumes_it(monkeypatch):
@@ -595,7 +614,9 @@ def test_the_sweep_command_names_the_best_trial_by_every_swept_key(tmp_path, mon
     monkeypatch.setattr("fedray.sweeps.tune_sweep.run_sweep", lambda *a, **k: done)
     assert main(["sweep", "--algo", "fedavg"]) == 0
     assert "best trial: rounds=4, train.lr=0.1\n" in capsys.readouterr().out
-    # the table shows the swept values as given, however small or large; the results rounded
+    # the table shows the swept values to six digits, however small or large; the results rounded;
+    # the best trial's line gives its values whole
+    table.loc[0, "train.lr"] = 0.073482917
     table.loc[1] = {"rounds": 2, "train.lr": 0.0001, Metrics.ACC_GLOBAL: 0.25, "status": "ok", "trial": "t2"}
     table.loc[2] = {
         "rounds": 2,
@@ -605,12 +626,14 @@ def test_the_sweep_command_names_the_best_trial_by_every_swept_key(tmp_path, mon
         "trial": "t3",
     }
     assert main(["sweep", "--algo", "fedavg"]) == 0
-    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in capsys.readouterr().out.splitlines()]
+    out = capsys.readouterr().out
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in out.splitlines()]
     assert [c[:3] for c in cells if len(c) == 5] == [
-        ["4", "0.1", "0.30"],
+        ["4", "0.0734829", "0.30"],
         ["2", "0.0001", "0.25"],
         ["2", "1e+30", "-"],
     ]
+    assert "best trial: rounds=4, train.lr=0.073482917\n" in out
     table = table.iloc[:1].copy()
     # every trial failed: no best config, and the line does not name the failed first row
     table.loc[0, "status"] = "diverged"

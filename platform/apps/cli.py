@@ -96,14 +96,18 @@ def _sweep(args: argparse.Namespace) -> int:
         name=args.name,
         stop_after_trials=args.stop_after_trials,
     )
+    records = result.trials.to_dict("records")
     rows = [
-        {k: str(v) if k in result.params and isinstance(v, float) else _short(v) for k, v in row.items()}
-        for row in result.trials.to_dict("records")
-    ]  # the swept values as the space gives them (lr=0.0001 is not 0.00), the results rounded
+        {k: f"{v:.6g}" if k in result.params and isinstance(v, float) else _short(v) for k, v in row.items()}
+        for row in records
+    ]  # the swept values to six digits, however small or large (lr=0.0001 is not 0.00); results rounded
     print_table(summary_table(rows, title=f"sweep {result.path.name}: {len(rows)} trials"))
-    # the first row, unless no trial has a result (best_config is empty: every trial failed)
+    # the first row, unless no trial has a result (best_config is empty: every trial failed): its
+    # values whole, to copy into a config
     best = (
-        ", ".join(f"{k}={rows[0][k]}" for k in result.params if k in rows[0]) if result.best_config else "-"
+        ", ".join(f"{k}={records[0][k]}" for k in result.params if k in records[0])
+        if result.best_config
+        else "-"
     )
     print(f"best trial: {best}")
     print(f"MLflow parent run: {result.parent_run_id} (best_config.yaml and trials.csv are its artifacts)")
