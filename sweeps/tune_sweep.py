@@ -537,11 +537,11 @@ class _TrialLines(Callback):
 
 class InterruptAfterTrials(Callback):
     """Stops the sweep once :attr:`limit` of its trials have ended in this fit (failed ones too, not
-    one that diverged before, which a resume leaves as it ended or ends at once): Tune saves the sweep's state and stops,
-    as on a Ctrl-C (SIGUSR1, which Tune always takes so), and ``--resume`` goes on from there. Every
-    sweep has one, and the limit is the class's, set for one fit by :meth:`limited`: Tune pickles a
-    sweep's callbacks into its state and a resumed sweep runs those, not the ones it is given, so a
-    limit kept in the instance would be the first fit's forever."""
+    one that diverged before, which a resume leaves as it ended or ends at once): Tune saves the
+    sweep's state and stops, as on a Ctrl-C (SIGUSR1, which Tune always takes so), and ``--resume``
+    goes on from there. Every sweep has one, and the limit is the class's, set for one fit by
+    :meth:`limited`: Tune pickles a sweep's callbacks into its state and a resumed sweep runs those,
+    not the ones it is given, so a limit kept in the instance would be the first fit's forever."""
 
     limit: ClassVar[int | None] = None
     skip: ClassVar[Collection[str]] = ()  # trial folders not counted
