@@ -337,6 +337,14 @@ def run_sweep(
     if stop_after_trials and threading.current_thread() is not threading.main_thread():
         # Tune takes its stop signal in the main thread only: elsewhere the sweep would never stop
         raise ConfigError("--stop-after-trials: run the sweep in the main thread (Tune's stop signal)")
+    address = os.environ.get("RAY_ADDRESS") or base_cfg.ray.address or ""
+    if stop_after_trials and address.startswith("ray://"):
+        # through Ray Client, Tune runs the sweep in an actor on the cluster: the limit set here, and
+        # the stop signal sent to this process, would never reach it
+        raise ConfigError(
+            f"--stop-after-trials: not through Ray Client ({address}); run the sweep on a node of the "
+            "cluster (RAY_ADDRESS=auto) or without the option"
+        )
     if resume:
         if not tune.Tuner.can_restore(str(path)) or not state_file.is_file():
             raise ConfigError(f"--resume: no sweep to resume at {path}")

@@ -537,6 +537,12 @@ def test_a_resume_refuses_what_it_cannot_do_before_ray_starts(tmp_path, monkeypa
     worker.start()
     worker.join(timeout=60)
     assert errors == ["--stop-after-trials: run the sweep in the main thread (Tune's stop signal)"]
+    # through Ray Client Tune runs the sweep in an actor on the cluster, out of the limit's reach
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    with pytest.raises(
+        ConfigError, match=r"^--stop-after-trials: not through Ray Client \(ray://head:10001\)"
+    ):
+        run_sweep("fedprox", stop_after_trials=2, **args)
 
 
 def test_trial_lines_restored_from_an_older_sweep_say_finished(capsys, tmp_path):
