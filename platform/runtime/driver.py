@@ -171,7 +171,7 @@ def ensure_ray(cfg: ExperimentConfig, prestart: bool = False) -> None:
     (``LOCAL_RAY_CONFIG``: a worker process starts for each actor the run creates; ``prestart``:
     :func:`start_local_ray`'s)."""
     if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS") or cfg.ray.address
+        address = ray_address(cfg)
         kwargs: dict[str, Any] = {
             "include_dashboard": False,
             "logging_level": logging.ERROR,
@@ -185,6 +185,11 @@ def ensure_ray(cfg: ExperimentConfig, prestart: bool = False) -> None:
                 kwargs["object_store_memory"] = cfg.ray.object_store_mb * 2**20
             start_local_ray(cfg.ray.num_cpus or os.cpu_count() or 1, prestart, **kwargs)
     set_up_driver()  # the shards and the global test set leave as raw bytes
+
+
+def ray_address(cfg: ExperimentConfig) -> str:
+    """The cluster a run joins: ``RAY_ADDRESS``, else ``ray.address``; "" for a local Ray."""
+    return os.environ.get("RAY_ADDRESS") or cfg.ray.address or ""
 
 
 CONNECT_TIMEOUT_S = 10  # a cluster's head that has not answered by then is not there
