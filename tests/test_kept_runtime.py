@@ -2,8 +2,8 @@
 run's Coordinator and ClientActors, emptied of that run, and computes what fresh processes compute.
 A run stopped early (Tune's scheduler) hands them on once its Coordinator halts between rounds, and so
 does a run that failed on its algorithm's own error (a broken rule, a round whose every client
-failed). A run after any other failure, or that needs other worker resources, gets fresh ones. The local Ray a run starts holds no
-process it does not use."""
+failed). A run after any other failure, after a kept process died, or that needs other worker
+resources, gets fresh ones. The local Ray a run starts holds no process it does not use."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def test_a_run_on_kept_processes_computes_what_fresh_processes_compute():
 
 
 @pytest.mark.usefixtures("ray_session", "mlflow_store")
-def test_a_failed_run_or_other_worker_resources_get_fresh_processes():
+def test_a_failed_run_a_dead_kept_worker_or_other_worker_resources_get_fresh_processes():
     cfg = load_config(None, tiny_overrides(rounds=2))
     run_experiment(cfg)
     first = kept_actors()
@@ -101,8 +101,18 @@ def test_a_failed_run_or_other_worker_resources_get_fresh_processes():
     run_experiment(cfg)
     second = kept_actors()
     assert not second.keys() & first.keys()
+
+    # a kept worker that died between runs (the OOM killer, a user's kill): Ray counts its call as
+    # answered, with an error for a result; the next run starts on fresh processes, not on it
+    dead = KeptRuntime.kept.workers[0]
+    ray.kill(dead)
+    assert all_dead({"worker": dead})
+    assert run_experiment(cfg).finished
+    third = kept_actors()
+    assert not third.keys() & second.keys() and all_dead(second)
+
     run_experiment(load_config(None, tiny_overrides(rounds=2, **{"ray.num_cpus_per_client": 2})))
-    assert not kept_actors().keys() & second.keys() and all_dead(second)
+    assert not kept_actors().keys() & third.keys() and all_dead(third)
 
 
 @pytest.mark.usefixtures("ray_session", "mlflow_store")

@@ -112,7 +112,7 @@ class KeptRuntime:
             answered, _ = ray.wait(
                 [a.__ray_ready__.remote() for a in actors], num_returns=len(actors), timeout=10
             )
-            usable = len(answered) == len(actors)
+            usable = len(answered) == len(actors) and all_alive(answered)
         if not usable:
             kept.stop()
         return kept if usable else None
@@ -123,6 +123,19 @@ class KeptRuntime:
         kept, cls.kept = cls.kept, None
         if kept is not None:
             kept.stop()
+
+
+def all_alive(answers: list) -> bool:
+    """Whether every actor answered, not just ended: ``ray.wait`` counts a dead actor's call as
+    ready (its result is the error), so a process killed between two runs (the OOM killer, a
+    user's ``kill``) looks as ready as a live one until its answer is read."""
+    import ray
+
+    try:
+        ray.get(answers, timeout=10)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False
+    return True
 
 
 def group_id(placement_group) -> str | None:
