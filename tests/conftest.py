@@ -64,7 +64,9 @@ def ray_session():
 
 @pytest.fixture
 def client_actor(ray_session):
-    """One real ClientActor for a tiny 1-channel 8x8 federation, killed after the test."""
+    """One real ClientActor for a tiny 1-channel 8x8 federation: one the last run kept, if any (the
+    next run sets it up for itself, as it does after any run), else a new one, killed after the test.
+    Releasing the kept processes for a new one would cost the next run three fresh processes."""
     from fedray.platform.catalog import load_config
     from fedray.platform.models import InputShape
     from fedray.platform.runtime.coordinator import start_worker
@@ -79,11 +81,16 @@ def client_actor(ray_session):
     }
     from fedray.platform.runtime.processes import KeptRuntime
 
-    KeptRuntime.release()  # the last test's kept ClientActors hold every CPU
-    actor = start_worker(load_config(None, tiny_overrides()), {"num_cpus": 1})
+    kept = KeptRuntime.kept
+    actor = (
+        kept.workers[0]
+        if kept is not None
+        else start_worker(load_config(None, tiny_overrides()), {"num_cpus": 1})
+    )
     ray_session.get(actor.setup.remote(meta), timeout=120)
     yield actor
-    ray_session.kill(actor)
+    if kept is None:
+        ray_session.kill(actor)
 
 
 def one_torch_thread():
