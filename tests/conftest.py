@@ -64,9 +64,11 @@ def ray_session():
 
 @pytest.fixture
 def client_actor(ray_session):
-    """One real ClientActor for a tiny 1-channel 8x8 federation: one the last run kept, if any (the
-    next run sets it up for itself, as it does after any run), else a new one, killed after the test.
-    Releasing the kept processes for a new one would cost the next run three fresh processes."""
+    """One new, real ClientActor for a tiny 1-channel 8x8 federation, killed after the test. It asks
+    Ray for no CPU, so the processes the last run kept (which hold every CPU) stay for the next run:
+    releasing them would cost it three fresh processes. New, not one of those: a process that has
+    trained is no witness to how a ClientActor's process starts (its allocator has seen large
+    blocks freed, for one)."""
     from fedray.platform.catalog import load_config
     from fedray.platform.models import InputShape
     from fedray.platform.runtime.coordinator import start_worker
@@ -79,18 +81,10 @@ def client_actor(ray_session):
         "std": [1.0],
         "train_sizes": [],
     }
-    from fedray.platform.runtime.processes import KeptRuntime
-
-    kept = KeptRuntime.kept
-    actor = (
-        kept.workers[0]
-        if kept is not None
-        else start_worker(load_config(None, tiny_overrides()), {"num_cpus": 1})
-    )
+    actor = start_worker(load_config(None, tiny_overrides()), {"num_cpus": 0})
     ray_session.get(actor.setup.remote(meta), timeout=120)
     yield actor
-    if kept is None:
-        ray_session.kill(actor)
+    ray_session.kill(actor)
 
 
 def one_torch_thread():

@@ -97,8 +97,6 @@ class KeptRuntime:
     def take(cls, options: dict[str, Any], placement_group=None) -> Runtime | None:
         """The kept processes if a run with these worker ``options`` may have them and all still
         answer; otherwise None, and whatever was kept stops (its resources are wanted)."""
-        import ray
-
         kept, cls.kept = cls.kept, None
         if kept is None:
             return None
@@ -106,13 +104,8 @@ class KeptRuntime:
             worker_resources(options) == worker_resources(kept.worker_options)
             and group_id(placement_group) == cls.group
             and cls.this_node() == cls.node
+            and all_alive([kept.coordinator, *kept.workers])
         )
-        if usable:
-            actors = [kept.coordinator, *kept.workers]
-            answered, _ = ray.wait(
-                [a.__ray_ready__.remote() for a in actors], num_returns=len(actors), timeout=10
-            )
-            usable = len(answered) == len(actors) and all_alive(answered)
         if not usable:
             kept.stop()
         return kept if usable else None
@@ -125,15 +118,15 @@ class KeptRuntime:
             kept.stop()
 
 
-def all_alive(answers: list) -> bool:
-    """Whether every actor answered, not just ended: ``ray.wait`` counts a dead actor's call as
-    ready (its result is the error), so a process killed between two runs (the OOM killer, a
-    user's ``kill``) looks as ready as a live one until its answer is read."""
+def all_alive(actors: list, timeout_s: float = 10) -> bool:
+    """Whether every actor returns from a call within ``timeout_s``. Not ``ray.wait``: it counts a
+    dead actor's call as ready (its result is the error), so a process killed between two runs (the
+    OOM killer, a user's ``kill``) would look as ready as a live one."""
     import ray
 
     try:
-        ray.get(answers, timeout=10)
-    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        ray.get([actor.__ray_ready__.remote() for actor in actors], timeout=timeout_s)
+    except ray.exceptions.RayError:  # a dead or lost actor, its node gone, or no answer in time
         return False
     return True
 
