@@ -85,31 +85,38 @@ def test_a_run_on_kept_processes_computes_what_fresh_processes_compute():
 
 
 @pytest.mark.usefixtures("ray_session", "mlflow_store")
-def test_a_dead_kept_worker_a_failed_run_or_other_worker_resources_get_fresh_processes():
+def test_a_dead_kept_worker_other_worker_resources_or_a_failed_run_get_fresh_processes():
     cfg = load_config(None, tiny_overrides(rounds=2))
     run_experiment(cfg)
     first = kept_actors()
 
-    def fail(rnd, metrics):
-        raise RuntimeError("the driver's own error")
-
     # a kept worker that died between runs (the OOM killer, a user's kill): Ray counts its call as
-    # answered, with an error for a result. The next run starts on fresh processes instead: it gets
-    # as far as its first round, where this driver fails it (handed the dead worker, it would fail
-    # at its set-up with ActorDiedError)
+    # answered, with an error for a result. The next run starts on fresh processes instead (handed
+    # the dead worker, it would fail at its set-up with ActorDiedError)
     dead = KeptRuntime.kept.workers[0]
     ray.kill(dead)
     assert all_dead({"worker": dead})
-    with pytest.raises(RuntimeError, match="the driver's own error"):
-        run_experiment(cfg, on_round=fail)
-    assert KeptRuntime.kept is None  # a failed run's processes are not trusted with the next
-    assert all_dead(first)
-
-    run_experiment(cfg)
+    assert run_experiment(cfg).finished
     second = kept_actors()
-    assert not second.keys() & first.keys()
-    run_experiment(load_config(None, tiny_overrides(rounds=2, **{"ray.num_cpus_per_client": 2})))
-    assert not kept_actors().keys() & second.keys() and all_dead(second)
+    assert not second.keys() & first.keys() and all_dead(first)
+
+    other = load_config(None, tiny_overrides(rounds=2, **{"ray.num_cpus_per_client": 2}))
+    run_experiment(other)
+    third = kept_actors()
+    assert not third.keys() & second.keys() and all_dead(second)
+
+    def fail(rnd, metrics):
+        raise RuntimeError("the driver's own error")
+
+    with pytest.raises(RuntimeError, match="the driver's own error"):
+        run_experiment(other, on_round=fail)
+    assert KeptRuntime.kept is None  # a failed run's processes are not trusted with the next
+    assert all_dead(third)
+    # ray.kill returns before Ray frees the killed processes' CPUs: the next test's first run would
+    # size its pool on what is free then
+    deadline = time.monotonic() + 120
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 @pytest.mark.usefixtures("ray_session", "mlflow_store")
