@@ -58,12 +58,18 @@ def all_dead(actors: dict[str, object], within_s: float = 60) -> bool:
     return True
 
 
+def wait_until_both_cpus_free(within_s: float = 120) -> None:
+    """``ray.kill`` returns before Ray frees the killed processes' CPUs, and a run sizes its pool on
+    the CPUs free as it starts: without this wait, the next run could start one ClientActor."""
+    deadline = time.monotonic() + within_s
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 @pytest.mark.usefixtures("ray_session", "mlflow_store")
 def test_a_run_on_kept_processes_computes_what_fresh_processes_compute():
     KeptRuntime.release()  # whatever an earlier test left: the reference runs on new processes
-    deadline = time.monotonic() + 120
-    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)  # ray.kill returns before the CPUs are free again
+    wait_until_both_cpus_free()
     # clients that keep state: every worker caches client modules and data during the run
     cfg = load_config(None, tiny_overrides(algorithm="lgfedavg"))
     fresh = run_experiment(cfg)
@@ -112,11 +118,7 @@ def test_a_dead_kept_worker_other_worker_resources_or_a_failed_run_get_fresh_pro
         run_experiment(other, on_round=fail)
     assert KeptRuntime.kept is None  # a failed run's processes are not trusted with the next
     assert all_dead(third)
-    # ray.kill returns before Ray frees the killed processes' CPUs: the next test's first run would
-    # size its pool on what is free then
-    deadline = time.monotonic() + 120
-    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until_both_cpus_free()  # for the next test's first run
 
 
 @pytest.mark.usefixtures("ray_session", "mlflow_store")
