@@ -5,8 +5,9 @@ in one driver")."""
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.runtime.coordinator import (
@@ -29,12 +30,17 @@ class Runtime:
     def stop(self) -> None:
         import ray
 
+        before = None
+        with contextlib.suppress(Exception):  # no Ray, or one that no longer answers
+            before = dict(ray.available_resources())
         # the Coordinator kills the workers it started as replacements; a dead one took them with it
         with contextlib.suppress(ray.exceptions.RayError):
             ray.get(self.coordinator.shutdown.remote(), timeout=10)
         for actor in [self.coordinator, *self.workers]:
             with contextlib.suppress(Exception):  # a handle of a Ray since shut down
                 ray.kill(actor)
+        if before is not None:
+            StoppedProcesses.expect(before, held_by_workers(self.worker_options, len(self.workers)))
 
 
 class KeptRuntime:
@@ -69,11 +75,7 @@ class KeptRuntime:
     @classmethod
     def held(cls) -> dict[str, float]:
         """The CPUs and GPUs the kept workers hold (Ray shows them free only once they are gone)."""
-        if cls.kept is None:
-            return {}
-        cpus, gpus = worker_resources(cls.kept.worker_options)
-        count = len(cls.kept.workers)
-        return {"CPU": cpus * count, "GPU": gpus * count}
+        return {} if cls.kept is None else held_by_workers(cls.kept.worker_options, len(cls.kept.workers))
 
     @classmethod
     def put(cls, runtime: Runtime, placement_group=None) -> None:
@@ -118,6 +120,54 @@ class KeptRuntime:
             kept.stop()
 
 
+class StoppedProcesses:
+    """What the processes this driver stopped last hold until Ray has freed it. ``ray.kill`` returns
+    before Ray shows their CPUs available (40-120 ms later, measured on an idle 2-CPU Ray), so a run
+    started at once, after a failed run in a notebook's loop or the test session, would size its
+    pool without them: :func:`available_resources` waits for them."""
+
+    expected: ClassVar[dict[str, float]] = {}  # what Ray shows available once they are gone
+    node: str = ""  # the node of the Ray they were stopped on
+
+    @classmethod
+    def expect(cls, before: dict[str, float], freed: dict[str, float]) -> None:
+        """``before``: Ray's available resources just before the kill; ``freed``: what they held."""
+        pending = cls.expected if cls.node == KeptRuntime.this_node() else {}  # an earlier stop's, unseen
+        cls.expected = {
+            resource: max(before.get(resource, 0), pending.get(resource, 0)) + amount
+            for resource, amount in freed.items()
+            if amount
+        }
+        cls.node = KeptRuntime.this_node()
+
+    @classmethod
+    def take_expected(cls) -> dict[str, float]:
+        expected, cls.expected = cls.expected, {}
+        return expected if cls.node == KeptRuntime.this_node() else {}
+
+
+def available_resources(within_s: float = 5) -> dict[str, float]:
+    """Ray's available resources, once they include what the processes this driver stopped last
+    held: at most ``within_s`` (another driver may take them first)."""
+    import ray
+
+    expected = StoppedProcesses.take_expected()
+    total = ray.cluster_resources()
+    wanted = {resource: min(amount, total.get(resource, 0)) for resource, amount in expected.items()}
+    deadline = time.monotonic() + within_s
+    while True:
+        free = dict(ray.available_resources() or total)
+        shown = all(free.get(resource, 0) + 1e-9 >= amount for resource, amount in wanted.items())
+        if shown or time.monotonic() > deadline:
+            return free
+        time.sleep(0.02)
+
+
+def held_by_workers(options: dict[str, Any], count: int) -> dict[str, float]:
+    cpus, gpus = worker_resources(options)
+    return {"CPU": cpus * count, "GPU": gpus * count}
+
+
 def all_alive(actors: list, timeout_s: float = 10) -> bool:
     """Whether every actor returns from a call within ``timeout_s``. Not ``ray.wait``: it counts a
     dead actor's call as ready (its result is the error), so a process killed between two runs (the
@@ -160,7 +210,7 @@ def start_runtime(cfg: ExperimentConfig, placement_group=None, num_actors: int |
     import ray
 
     options = worker_options(cfg, placement_group)
-    free = dict(ray.available_resources() or ray.cluster_resources())
+    free = available_resources()
     for resource, amount in KeptRuntime.held().items():  # this run's, whether it takes them or stops them
         free[resource] = free.get(resource, 0) + amount
     kept = KeptRuntime.take(options, placement_group)
@@ -170,6 +220,7 @@ def start_runtime(cfg: ExperimentConfig, placement_group=None, num_actors: int |
     for extra in held[size:]:
         ray.kill(extra)
     workers = reused + [start_worker(cfg, options) for _ in range(size - len(reused))]
+    StoppedProcesses.take_expected()  # from take(): counted as free above, this pool's now
     if kept is not None:
         return Runtime(kept.coordinator, workers, options)
     coordinator = Coordinator.options(**coordinator_scheduling(placement_group))  # type: ignore[attr-defined]
