@@ -32,7 +32,7 @@ from fedray.platform.config import ExperimentConfig, merge, raw_config
 from fedray.platform.environ import environ_restored
 from fedray.platform.errors import ConfigError, Diverged, last_line
 from fedray.platform.runtime import storage
-from fedray.platform.runtime.driver import Trial, ensure_ray, ray_address, require_gpus, run_experiment
+from fedray.platform.runtime.driver import Trial, ensure_ray, require_gpus, run_experiment
 from fedray.platform.runtime.processes import KeptRuntime
 from fedray.platform.runtime.session import StoppedEarly
 from fedray.platform.tracking.descriptions import sweep_description
@@ -337,7 +337,7 @@ def run_sweep(
     if stop_after_trials and threading.current_thread() is not threading.main_thread():
         # Tune takes its stop signal in the main thread only: elsewhere the sweep would never stop
         raise ConfigError("--stop-after-trials: run the sweep in the main thread (Tune's stop signal)")
-    address = ray_address(base_cfg)
+    address = base_cfg.ray.cluster_address()
     if stop_after_trials and address.startswith("ray://"):
         # through Ray Client, Tune runs the sweep in an actor on the cluster: the limit set here, and
         # the stop signal sent to this process, would never reach it

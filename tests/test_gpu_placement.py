@@ -103,6 +103,25 @@ def test_gpus_asked_for_where_the_cluster_has_none_fail_in_one_line(
     assert "the Ray cluster has 0 GPUs" in capsys.readouterr().err
 
 
+def test_gpus_this_machine_lacks_fail_before_a_local_ray_and_a_cluster_is_asked_instead(monkeypatch):
+    import ray
+
+    from fedray.platform.config import RayConfig
+    from fedray.platform.runtime.devices import require_visible_gpus
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # this process has joined no Ray yet
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConfigError, match=r"ray.num_gpus_per_client=0.25: this machine has 0 GPUs"):
+        require_visible_gpus(0.25, RayConfig().cluster_address())
+    # a cluster to join, from the config or from RAY_ADDRESS (which wins): its GPUs count, not these
+    assert RayConfig(address="head:6379").cluster_address() == "head:6379"
+    require_visible_gpus(0.25, RayConfig(address="head:6379").cluster_address())
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert RayConfig(address="head:6379").cluster_address() == "10.0.0.1:6379"
+    require_visible_gpus(0.25, RayConfig().cluster_address())
+
+
 PLACEMENT = textwrap.dedent(
     """
     import json, sys

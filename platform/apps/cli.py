@@ -26,7 +26,7 @@ def require_gpus_here(raw: dict) -> None:
     if ray_cfg.num_gpus_per_client > 0:  # only then torch
         from fedray.platform.runtime.devices import require_visible_gpus
 
-        require_visible_gpus(ray_cfg.num_gpus_per_client, ray_cfg.address)
+        require_visible_gpus(ray_cfg.num_gpus_per_client, ray_cfg.cluster_address())
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -136,6 +137,10 @@ class RayConfig:
     # a Coordinator that dies is started again from the last checkpoint this many times (its rounds
     # since then recomputed to the same numbers); past that the run stops with the --resume line
     max_coordinator_restarts: int = 3
+
+    def cluster_address(self) -> str:
+        """The cluster a run joins: ``RAY_ADDRESS``, else ``address``; "" for a local Ray."""
+        return os.environ.get("RAY_ADDRESS") or self.address or ""
 
 
 @dataclass

@@ -57,13 +57,13 @@ def missing_gpus(need: float, have: float, where: str) -> ConfigError:
     )
 
 
-def require_visible_gpus(need: float, address: str | None) -> None:
+def require_visible_gpus(need: float, cluster_address: str) -> None:
     """A run that asks for GPUs and will start a local Ray needs this machine to have them (Ray would
     otherwise wait forever to place a ClientActor no node can hold). Needs torch only, so the command
-    line checks it before the heavy imports; a cluster (``address``, ``RAY_ADDRESS``, or one this
+    line checks it before the heavy imports; a cluster (``RayConfig.cluster_address``, or one this
     process already joined with its own ``ray.init``) is asked once joined."""
     joined = "ray" in sys.modules and sys.modules["ray"].is_initialized()  # without importing Ray
-    if need <= 0 or joined or address or os.environ.get("RAY_ADDRESS"):
+    if need <= 0 or joined or cluster_address:
         return
     have = torch.cuda.device_count()
     if have < need:

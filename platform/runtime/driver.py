@@ -171,7 +171,7 @@ def ensure_ray(cfg: ExperimentConfig, prestart: bool = False) -> None:
     (``LOCAL_RAY_CONFIG``: a worker process starts for each actor the run creates; ``prestart``:
     :func:`start_local_ray`'s)."""
     if not ray.is_initialized():
-        address = ray_address(cfg)
+        address = cfg.ray.cluster_address()
         kwargs: dict[str, Any] = {
             "include_dashboard": False,
             "logging_level": logging.ERROR,
@@ -185,11 +185,6 @@ def ensure_ray(cfg: ExperimentConfig, prestart: bool = False) -> None:
                 kwargs["object_store_memory"] = cfg.ray.object_store_mb * 2**20
             start_local_ray(cfg.ray.num_cpus or os.cpu_count() or 1, prestart, **kwargs)
     set_up_driver()  # the shards and the global test set leave as raw bytes
-
-
-def ray_address(cfg: ExperimentConfig) -> str:
-    """The cluster a run joins: ``RAY_ADDRESS``, else ``ray.address``; "" for a local Ray."""
-    return os.environ.get("RAY_ADDRESS") or cfg.ray.address or ""
 
 
 CONNECT_TIMEOUT_S = 10  # a cluster's head that has not answered by then is not there
@@ -220,7 +215,7 @@ def require_gpus(cfg: ExperimentConfig, before_ray: bool = False) -> None:
     if need <= 0:
         return
     if before_ray:
-        require_visible_gpus(need, cfg.ray.address)
+        require_visible_gpus(need, cfg.ray.cluster_address())
         return
     have = ray.cluster_resources().get("GPU", 0)
     if have < need:
