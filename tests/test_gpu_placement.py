@@ -116,9 +116,11 @@ def test_gpus_this_machine_lacks_fail_before_a_local_ray_and_a_cluster_is_asked_
         require_visible_gpus(0.25, RayConfig().cluster_address())
     # a cluster to join, from the config or from RAY_ADDRESS (which wins): its GPUs count, not these
     assert RayConfig(address="head:6379").cluster_address() == "head:6379"
+    assert RayConfig(address="head:6379").cluster_address_source() == "ray.address"
     require_visible_gpus(0.25, RayConfig(address="head:6379").cluster_address())
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     assert RayConfig(address="head:6379").cluster_address() == "10.0.0.1:6379"
+    assert RayConfig(address="head:6379").cluster_address_source() == "RAY_ADDRESS"
     require_visible_gpus(0.25, RayConfig().cluster_address())
 
 

@@ -109,7 +109,7 @@ def test_a_dead_kept_worker_other_worker_resources_or_a_failed_run_get_fresh_pro
     with pytest.raises(RuntimeError, match="the driver's own error"):
         run_experiment(other, on_round=fail)
     # a run started at once counts the CPUs they held as free, though Ray shows them available only
-    # some 40-120 ms after ray.kill returned: it starts two ClientActors, not one
+    # about 0.1 s after ray.kill returned: it starts two ClientActors, not one
     assert pool_size(cfg, available_resources()) == 2
     assert KeptRuntime.kept is None  # a failed run's processes are not trusted with the next
     assert all_dead(third)
@@ -224,22 +224,64 @@ def test_a_restart_waits_until_ray_reports_the_old_coordinator_dead(caplog):
         ray.get(alive.ping.remote(), timeout=10)
 
 
-def test_the_resources_awaited_after_a_stop_add_up_over_stops_not_yet_seen(monkeypatch):
+def test_the_resources_awaited_after_a_stop_add_up_over_stops_no_run_has_counted(monkeypatch):
     """What :func:`available_resources` waits for: what Ray showed available before the kill plus
-    what the stopped processes held; a second stop before any run looked adds its processes on top."""
+    what the stopped processes held; a second stop before any run counted it adds to it."""
     from fedray.platform.runtime.processes import StoppedProcesses
 
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(StoppedProcesses, "expected", {})
     monkeypatch.setattr(StoppedProcesses, "node", "")
     monkeypatch.setattr(KeptRuntime, "this_node", staticmethod(lambda: "node-a"))
-    StoppedProcesses.expect({"CPU": 1.0, "memory": 5.0}, {"CPU": 2.0, "GPU": 0.0})
-    assert StoppedProcesses.expected == {"CPU": 3.0}  # the GPU they held none of: nothing to wait for
-    # stopped again before Ray showed the first ones' CPUs (before: 1, though 3 are coming)
-    StoppedProcesses.expect({"CPU": 1.0}, {"CPU": 1.0, "GPU": 0.5})
-    assert StoppedProcesses.expected == {"CPU": 4.0, "GPU": 0.5}
-    # a Ray started since (another node): the old expectation says nothing about it
+    StoppedProcesses.expect({"CPU": 1.0, "GPU": 1.0, "memory": 5.0}, {"CPU": 0.0, "GPU": 0.5})
+    assert StoppedProcesses.expected == {"GPU": 1.5}  # no CPU held: nothing to wait for there
+    # stopped again before Ray showed the first ones' GPU slices (before: 1, though 1.5 are coming)
+    clock[0] += 1
+    StoppedProcesses.expect({"CPU": 1.0, "GPU": 1.0}, {"CPU": 2.0, "GPU": 0.0})
+    assert StoppedProcesses.take() == ({"CPU": 3.0, "GPU": 1.5}, 101.0 + StoppedProcesses.WAIT_S)
+    assert StoppedProcesses.take() == ({}, 0.0)  # taken once: a run sized its pool with it
+    # a Ray started since (another node), or a run that comes after the wait would have ended: none
+    StoppedProcesses.expect({"CPU": 0.0}, {"CPU": 2.0})
     monkeypatch.setattr(KeptRuntime, "this_node", staticmethod(lambda: "node-b"))
-    assert StoppedProcesses.take_expected() == {}
-    StoppedProcesses.expect({"CPU": 0.0}, {"CPU": 2.0, "GPU": 0.0})
-    assert StoppedProcesses.take_expected() == {"CPU": 2.0}
-    assert StoppedProcesses.take_expected() == {}  # taken once: a run sized its pool with it
+    assert StoppedProcesses.take() == ({}, 0.0)
+    StoppedProcesses.expect({"CPU": 0.0}, {"CPU": 2.0})
+    clock[0] += StoppedProcesses.WAIT_S
+    assert StoppedProcesses.take() == ({}, 0.0)
+
+
+def test_a_run_after_a_stop_waits_until_ray_shows_the_resources_or_the_wait_ends(monkeypatch):
+    from fedray.platform.runtime.processes import StoppedProcesses
+
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(StoppedProcesses, "expected", {})
+    monkeypatch.setattr(KeptRuntime, "this_node", staticmethod(lambda: "node-a"))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+
+    def ray_shows(*seen: float) -> list[float]:
+        shown = iter(seen)
+        asked: list[float] = []
+        monkeypatch.setattr(
+            ray, "available_resources", lambda: asked.append(clock[0]) or {"CPU": next(shown)}
+        )
+        return asked
+
+    StoppedProcesses.expect({"CPU": 0.0}, {"CPU": 2.0})
+    asked = ray_shows(0.0, 1.0, 2.0, 2.0)
+    assert available_resources() == {"CPU": 2.0} and len(asked) == 3  # until both CPUs show
+    # more than the cluster has (a worker that died unreplaced): what it has is enough
+    StoppedProcesses.expect({"CPU": 1.0}, {"CPU": 2.0})
+    asked = ray_shows(0.0, 2.0)
+    assert available_resources() == {"CPU": 2.0} and len(asked) == 2
+    # taken by another driver meanwhile: asked until WAIT_S after the stop, then what there is
+    StoppedProcesses.expect({"CPU": 0.0}, {"CPU": 2.0})
+    stopped_at = clock[0]
+    clock[0] += 1
+    asked = ray_shows(*[1.0] * 1000)
+    assert available_resources() == {"CPU": 1.0}
+    assert asked[-1] >= stopped_at + StoppedProcesses.WAIT_S > asked[-2]
+    # nothing stopped: asked once
+    asked = ray_shows(0.0)
+    assert available_resources() == {"CPU": 0.0} and len(asked) == 1

@@ -142,6 +142,10 @@ class RayConfig:
         """The cluster a run joins: ``RAY_ADDRESS``, else ``address``; "" for a local Ray."""
         return os.environ.get("RAY_ADDRESS") or self.address or ""
 
+    def cluster_address_source(self) -> str:
+        """Where :meth:`cluster_address` comes from, named as a user sets it."""
+        return "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "ray.address"
+
 
 @dataclass
 class EvalConfig:

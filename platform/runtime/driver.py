@@ -178,7 +178,7 @@ def ensure_ray(cfg: ExperimentConfig, prestart: bool = False) -> None:
             "log_to_driver": os.environ.get("FEDRAY_RAY_LOGS", "0") == "1",
         }
         if address:
-            require_answer(address, "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "ray.address")
+            require_answer(address, cfg.ray.cluster_address_source())
             ray.init(address=address, **kwargs)
         else:
             if cfg.ray.object_store_mb is not None:

@@ -40,7 +40,8 @@ class Runtime:
             with contextlib.suppress(Exception):  # a handle of a Ray since shut down
                 ray.kill(actor)
         if before is not None:
-            StoppedProcesses.expect(before, held_by_workers(self.worker_options, len(self.workers)))
+            with contextlib.suppress(Exception):  # a Ray Client connection lost meanwhile: stop never raises
+                StoppedProcesses.expect(before, held_by_workers(self.worker_options, len(self.workers)))
 
 
 class KeptRuntime:
@@ -121,44 +122,52 @@ class KeptRuntime:
 
 
 class StoppedProcesses:
-    """What the processes this driver stopped last hold until Ray has freed it. ``ray.kill`` returns
-    before Ray shows their CPUs available (40-120 ms later, measured on an idle 2-CPU Ray), so a run
-    started at once, after a failed run in a notebook's loop or the test session, would size its
-    pool without them: :func:`available_resources` waits for them."""
+    """Ray's available resources as they will be once the processes this driver stopped last are
+    gone. ``ray.kill`` returns about 0.1 s before Ray shows their CPUs available, so a run started
+    at once (after a failed run in a notebook's loop or the test session, or a Coordinator's restart)
+    would size its pool without them: :func:`available_resources` waits for them, until ``WAIT_S``
+    after the stop (another driver may take them first, and a worker that died unreplaced held
+    nothing any more)."""
 
-    expected: ClassVar[dict[str, float]] = {}  # what Ray shows available once they are gone
-    node: str = ""  # the node of the Ray they were stopped on
+    WAIT_S = 5.0
+    expected: ClassVar[dict[str, float]] = {}
+    node: ClassVar[str] = ""  # the node of the Ray they were stopped on
+    stopped_at: ClassVar[float] = 0.0  # time.monotonic()
 
     @classmethod
     def expect(cls, before: dict[str, float], freed: dict[str, float]) -> None:
         """``before``: Ray's available resources just before the kill; ``freed``: what they held."""
-        pending = cls.expected if cls.node == KeptRuntime.this_node() else {}  # an earlier stop's, unseen
+        pending, _ = cls.take()  # an earlier stop's, that no run has counted yet
+        freed = {resource: amount for resource, amount in freed.items() if amount}
         cls.expected = {
-            resource: max(before.get(resource, 0), pending.get(resource, 0)) + amount
-            for resource, amount in freed.items()
-            if amount
+            resource: max(before.get(resource, 0), pending.get(resource, 0)) + freed.get(resource, 0)
+            for resource in pending.keys() | freed.keys()
         }
-        cls.node = KeptRuntime.this_node()
+        cls.node, cls.stopped_at = KeptRuntime.this_node(), time.monotonic()
 
     @classmethod
-    def take_expected(cls) -> dict[str, float]:
+    def take(cls) -> tuple[dict[str, float], float]:
+        """The expectation and until when to wait for it (none once that has passed, or on another
+        Ray); forgotten here, as a run counts it once."""
         expected, cls.expected = cls.expected, {}
-        return expected if cls.node == KeptRuntime.this_node() else {}
+        deadline = cls.stopped_at + cls.WAIT_S
+        if not expected or cls.node != KeptRuntime.this_node() or time.monotonic() >= deadline:
+            return {}, 0.0
+        return expected, deadline
 
 
-def available_resources(within_s: float = 5) -> dict[str, float]:
+def available_resources() -> dict[str, float]:
     """Ray's available resources, once they include what the processes this driver stopped last
-    held: at most ``within_s`` (another driver may take them first)."""
+    held (:class:`StoppedProcesses`)."""
     import ray
 
-    expected = StoppedProcesses.take_expected()
+    expected, deadline = StoppedProcesses.take()
     total = ray.cluster_resources()
     wanted = {resource: min(amount, total.get(resource, 0)) for resource, amount in expected.items()}
-    deadline = time.monotonic() + within_s
     while True:
         free = dict(ray.available_resources() or total)
         shown = all(free.get(resource, 0) + 1e-9 >= amount for resource, amount in wanted.items())
-        if shown or time.monotonic() > deadline:
+        if shown or time.monotonic() >= deadline:
             return free
         time.sleep(0.02)
 
@@ -203,6 +212,15 @@ def sharing_processes():
             KeptRuntime.release()
 
 
+def resources_for_the_pool() -> dict[str, float]:
+    """What a run's pool may use: what Ray has available, and what the kept processes hold (this
+    run's, whether it takes them or stops them)."""
+    free = available_resources()
+    for resource, amount in KeptRuntime.held().items():
+        free[resource] = free.get(resource, 0) + amount
+    return free
+
+
 def start_runtime(cfg: ExperimentConfig, placement_group=None, num_actors: int | None = None) -> Runtime:
     """Start the Coordinator and the worker pool without waiting: every process imports torch and
     Lightning at the same time, while the driver goes on. The last run's processes are taken
@@ -210,17 +228,14 @@ def start_runtime(cfg: ExperimentConfig, placement_group=None, num_actors: int |
     import ray
 
     options = worker_options(cfg, placement_group)
-    free = available_resources()
-    for resource, amount in KeptRuntime.held().items():  # this run's, whether it takes them or stops them
-        free[resource] = free.get(resource, 0) + amount
+    size = num_actors or pool_size(cfg, resources_for_the_pool())  # a trial's size is its bundles'
     kept = KeptRuntime.take(options, placement_group)
     held = kept.workers if kept else []
-    size = num_actors or pool_size(cfg, free)
     reused = held[:size]
     for extra in held[size:]:
         ray.kill(extra)
     workers = reused + [start_worker(cfg, options) for _ in range(size - len(reused))]
-    StoppedProcesses.take_expected()  # from take(): counted as free above, this pool's now
+    StoppedProcesses.take()  # the kept processes take() stopped: counted as free already, this pool's now
     if kept is not None:
         return Runtime(kept.coordinator, workers, options)
     coordinator = Coordinator.options(**coordinator_scheduling(placement_group))  # type: ignore[attr-defined]
