@@ -74,11 +74,6 @@ class KeptRuntime:
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
     @classmethod
-    def held(cls) -> dict[str, float]:
-        """The CPUs and GPUs the kept workers hold (Ray shows them free only once they are gone)."""
-        return {} if cls.kept is None else held_by_workers(cls.kept.worker_options, len(cls.kept.workers))
-
-    @classmethod
     def put(cls, runtime: Runtime, placement_group=None) -> None:
         """After a run that ended well: its processes, emptied, wait for the next run if one may
         have them; otherwise they stop."""
@@ -212,12 +207,13 @@ def sharing_processes():
             KeptRuntime.release()
 
 
-def resources_for_the_pool() -> dict[str, float]:
-    """What a run's pool may use: what Ray has available, and what the kept processes hold (this
-    run's, whether it takes them or stops them)."""
+def resources_for_the_pool(taken: Runtime | None) -> dict[str, float]:
+    """What a run's pool may use: what Ray has available, and what the kept processes it ``taken``
+    hold. Kept processes it did not take were stopped, and are waited for as stopped ones are."""
     free = available_resources()
-    for resource, amount in KeptRuntime.held().items():
-        free[resource] = free.get(resource, 0) + amount
+    if taken is not None:
+        for resource, amount in held_by_workers(taken.worker_options, len(taken.workers)).items():
+            free[resource] = free.get(resource, 0) + amount
     return free
 
 
@@ -228,14 +224,14 @@ def start_runtime(cfg: ExperimentConfig, placement_group=None, num_actors: int |
     import ray
 
     options = worker_options(cfg, placement_group)
-    size = num_actors or pool_size(cfg, resources_for_the_pool())  # a trial's size is its bundles'
+    # taken first: only processes that still answer count (one that died has freed its CPU already)
     kept = KeptRuntime.take(options, placement_group)
+    size = num_actors or pool_size(cfg, resources_for_the_pool(kept))  # a trial's size is its bundles'
     held = kept.workers if kept else []
     reused = held[:size]
     for extra in held[size:]:
         ray.kill(extra)
     workers = reused + [start_worker(cfg, options) for _ in range(size - len(reused))]
-    StoppedProcesses.take()  # the kept processes take() stopped: counted as free already, this pool's now
     if kept is not None:
         return Runtime(kept.coordinator, workers, options)
     coordinator = Coordinator.options(**coordinator_scheduling(placement_group))  # type: ignore[attr-defined]
