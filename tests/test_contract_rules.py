@@ -8,6 +8,7 @@ running client shows are checked by a ClientHost on its first client; the uplink
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -355,9 +356,10 @@ def test_a_round_in_which_every_client_failed_ends_the_run_with_one_line(ray_ses
     assert "fedray run --resume " in line
     client, run = only_run(tmp_path)
     assert run.info.status == "FAILED"
-    # its traceback, once: every client failed alike
+    # its traceback, once: every client failed alike. With the first failure to reach the Coordinator,
+    # which on two workers need not be the one the line names (the lowest client's)
     (logged,) = client.list_artifacts(run.info.run_id, "failures")
-    assert logged.path == "failures/round-0001-client-0.txt"
+    assert re.fullmatch(r"failures/round-0001-client-\d+\.txt", logged.path), logged.path
     text = Path(client.download_artifacts(run.info.run_id, logged.path)).read_text()
     assert text.startswith("ValueError: Expected all tensors") and "Traceback (most recent call last)" in text
     assert f'{where.split(":")[0]}", line {where.split(":")[1]}, in training_step' in text
@@ -394,8 +396,8 @@ def test_a_round_whose_every_client_evaluation_failed_ends_the_run_with_one_line
     assert "fedray run --resume " in line
     client, run = only_run(tmp_path)
     assert run.info.status == "FAILED"
-    (logged,) = client.list_artifacts(run.info.run_id, "failures")
-    assert logged.path == "failures/round-0001-evaluation-from-client-0.txt"
+    (logged,) = client.list_artifacts(run.info.run_id, "failures")  # the first to arrive, as above
+    assert re.fullmatch(r"failures/round-0001-evaluation-from-client-\d+\.txt", logged.path), logged.path
 
 
 class Counter(FedAvgServer):
