@@ -398,6 +398,9 @@ def test_a_round_whose_every_client_evaluation_failed_ends_the_run_with_one_line
     assert run.info.status == "FAILED"
     (logged,) = client.list_artifacts(run.info.run_id, "failures")  # the first to arrive, as above
     assert re.fullmatch(r"failures/round-0001-evaluation-from-client-\d+\.txt", logged.path), logged.path
+    text = Path(client.download_artifacts(run.info.run_id, logged.path)).read_text()
+    assert text.startswith("KeyError: 'logits'") and "Traceback (most recent call last)" in text
+    assert f'{where.split(":")[0]}", line {where.split(":")[1]}, in eval_logits' in text
 
 
 class Counter(FedAvgServer):

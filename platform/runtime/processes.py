@@ -226,7 +226,9 @@ def start_runtime(cfg: ExperimentConfig, placement_group=None, num_actors: int |
     options = worker_options(cfg, placement_group)
     # taken first: only processes that still answer count (one that died has freed its CPU already)
     kept = KeptRuntime.take(options, placement_group)
-    size = num_actors or pool_size(cfg, resources_for_the_pool(kept))  # a trial's size is its bundles'
+    if num_actors:  # a trial's pool is its bundles: what take() stopped is not waited for
+        StoppedProcesses.take()
+    size = num_actors or pool_size(cfg, resources_for_the_pool(kept))
     held = kept.workers if kept else []
     reused = held[:size]
     for extra in held[size:]:
