@@ -21,7 +21,7 @@ from fedray.platform.catalog import load_config
 from fedray.platform.runtime import processes
 from fedray.platform.runtime.coordinator import pool_size
 from fedray.platform.runtime.driver import CoordinatorHandle, run_experiment, wait_until_dead
-from fedray.platform.runtime.processes import KeptRuntime, available_resources
+from fedray.platform.runtime.processes import KeptRuntime, StoppedProcesses, available_resources
 from fedray.platform.runtime.session import RunAborted
 
 
@@ -242,8 +242,6 @@ def test_a_restart_waits_until_ray_reports_the_old_coordinator_dead(caplog):
 def test_the_resources_awaited_after_a_stop_add_up_over_stops_no_run_has_counted(monkeypatch):
     """What :func:`available_resources` waits for: what Ray showed available before the kill plus
     what the stopped processes held; a second stop before any run counted it adds to it."""
-    from fedray.platform.runtime.processes import StoppedProcesses
-
     clock = [100.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(StoppedProcesses, "expected", {})
@@ -266,8 +264,6 @@ def test_the_resources_awaited_after_a_stop_add_up_over_stops_no_run_has_counted
 
 
 def test_a_run_after_a_stop_waits_until_ray_shows_the_resources_or_the_wait_ends(monkeypatch):
-    from fedray.platform.runtime.processes import StoppedProcesses
-
     clock = [100.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))

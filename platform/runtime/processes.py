@@ -27,12 +27,20 @@ class Runtime:
     workers: list
     worker_options: dict[str, Any]
 
+    def held(self) -> dict[str, float]:
+        """What the workers hold: their CPUs and GPU slices."""
+        cpus, gpus = worker_resources(self.worker_options)
+        return {"CPU": cpus * len(self.workers), "GPU": gpus * len(self.workers)}
+
     def stop(self) -> None:
         import ray
 
         before = None
-        with contextlib.suppress(Exception):  # no Ray, or one that no longer answers
-            before = dict(ray.available_resources())
+        # workers in a Tune trial's placement group free their resources into its bundles, which no
+        # pool is sized by (a trial's pool is its bundles): only others are waited for
+        if "scheduling_strategy" not in self.worker_options:
+            with contextlib.suppress(Exception):  # no Ray, or one that no longer answers
+                before = dict(ray.available_resources())
         # the Coordinator kills the workers it started as replacements; a dead one took them with it
         with contextlib.suppress(ray.exceptions.RayError):
             ray.get(self.coordinator.shutdown.remote(), timeout=10)
@@ -41,7 +49,7 @@ class Runtime:
                 ray.kill(actor)
         if before is not None:
             with contextlib.suppress(Exception):  # a Ray Client connection lost meanwhile: stop never raises
-                StoppedProcesses.expect(before, held_by_workers(self.worker_options, len(self.workers)))
+                StoppedProcesses.expect(before, self.held())
 
 
 class KeptRuntime:
@@ -157,19 +165,14 @@ def available_resources() -> dict[str, float]:
     import ray
 
     expected, deadline = StoppedProcesses.take()
-    total = ray.cluster_resources()
+    total = ray.cluster_resources() if expected else {}
     wanted = {resource: min(amount, total.get(resource, 0)) for resource, amount in expected.items()}
     while True:
-        free = dict(ray.available_resources() or total)
+        free = dict(ray.available_resources() or ray.cluster_resources())
         shown = all(free.get(resource, 0) + 1e-9 >= amount for resource, amount in wanted.items())
         if shown or time.monotonic() >= deadline:
             return free
         time.sleep(0.02)
-
-
-def held_by_workers(options: dict[str, Any], count: int) -> dict[str, float]:
-    cpus, gpus = worker_resources(options)
-    return {"CPU": cpus * count, "GPU": gpus * count}
 
 
 def all_alive(actors: list, timeout_s: float = 10) -> bool:
@@ -212,7 +215,7 @@ def resources_for_the_pool(taken: Runtime | None) -> dict[str, float]:
     hold. Kept processes it did not take were stopped, and are waited for as stopped ones are."""
     free = available_resources()
     if taken is not None:
-        for resource, amount in held_by_workers(taken.worker_options, len(taken.workers)).items():
+        for resource, amount in taken.held().items():
             free[resource] = free.get(resource, 0) + amount
     return free
 
@@ -226,9 +229,7 @@ def start_runtime(cfg: ExperimentConfig, placement_group=None, num_actors: int |
     options = worker_options(cfg, placement_group)
     # taken first: only processes that still answer count (one that died has freed its CPU already)
     kept = KeptRuntime.take(options, placement_group)
-    if num_actors:  # a trial's pool is its bundles: what take() stopped is not waited for
-        StoppedProcesses.take()
-    size = num_actors or pool_size(cfg, resources_for_the_pool(kept))
+    size = num_actors or pool_size(cfg, resources_for_the_pool(kept))  # a trial's pool is its bundles
     held = kept.workers if kept else []
     reused = held[:size]
     for extra in held[size:]:
