@@ -102,14 +102,22 @@ def test_a_dead_kept_worker_other_worker_resources_or_a_failed_run_get_fresh_pro
     # kept worker's, it would start a third ClientActor that two CPUs never place, and the run's
     # set-up would wait for it forever (the wrapper caps what it starts at two, so this test ends)
     sizes: list[int] = []
+    freed: list[dict[str, float]] = []  # what each stop counts as freed: not the dead worker's CPU again
+    expect = StoppedProcesses.expect.__func__  # type: ignore[attr-defined]
     with monkeypatch.context() as patch:
         patch.setattr(
             processes, "pool_size", lambda c, free: sizes.append(pool_size(c, free)) or min(sizes[-1], 2)
+        )
+        patch.setattr(
+            StoppedProcesses, "expect", classmethod(lambda cls, b, f: freed.append(f) or expect(cls, b, f))
         )
         assert run_experiment(
             load_config(None, tiny_overrides(rounds=2, **{"ray.max_actors": "null"}))
         ).finished
     assert sizes == [2]
+    # on a cluster where other work holds CPUs, counting it again would make the run wait 5 s for a
+    # CPU that never comes
+    assert freed == [{"CPU": 1, "GPU": 0}], freed
     second = kept_actors()
     assert len(second) == 3 and not second.keys() & first.keys() and all_dead(first)
 

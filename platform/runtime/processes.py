@@ -106,15 +106,19 @@ class KeptRuntime:
         kept, cls.kept = cls.kept, None
         if kept is None:
             return None
-        usable = (
+        fits = (
             worker_resources(options) == worker_resources(kept.worker_options)
             and group_id(placement_group) == cls.group
             and cls.this_node() == cls.node
-            and all_alive([kept.coordinator, *kept.workers])
         )
-        if not usable:
-            kept.stop()
-        return kept if usable else None
+        answers = answered([kept.coordinator, *kept.workers]) if fits else []
+        if fits and all(answers):
+            return kept
+        # a worker that died holds nothing: the stop counts only the others' resources as freed
+        dead = {i for i, answer in enumerate(answers[1:]) if answer is False}
+        alive = [worker for i, worker in enumerate(kept.workers) if i not in dead]
+        Runtime(kept.coordinator, alive, kept.worker_options).stop()
+        return None
 
     @classmethod
     def release(cls) -> None:
@@ -175,17 +179,28 @@ def available_resources() -> dict[str, float]:
         time.sleep(0.02)
 
 
-def all_alive(actors: list, timeout_s: float = 10) -> bool:
-    """Whether every actor returns from a call within ``timeout_s``. Not ``ray.wait``: it counts a
-    dead actor's call as ready (its result is the error), so a process killed between two runs (the
-    OOM killer, a user's ``kill``) would look as ready as a live one."""
+def answered(actors: list, timeout_s: float = 10) -> list[bool | None]:
+    """Each actor's answer to a call: True if it returned within ``timeout_s``, False if it failed
+    (a dead or lost actor, its node gone), None if no answer came in time (a hung process still
+    holds its resources). Each call's own result: ``ray.wait`` counts a dead actor's call as ready
+    (its result is the error), so a process killed between two runs (the OOM killer, a user's
+    ``kill``) would look as ready as a live one."""
     import ray
 
-    try:
-        ray.get([actor.__ray_ready__.remote() for actor in actors], timeout=timeout_s)
-    except ray.exceptions.RayError:  # a dead or lost actor, its node gone, or no answer in time
-        return False
-    return True
+    calls = [actor.__ray_ready__.remote() for actor in actors]
+    ready, _ = ray.wait(calls, num_returns=len(calls), timeout=timeout_s)
+    returned = set(ready)
+
+    def answer(call) -> bool | None:
+        if call not in returned:
+            return None
+        try:
+            ray.get(call)
+        except ray.exceptions.RayError:
+            return False
+        return True
+
+    return [answer(call) for call in calls]
 
 
 def group_id(placement_group) -> str | None:
