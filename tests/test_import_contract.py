@@ -21,7 +21,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("fedray.platform.tracking.names",),
     # seeds: named random streams, numpy and torch; interrupts: Ctrl-C held past a tracking write;
     # environ: environment variables put back after a library's call
-    ("fedray.platform.errors", "fedray.platform.seeds", "fedray.platform.interrupts", "fedray.platform.environ"),
+    (
+        "fedray.platform.errors",
+        "fedray.platform.seeds",
+        "fedray.platform.interrupts",
+        "fedray.platform.environ",
+    ),
     ("fedray.platform.config",),
     ("fedray.platform.data", "fedray.platform.models"),
     ("fedray.platform.api",),

@@ -164,7 +164,14 @@ def test_a_run_repeats_itself_with_or_without_checkpoints_and_resumed_and_leaves
     (left / "0-v10.pt.0123abcd.tmp").write_bytes(b"a write cut short")
     (left.parent / "checkpoint.pt.0123abcd.tmp").write_bytes(b"a checkpoint cut short")
     resumed = run_experiment(every, resume_run_id=stopped.run_id)
-    for run in (whole, resumed):
+    # a stop asked for (--stop-after, a job's time limit) is a checkpoint of its own, whatever
+    # checkpoint_every says; a resume asked to stop where the run already is trains nothing
+    sparse = load_config(None, [*overrides, "checkpoint_every=3"])
+    stopped = run_experiment(sparse, stop_after_round=2)
+    again = run_experiment(sparse, resume_run_id=stopped.run_id, stop_after_round=1)
+    assert not again.finished and len(again.history) == 2
+    resumed_sparse = run_experiment(sparse, resume_run_id=stopped.run_id)
+    for run in (whole, resumed, resumed_sparse):
         assert without_timing(run.history) == without_timing(plain.history)
         assert run.client_acc == plain.client_acc
     assert len(plain.client_acc) == 4  # every client tested

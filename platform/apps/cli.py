@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--stop-after",
         type=int,
         metavar="ROUNDS",
-        help="stop (resumably) once this many rounds are done, e.g. to fit a job's time limit",
+        help="stop (resumably: a checkpoint of that round) once this many rounds are done, e.g. to fit a job's time limit",
     )
     run.set_defaults(func=_run)
 

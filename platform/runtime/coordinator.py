@@ -256,15 +256,20 @@ class RoundLoop:
     def run_rounds(self, stop_after_round: int | None) -> dict[str, Any]:
         cfg = self.cfg
         k = clients_per_round(cfg)
+        if stop_after_round is not None and stop_after_round <= self.start_round < cfg.rounds:
+            return results.run_summary(False, self.server, self.record)  # a resume already that far
         for rnd in range(self.start_round, cfg.rounds):
             metrics = self.run_round(rnd, sample_clients(cfg.seed, rnd, cfg.data.num_clients, k))
             self.record.history.append(metrics)
             done = rnd + 1
-            if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.rounds):
+            # a stop asked for (--stop-after: a job's time limit) is resumed from this round, whatever
+            # checkpoint_every says
+            asked_to_stop = stop_after_round is not None and done >= stop_after_round and done < cfg.rounds
+            due = cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.rounds)
+            if due or asked_to_stop:
                 self.checkpoint(done)
             self.events.emit(RoundEnded(done, metrics))
-            halted = self.halting or (stop_after_round is not None and done >= stop_after_round)
-            if halted and done < cfg.rounds:
+            if (self.halting or asked_to_stop) and done < cfg.rounds:
                 return results.run_summary(False, self.server, self.record)
         return results.run_summary(True, self.server, self.record)
 
