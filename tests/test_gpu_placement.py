@@ -126,11 +126,11 @@ def test_gpus_this_machine_lacks_fail_before_a_local_ray_and_a_cluster_is_asked_
 
 PLACEMENT = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
     import ray
     from mlflow.tracking import MlflowClient
     from fedray.platform.catalog import load_config
-    from fedray.platform.runtime.coordinator import pool_size
+    from fedray.platform.runtime.coordinator import Coordinator, pool_size
     from fedray.platform.runtime.driver import run_experiment, start_local_ray
     from fedray.platform.tracking.names import Metrics, Tags
 
@@ -140,7 +140,21 @@ PLACEMENT = textwrap.dedent(
     free_gpu = []
     result = run_experiment(cfg, on_round=lambda rnd, m: free_gpu.append(ray.available_resources().get("GPU", 0.0)))
     tags = MlflowClient().get_run(result.run_id).data.tags
+
+    # the Coordinator starts the replacement of a dead worker, which inherits its runtime env: Ray
+    # must still assign that one its slice, while the Coordinator itself sees no GPU
+    @ray.remote(num_cpus=0, num_gpus=0.25)
+    class Replacement:
+        def gpu_ids(self):
+            return ray.get_gpu_ids()
+
+    def started_by(coordinator):
+        return os.environ.get("CUDA_VISIBLE_DEVICES"), ray.get(Replacement.remote().gpu_ids.remote())
+
+    coordinator_sees, replacement_gpus = ray.get(Coordinator.remote().__ray_call__.remote(started_by))
     print(json.dumps({
+        "coordinator_sees": coordinator_sees,
+        "replacement_gpus": replacement_gpus,
         "pool": pool_size(cfg, ray.cluster_resources()),
         "workers": tags[Tags.WORKERS],
         "device": tags[Tags.DEVICE],
@@ -151,6 +165,23 @@ PLACEMENT = textwrap.dedent(
     ray.shutdown()
     """
 )
+
+
+def test_a_kept_gpu_worker_set_up_for_a_run_without_deterministic_kernels_drops_them(monkeypatch):
+    from fedray.platform.runtime.devices import configure_device
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    cuda = torch.device("cuda", 0)  # process-wide flags only: at a whole GPU nothing calls CUDA
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    flags = [cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32, matmul.allow_tf32]
+    try:
+        configure_device(cuda, config("train.deterministic=true").train, 1.0)
+        assert torch.are_deterministic_algorithms_enabled()
+        configure_device(cuda, config("train.deterministic=false").train, 1.0)  # the next run, same process
+        assert not torch.are_deterministic_algorithms_enabled() and cudnn.benchmark
+    finally:
+        torch.use_deterministic_algorithms(False)
+        cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32, matmul.allow_tf32 = flags
 
 
 def test_the_pool_is_as_many_workers_as_the_scarcer_of_cpus_and_gpu_slices():
@@ -185,3 +216,4 @@ def test_quarter_gpu_slices_put_client_actors_on_one_gpu(tmp_path):
     # each worker was assigned GPU 0 by Ray, cannot use it here, trained on the CPU and said so
     assert seen["device"] == "cpu (Ray assigned GPU 0, but CUDA is not available in this process)"
     assert seen["finished"] and seen["failed"] == 0
+    assert seen["coordinator_sees"] == "" and seen["replacement_gpus"] == [0], seen

@@ -363,9 +363,11 @@ class RoundLoop:
 
 # Two concurrent calls: run() in one thread, poll() from the driver in the other. The runtime env
 # gives the Coordinator a process of its own instead of an idle worker (a cluster's Ray prestarts one
-# per CPU, for the ClientActors that need them), and hides the GPUs from it: the server
-# half computes on the CPU, and Ray does not hide them from an actor that asks for none.
-COORDINATOR_ENV = {"env_vars": {"FEDRAY_ROLE": "coordinator", "CUDA_VISIBLE_DEVICES": ""}}
+# per CPU, for the ClientActors that need them). It must not hide the GPUs: Ray hands an actor's
+# runtime env on to the actors it starts, and a replacement ClientActor whose env empties
+# CUDA_VISIBLE_DEVICES is assigned no GPU by Ray (``ray.get_gpu_ids()`` is empty) while it holds its
+# slice. set_up_coordinator hides them inside this process instead.
+COORDINATOR_ENV = {"env_vars": {"FEDRAY_OWN_PROCESS": "1"}}
 
 
 @ray.remote(num_cpus=0, max_concurrency=2, runtime_env=COORDINATOR_ENV)  # type: ignore[call-overload]

@@ -97,8 +97,8 @@ def configure_device(device: torch.device, train: TrainConfig, gpu_fraction: flo
     torch.backends.cudnn.allow_tf32 = train.tf32
     torch.backends.cudnn.benchmark = not train.deterministic
     torch.backends.cudnn.deterministic = train.deterministic
-    if train.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    # set either way: a kept worker's last run may have turned it on (KeptRuntime)
+    torch.use_deterministic_algorithms(train.deterministic, warn_only=True)
     if 0 < gpu_fraction < 1:  # a slice: this process may not take its neighbours' memory
         torch.cuda.set_per_process_memory_fraction(gpu_fraction, device)
 

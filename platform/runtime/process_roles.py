@@ -18,6 +18,8 @@ A worker's thread count is set by :class:`~fedray.platform.runtime.worker.Client
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from fedray.platform.runtime.memory import retain_freed_memory
@@ -29,6 +31,10 @@ def set_up_driver() -> None:
 
 
 def set_up_coordinator() -> None:
+    # the server half computes on the CPU, and Ray hides the GPUs from no actor that asks for none;
+    # set before anything initialises CUDA in this process (in its env, the actors it starts would
+    # inherit it: coordinator.COORDINATOR_ENV)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(1)
     use_fast_tensor_transport()
     retain_freed_memory()  # a round's uplinks reuse the last round's memory instead of fresh pages
