@@ -190,6 +190,16 @@ def test_the_pool_is_as_many_workers_as_the_scarcer_of_cpus_and_gpu_slices():
     assert pool_size(quarter, {"CPU": 16, "GPU": 1}) == 4  # more CPUs add no slice
     assert pool_size(quarter, {"CPU": 16, "GPU": 2}) == 8
     assert pool_size(quarter, {"CPU": 2, "GPU": 1}) == 2  # the CPUs bind
+    # Ray puts a slice on one GPU and an actor on one node; a pool Ray cannot place waits forever
+    fill = ("ray.max_actors=null", "data.num_clients=20")
+    assert pool_size(config("ray.num_gpus_per_client=0.4", *fill), {"CPU": 16, "GPU": 2}) == 4
+    assert pool_size(config("ray.num_gpus_per_client=0.75", *fill), {"CPU": 16, "GPU": 3}) == 3
+    assert pool_size(quarter, {"CPU": 16, "GPU": 1.5}) == 6  # a GPU in use: the half left holds two
+    # a GPU node of one CPU beside an 8-CPU node: one GPU worker; 2 CPUs a client on two 3-CPU nodes: two
+    assert pool_size(quarter, {"CPU": 9, "GPU": 1}, [{"CPU": 1, "GPU": 1}, {"CPU": 8}]) == 1
+    two_cpus = config("ray.num_cpus_per_client=2", *fill)
+    assert pool_size(two_cpus, {"CPU": 6}, [{"CPU": 3}, {"CPU": 3}]) == 2
+    assert pool_size(two_cpus, {"CPU": 2}, [{"CPU": 3}, {"CPU": 3}]) == 1  # what is free binds too
     assert (
         pool_size(config("ray.max_actors=null", "data.num_clients=20"), {"CPU": 16, "GPU": 1}) == 16
     )  # no GPU

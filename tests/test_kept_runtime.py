@@ -106,7 +106,9 @@ def test_a_dead_kept_worker_other_worker_resources_or_a_failed_run_get_fresh_pro
     expect = StoppedProcesses.expect.__func__  # type: ignore[attr-defined]
     with monkeypatch.context() as patch:
         patch.setattr(
-            processes, "pool_size", lambda c, free: sizes.append(pool_size(c, free)) or min(sizes[-1], 2)
+            processes,
+            "pool_size",
+            lambda c, free, nodes: sizes.append(pool_size(c, free, nodes)) or min(sizes[-1], 2),
         )
         patch.setattr(
             StoppedProcesses, "expect", classmethod(lambda cls, b, f: freed.append(f) or expect(cls, b, f))

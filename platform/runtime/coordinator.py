@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,7 @@ from fedray.platform.api.algorithm import (
 )
 from fedray.platform.api.contract import check_uplinks
 from fedray.platform.api.registry import get as get_algorithm
-from fedray.platform.config import ExperimentConfig, clients_per_round
+from fedray.platform.config import ExperimentConfig, RayConfig, clients_per_round
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ConfigError, ContractError, Diverged, RoundFailed
 from fedray.platform.models import arch_for_client
@@ -140,15 +140,35 @@ def start_worker(cfg: ExperimentConfig, options: dict[str, Any]):
     return actor.remote(cfg, max(1, int(cfg.ray.num_cpus_per_client)))
 
 
-def pool_size(cfg: ExperimentConfig, resources: dict[str, float]) -> int:
-    """How many ClientActors fit the cluster: bounded by CPUs, GPUs (when asked for) and clients."""
-    r = cfg.ray
+def pool_size(
+    cfg: ExperimentConfig, resources: dict[str, float], nodes: Sequence[dict[str, float]] = ()
+) -> int:
+    """How many ClientActors fit the cluster: bounded by CPUs, GPU slices (when asked for) and
+    clients. ``resources``: what the cluster has free; ``nodes``: each node's own resources, as Ray
+    places an actor on one node (a 4-CPU node and a 1-CPU GPU node do not hold four GPU workers)."""
+    fit = actors_fitting(cfg.ray, resources)
+    if nodes:
+        fit = min(fit, sum(actors_fitting(cfg.ray, node) for node in nodes))
+    if cfg.ray.max_actors:
+        fit = min(fit, cfg.ray.max_actors)
+    return max(1, min(fit, cfg.data.num_clients))
+
+
+def actors_fitting(r: RayConfig, resources: dict[str, float]) -> int:
     fit = math.floor(resources.get("CPU", 1) / r.num_cpus_per_client + 1e-9)
     if r.num_gpus_per_client > 0:
-        fit = min(fit, math.floor(resources.get("GPU", 0) / r.num_gpus_per_client + 1e-9))
-    if r.max_actors:
-        fit = min(fit, r.max_actors)
-    return max(1, min(fit, cfg.data.num_clients))
+        fit = min(fit, gpu_slices(resources.get("GPU", 0), r.num_gpus_per_client))
+    return fit
+
+
+def gpu_slices(gpus: float, share: float) -> int:
+    """How many slices of ``share`` GPUs fit in ``gpus``. Ray puts a slice under one GPU on one GPU,
+    so each whole GPU holds ``floor(1 / share)`` of them (two GPUs hold four slices of 0.4, not
+    five), and what is left of a GPU in use holds what fits in it."""
+    if share >= 1:
+        return math.floor(gpus / share + 1e-9)
+    whole = math.floor(gpus + 1e-9)
+    return whole * math.floor(1 / share + 1e-9) + math.floor(max(0.0, gpus - whole) / share + 1e-9)
 
 
 def build_server(cfg: ExperimentConfig, meta: dict[str, Any]) -> Server:

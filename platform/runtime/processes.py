@@ -235,6 +235,13 @@ def resources_for_the_pool(taken: Runtime | None) -> dict[str, float]:
     return free
 
 
+def node_resources() -> list[dict[str, float]]:
+    """Each live node's resources (all of them, in use or not)."""
+    import ray
+
+    return [node["Resources"] for node in ray.nodes() if node["Alive"]]
+
+
 def start_runtime(cfg: ExperimentConfig, placement_group=None, num_actors: int | None = None) -> Runtime:
     """Start the Coordinator and the worker pool without waiting: every process imports torch and
     Lightning at the same time, while the driver goes on. The last run's processes are taken
@@ -244,7 +251,8 @@ def start_runtime(cfg: ExperimentConfig, placement_group=None, num_actors: int |
     options = worker_options(cfg, placement_group)
     # taken first: only processes that still answer count (one that died has freed its CPU already)
     kept = KeptRuntime.take(options, placement_group)
-    size = num_actors or pool_size(cfg, resources_for_the_pool(kept))  # a trial's pool is its bundles
+    # a trial's pool is its bundles
+    size = num_actors or pool_size(cfg, resources_for_the_pool(kept), node_resources())
     held = kept.workers if kept else []
     reused = held[:size]
     for extra in held[size:]:
