@@ -21,9 +21,12 @@ def crop_flip(x: torch.Tensor, gen: torch.Generator, pad: int = PAD) -> torch.Te
     b, _, h, w = x.shape
     dy, dx = (torch.randint(0, 2 * pad + 1, (b,), generator=gen) for _ in range(2))
     flip = torch.rand(b, generator=gen) < 0.5
-    rows = (dy[:, None] + torch.arange(h)).to(x.device)  # [B, H] rows of the padded image
-    cols = (dx[:, None] + torch.arange(w)).to(x.device)  # [B, W]
-    cols = torch.where(flip.to(x.device)[:, None], cols.flip(1), cols)
+    rows = dy[:, None] + torch.arange(h)  # [B, H] rows of the padded image
+    cols = dx[:, None] + torch.arange(w)  # [B, W]
+    cols = torch.where(flip[:, None], cols.flip(1), cols)
+    if x.is_cuda:  # one copy a step, from pinned memory: a copy from pageable memory waits for the GPU
+        index = torch.cat([rows, cols], dim=1).pin_memory().to(x.device, non_blocking=True)
+        rows, cols = index[:, :h], index[:, h:]
     padded = F.pad(x, (pad, pad, pad, pad))
     batch = torch.arange(b, device=x.device)[:, None, None]
     out = padded.permute(0, 2, 3, 1)[batch, rows[:, :, None], cols[:, None, :]]  # [B, H, W, C]

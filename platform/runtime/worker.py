@@ -12,6 +12,7 @@ together; the new state of a client that keeps one is written to its file before
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -437,13 +438,15 @@ class ClientHost:
             except Exception as err:
                 for client in clients:
                     self.drop(client)
-                if is_out_of_memory(err) and attempt == 1:
-                    if self.device.type == "cuda":
-                        torch.cuda.empty_cache()
-                    continue
-                if is_out_of_memory(err) or is_device_error(err):
-                    raise DeviceError(f"{job}: {first_line(err)}") from None
-                raise ClientCodeError(self.failure(err)) from err
+                if not (is_out_of_memory(err) and attempt == 1):
+                    if is_out_of_memory(err) or is_device_error(err):
+                        raise DeviceError(f"{job}: {first_line(err)}") from None
+                    raise ClientCodeError(self.failure(err)) from err
+            # out of memory, first try: freed here, not in the handler, where the error's traceback
+            # still held the failed step's tensors (its batch, activations and graph)
+            if self.device.type == "cuda":
+                gc.collect()  # frames and errors in reference cycles
+                torch.cuda.empty_cache()
         raise AssertionError("unreachable")
 
     def fit_client(self, task: ClientTask, rnd: int, payload: Payload) -> tuple[Payload, dict]:
