@@ -22,7 +22,8 @@ holding a CUDA context and for the GPU's utilisation.
     GPU workers;
  7. a run stopped after round 2, resumed on the GPU, its checkpoints loaded in a process that sees
     no GPU (every tensor on the CPU), its rounds equal to an uninterrupted run's (check 1's, when it ran);
- 8. two rounds each of FedSC, FedL2G (no warm-up) and FedProto at 0.25 GPU;
+ 8. two rounds each of FedSC, FedL2G (no warm-up) and FedProto at 0.25 GPU, the client states
+    their GPU workers wrote loaded as check 7's are (check 7's FedAvg keeps none);
  9. GPUs asked for where none is visible: exit status 2 and one line naming
     ``ray.num_gpus_per_client``, in well under a minute.
 
@@ -69,6 +70,7 @@ import torch
 from process_names import process_title
 
 from fedray.platform.data.archive import cifar10_jpeg_archive
+from fedray.platform.runtime.state_store import STATES_DIR
 from fedray.platform.tracking.names import Metrics, Tags, personal_on, tag_filter
 
 SCRIPT = Path(__file__).resolve()
@@ -903,6 +905,7 @@ def load_checkpoints(directory: str) -> dict[str, Any]:
 
     files = sorted(str(p) for p in Path(directory).rglob("*.pt"))
     report: dict[str, Any] = {"cuda": torch.cuda.is_available(), "files": len(files), "tensors": 0}
+    report["client_states"] = sum(Path(path).parent.name == STATES_DIR for path in files)
     report.update(off_cpu=[], saved_on_gpu=[], errors=[])
     for path in files:
         name = str(Path(path).relative_to(directory))
@@ -939,8 +942,9 @@ def uninterrupted_reference(ctx: Context) -> tuple[RunRecord | None, str]:
     return run.record, "an uninterrupted run"
 
 
-def check_checkpoints(ctx: Context, row: Row, checkpoint_dir: str) -> None:
-    """Check 7's loading of every checkpoint file in a process that sees no GPU."""
+def check_checkpoints(ctx: Context, row: Row, checkpoint_dir: str, client_states: bool = False) -> None:
+    """Checks 7 and 8: every checkpoint file loads in a process that sees no GPU; with
+    ``client_states``, the run's clients wrote theirs (an algorithm whose clients keep state)."""
     load = ctx.run_command(
         "load checkpoints without a GPU",
         [sys.executable, str(SCRIPT.relative_to(ROOT)), "--load-checkpoints", checkpoint_dir],
@@ -955,7 +959,12 @@ def check_checkpoints(ctx: Context, row: Row, checkpoint_dir: str) -> None:
     row.require(not report["errors"], f"could not load: {'; '.join(report['errors'])}")
     row.require(not report["off_cpu"], f"tensors off the CPU in {', '.join(report['off_cpu'])}")
     row.require(not report["saved_on_gpu"], f"saved on a GPU: {'; '.join(report['saved_on_gpu'])}")
-    row.notes.append(f"{report['files']} checkpoint files, {report['tensors']} tensors loaded on the CPU")
+    if client_states:
+        row.require(report["client_states"] > 0, f"no client state under {checkpoint_dir}/{STATES_DIR}")
+    row.notes.append(
+        f"{report['files']} checkpoint files ({report['client_states']} client states), "
+        f"{report['tensors']} tensors loaded on the CPU"
+    )
 
 
 def check_resume(ctx: Context) -> list[Row]:
@@ -1000,6 +1009,7 @@ def check_algorithms(ctx: Context) -> list[Row]:
         record = judge_run(row, ctx, run, "cuda")
         if record is not None:
             show_gpu_use(row, ctx, run.outcome, [record], busy=True)
+            check_checkpoints(ctx, row, record.tags.get(Tags.CHECKPOINT_DIR, ""), client_states=True)
         rows.append(row)
     return rows
 

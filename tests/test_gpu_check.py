@@ -182,7 +182,7 @@ def test_every_checkpoint_file_is_loaded_and_its_tensors_found(tmp_path):
     torch.save({"module": {"b": torch.zeros(5)}}, tmp_path / "states" / "0-v1.pt")
     (tmp_path / "config.yaml").write_text("rounds: 4\n")
     report = gpu_check.load_checkpoints(str(tmp_path))
-    assert report["files"] == 2 and report["tensors"] == 4
+    assert report["files"] == 2 and report["tensors"] == 4 and report["client_states"] == 1
     assert report["off_cpu"] == report["saved_on_gpu"] == report["errors"] == []
 
 
