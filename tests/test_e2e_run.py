@@ -161,3 +161,38 @@ def test_selected_only_evaluation_and_a_checkpoint_of_current_states_only(mlflow
     trained = sample_clients(cfg.seed, 0, 4, 2) + sample_clients(cfg.seed, 1, 4, 2)
     expected = sorted(f"{c}-v{trained.count(c)}.pt" for c in set(trained))
     assert sorted(p.name for p in (ckpt_dir / "states").iterdir()) == expected
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_run_cut_short_while_logging_its_end_logs_the_rest_once_on_resume(mlflow_store, monkeypatch):
+    # the tracking server goes as the run logs its final metrics, its global model already logged:
+    # the resume trains nothing (its checkpoint holds the last round) and logs only what is missing
+    from fedray.platform.errors import ConfigError
+    from fedray.platform.runtime.driver import resume_experiment
+    from fedray.platform.tracking.mlflow_run import RunTracker
+
+    final = final_of(Metrics.ACC_GLOBAL)
+    log_metrics = RunTracker.log_metrics
+
+    def server_gone_at_the_finals(self, metrics, step):
+        if final in metrics:
+            raise OSError("tracking server gone")
+        return log_metrics(self, metrics, step)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(RunTracker, "log_metrics", server_gone_at_the_finals)
+        with pytest.raises(OSError, match="tracking server gone"):
+            run_experiment(load_config(None, tiny_overrides(rounds=2)))
+    client = MlflowClient(mlflow_store)
+    (cut,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert cut.info.status != "FINISHED" and final not in cut.data.metrics
+
+    resumed = resume_experiment(cut.info.run_id)
+    assert resumed.finished and len(resumed.history) == 2
+    run = client.get_run(cut.info.run_id)
+    assert run.info.status == "FINISHED"
+    models = client.search_logged_models([run.info.experiment_id], f"source_run_id = '{run.info.run_id}'")
+    assert [m.name for m in models] == ["global_model"]  # not logged twice
+    assert [m.step for m in client.get_metric_history(run.info.run_id, final)] == [2]
+    with pytest.raises(ConfigError, match=f"--resume {run.info.run_id}: the run finished"):
+        resume_experiment(run.info.run_id)

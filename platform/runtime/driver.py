@@ -56,7 +56,7 @@ from fedray.platform.runtime.session import Ending, RunSession
 from fedray.platform.runtime.worker import model_of_arch
 from fedray.platform.tracking.dataset import federation_dataset
 from fedray.platform.tracking.descriptions import run_description
-from fedray.platform.tracking.mlflow_run import RunTracker
+from fedray.platform.tracking.mlflow_run import RunTracker, run_to_resume
 from fedray.platform.tracking.names import Metrics, Tags, best_of, best_round_of, final_of
 
 logger = logging.getLogger(__name__)
@@ -517,16 +517,25 @@ def run_experiment(
             summary["finished"], 0.0, extra=baseline,
         )  # fmt: skip
         if finals is not None:
-            log_final(tracker, result, fed, summary["global_model"], *finals)
+            client_models, note = finals
+            resumed = resume_run_id is not None
+            log_final(tracker, result, fed, summary["global_model"], client_models, note, resumed)
         result.wall_time_s = session.finish(summary["finished"])
     return result
 
 
 def log_final(
-    tracker: RunTracker, result: Result, fed: Federation, global_model, client_models, note: str
+    tracker: RunTracker,
+    result: Result,
+    fed: Federation,
+    global_model,
+    client_models,
+    note: str,
+    resumed: bool = False,
 ) -> None:
     """Per-client final accuracies; the final global model (``runs:/<id>/global_model``) and the
-    personalised client models (``runs:/<id>/client_<k>``) as MLflow models."""
+    personalised client models (``runs:/<id>/client_<k>``) as MLflow models. A resumed run logs
+    only what its last segment did not: that one may have been cut short while logging these."""
     frame = pd.DataFrame(
         [{"client": cid, "accuracy": acc} for cid, acc in sorted(result.client_acc.items())],
         columns=["client", "accuracy"],
@@ -542,10 +551,12 @@ def log_final(
         model.load_state_dict(state)
         return model
 
-    if global_model is not None:  # the global model has the homogeneous group's one architecture
+    logged = tracker.model_names() if resumed else set()
+    if global_model is not None and "global_model" not in logged:  # the homogeneous group's one architecture
         tracker.log_model(model_of(0, global_model), "global_model", example, step)
     for cid, state in sorted(client_models.items()):
-        tracker.log_model(model_of(cid, state), f"client_{cid}", example, step)
+        if f"client_{cid}" not in logged:
+            tracker.log_model(model_of(cid, state), f"client_{cid}", example, step)
     if note:
         tracker.set_tags({Tags.CLIENT_MODELS: note})
     final = {}
@@ -553,11 +564,15 @@ def log_final(
         final[best_of(key)] = result.best(key)
         final[best_round_of(key)] = result.best_round(key)
         final[final_of(key)] = result.last(key)
-    tracker.log_metrics({k: v for k, v in final.items() if v is not None}, step=len(result.history))
+    if resumed:
+        final = {k: v for k, v in final.items() if tracker.last_step(k) < step}
+    tracker.log_metrics({k: v for k, v in final.items() if v is not None}, step=step)
 
 
 def resume_experiment(run_id: str, **kwargs: Any) -> Result:
     """Continue an interrupted run from its last checkpoint, to the same final numbers."""
+    if run_to_resume(run_id).info.status == "FINISHED":
+        raise ConfigError(f"--resume {run_id}: the run finished; there is nothing left to resume")
     directory = checkpoint_dir_of(run_id)
     saved = storage.load_torch(checkpoint_file(directory))  # an altered checkpoint stops here, before Ray
     raw = yaml.safe_load(saved_config_text(directory))

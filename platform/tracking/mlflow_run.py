@@ -128,6 +128,23 @@ class RunTracker:
         for i in range(0, len(batch), 1000):
             self.patient(self.client.log_batch, self.run_id, metrics=batch[i : i + 1000])
 
+    def model_names(self) -> set[str]:
+        """The names of the models this run logged whole (``log_model``; one cut short is not one)."""
+        from mlflow.entities import LoggedModelStatus
+
+        found, token = set(), None
+        while True:
+            page = self.patient(
+                self.client.search_logged_models,
+                [self.experiment_id],
+                filter_string=f"source_run_id = '{self.run_id}'",
+                page_token=token,
+            )
+            found |= {model.name for model in page if model.status == LoggedModelStatus.READY}
+            token = page.token
+            if not token:
+                return found
+
     def latest(self, key: str) -> float | None:
         """The value of ``key`` at its highest step (None when never logged)."""
         history = self.patient(self.client.get_metric_history, self.run_id, key)
@@ -300,13 +317,17 @@ def experiment_id(client, name: str, uri: str) -> str:
 
 def recorded_checkpoint_dir(run_id: str, uri: str | None = None) -> str | None:
     """The checkpoint folder (a path or a storage URI) a run recorded in its tag, if any."""
+    return run_to_resume(run_id, uri).data.tags.get(Tags.CHECKPOINT_DIR)
+
+
+def run_to_resume(run_id: str, uri: str | None = None):
+    """The MLflow run ``fedray run --resume RUN_ID`` names; one line if there is none."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     uri = uri or tracking_uri()
     try:
         with deferred():  # a resume reads it while the run's signals are taken
-            run = MlflowClient(tracking_uri=uri).get_run(run_id)
+            return MlflowClient(tracking_uri=uri).get_run(run_id)
     except MlflowException:
         raise ConfigError(f"--resume {run_id}: no such run in the MLflow store {uri}") from None
-    return run.data.tags.get(Tags.CHECKPOINT_DIR)
