@@ -196,3 +196,19 @@ def test_a_run_cut_short_while_logging_its_end_logs_the_rest_once_on_resume(mlfl
     assert [m.step for m in client.get_metric_history(run.info.run_id, final)] == [2]
     with pytest.raises(ConfigError, match=f"--resume {run.info.run_id}: the run finished"):
         resume_experiment(run.info.run_id)
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_run_is_created_knowing_its_checkpoint_folder(mlflow_store, monkeypatch):
+    # a run interrupted as its MLflow run is being described is told to resume: it must find where
+    from fedray.platform.tracking.mlflow_run import RunTracker
+
+    def server_gone(self, text):
+        raise OSError("tracking server gone")
+
+    monkeypatch.setattr(RunTracker, "describe", server_gone)
+    with pytest.raises(OSError, match="tracking server gone"):
+        run_experiment(load_config(None, tiny_overrides(rounds=2)))
+    client = MlflowClient(mlflow_store)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert Path(run.data.tags[Tags.CHECKPOINT_DIR]).is_dir()

@@ -293,11 +293,9 @@ def log_unlogged_rounds(
         log_round(tracker, rnd, metrics, on_round, logged)
 
 
-def record_new_run(tracker: RunTracker, cfg, fed, baseline, ckpt_dir: str) -> RunTracker:
-    """A new MLflow run's description, config, dataset input, partition and the checkpoint
-    directory it resumes from."""
+def record_new_run(tracker: RunTracker, cfg, fed, baseline) -> RunTracker:
+    """A new MLflow run's description, config, dataset input and partition."""
     tracker.describe(run_description(cfg))
-    tracker.set_tags({Tags.CHECKPOINT_DIR: ckpt_dir})
     tracker.log_params(cfg)
     tracker.log_config(cfg)
     split = federation_to_split(fed)  # built once: the split.json artifact and the dataset digest
@@ -509,7 +507,9 @@ def run_experiment(
         # the rounds start now; a new MLflow run is set up while the first one trains, and the events
         # wait in the Coordinator's queue until the driver streams them
         handle.start(ckpt_dir, stop_after_round)
-        tracker = session.tracker or record_new_run(session.open(), cfg, fed, baseline, ckpt_dir)
+        tracker = session.tracker or record_new_run(
+            session.open({Tags.CHECKPOINT_DIR: ckpt_dir}), cfg, fed, baseline
+        )
         session.watch(devices)
         summary, finals = drive(handle, tracker, ckpt_dir, stop_after_round, on_round)
         result = Result(

@@ -71,10 +71,15 @@ class RunSession:
         self.wall_s: float | None = None  # set when the run is done; None: it failed or was stopped
         self.outage = False  # the tracking server stayed down past tracking.max_outage_s
 
-    def open(self) -> RunTracker:
+    def open(self, tags: dict[str, str]) -> RunTracker:
+        """A new MLflow run, created with ``tags`` (the checkpoint folder: a run interrupted from
+        here on says how to resume it, so it must know where it resumes from)."""
         with deferred():  # a Ctrl-C meanwhile lands once the run is ours to close (as KILLED)
             self.tracker = RunTracker(
-                self.cfg, parent_run_id=self.parent_run_id, extra_tags=self.tags, start_time=self.started
+                self.cfg,
+                parent_run_id=self.parent_run_id,
+                extra_tags={**(self.tags or {}), **tags},
+                start_time=self.started,
             )
         return self.tracker
 
