@@ -139,8 +139,10 @@ class CheckpointWriter:
         self.last_write_s = 0.0  # how long the last write took: about how long one on its way may take
 
     def busy_s(self) -> float:
-        """About how long the checkpoint on its way (if any) still needs."""
-        return self.last_write_s if self.pending is not None and not self.pending.done() else 0.0
+        """About how long the checkpoint on its way (if any) still needs. Called from the driver's
+        thread while the round thread may take ``pending``: read once."""
+        pending = self.pending
+        return self.last_write_s if pending is not None and not pending.done() else 0.0
 
     def submit(self, done: int, checkpoint: Checkpoint) -> None:
         self.wait()
