@@ -11,7 +11,8 @@ per-round metrics), and while it runs ``nvidia-smi`` is sampled every half secon
 holding a CUDA context and for the GPU's utilisation.
 
  1. the quickstart with four ClientActors at 0.25 GPU: GPU processes, no failed client, GPU
-    utilisation during the rounds, per-round time, final accuracy, device tag ``cuda...``;
+    utilisation during the rounds, per-round time, final accuracy, device tag ``cuda...``, GPU
+    system metrics (``system/gpu*``) in MLflow;
  2. the same on the CPU (``CUDA_VISIBLE_DEVICES=``, ``ray.num_gpus_per_client=0``): final accuracy
     within 0.03 of check 1's;
  3. the default config (no GPU asked for) on the GPU node: no GPU process, device tag ``cpu``;
@@ -477,6 +478,7 @@ class RunRecord:
     status: str
     tags: dict[str, str]
     history: dict[str, list[Point]]
+    system_metrics: list[str] = field(default_factory=list)  # names only (MLflow's system/*)
 
     def values(self, key: str) -> list[float]:
         return [p.value for p in sorted(self.history.get(key, []))]
@@ -524,7 +526,8 @@ def read_run(uri: str, run_id: str) -> RunRecord:
         for key in run.data.metrics
         if not key.startswith(Metrics.SYSTEM_PREFIX)
     }
-    return RunRecord(run_id, run.info.status, dict(run.data.tags), history)
+    system = sorted(key for key in run.data.metrics if key.startswith(Metrics.SYSTEM_PREFIX))
+    return RunRecord(run_id, run.info.status, dict(run.data.tags), history, system)
 
 
 def child_runs(uri: str, parent_id: str) -> list[RunRecord]:
@@ -719,6 +722,8 @@ def check_quickstart_gpu(ctx: Context) -> list[Row]:
         workers = record.tags.get(Tags.WORKERS)
         expected = str(ctx.workers_on_one_gpu)
         row.expect(workers == expected, f"{expected} workers", workers, ctx.gpu_unchecked)
+        gpu_series = [key for key in record.system_metrics if key.startswith(f"{Metrics.SYSTEM_PREFIX}gpu")]
+        row.expect(bool(gpu_series), "GPU system metrics in MLflow", f"{len(gpu_series)}", ctx.gpu_unchecked)
     return [row]
 
 
