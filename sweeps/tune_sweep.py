@@ -647,7 +647,7 @@ def summarize(
     best_config = trial_config(base, best_point).to_dict() if best_point else {}
     parent.log_text(yaml.safe_dump(best_config, sort_keys=False), "best_config.yaml")
     parent.log_table(table, "trials.csv")
-    children = _close_stopped_children(parent)
+    children = _close_stopped_children(parent, set(table.loc[table["status"] == "interrupted", "trial"]))
     best = None
     if top is not None:
         run_id = next(
@@ -690,9 +690,11 @@ def log_trial_curves(parent, children: list, space: SearchSpace, algorithm: str)
         parent.log_file(path)
 
 
-def _close_stopped_children(parent) -> list:
+def _close_stopped_children(parent, interrupted: Collection[str] = ()) -> list:
     """A trial that ASHA stopped closes its own MLflow run (KILLED, tagged) when Tune lets its
-    thread finish; one whose process Tune ended first is still RUNNING: mark it the same way.
+    thread finish; one whose process Tune ended first is still RUNNING: mark it the same way. A
+    trial of ``interrupted`` (the sweep's Ctrl-C or ``--stop-after-trials``, which Tune stops as its
+    scheduler would) is closed KILLED too, but not tagged stopped early: its resume runs it again.
     Returns the sweep's child runs."""
     runs = parent.client.search_runs(
         [parent.experiment_id],
@@ -700,7 +702,11 @@ def _close_stopped_children(parent) -> list:
         max_results=10_000,
     )
     for run in runs:
+        cut_short = run.data.tags.get(Tags.TRIAL_ID) in interrupted
+        if cut_short and Tags.STOPPED_EARLY in run.data.tags:
+            parent.client.delete_tag(run.info.run_id, Tags.STOPPED_EARLY)
         if run.info.status == "RUNNING":
-            parent.client.set_tag(run.info.run_id, Tags.STOPPED_EARLY, "true")
+            if not cut_short:
+                parent.client.set_tag(run.info.run_id, Tags.STOPPED_EARLY, "true")
             parent.client.set_terminated(run.info.run_id, status="KILLED")
     return runs

@@ -26,6 +26,7 @@ from fedray.sweeps.tune_sweep import (
     NOT_RUN_AGAIN,
     InterruptAfterTrials,
     SweepResult,
+    _close_stopped_children,
     _scheduler,
     _TrialLines,
     best_row,
@@ -667,3 +668,30 @@ def test_prepare_base_makes_paths_absolute(tmp_path, monkeypatch):
     assert prepare_base(None, "fedavg", [])["tracking"]["uri"] == "http://tracking:5000"
     with pytest.raises(ConfigError):
         check_space(load_space(SPACE_FILES[0]), {"algorithm": "fedavg", "rounds": 0})
+
+
+def test_an_interrupted_trials_run_is_closed_killed_and_not_tagged_stopped_early(mlflow_store):
+    # Tune stops a running trial as its scheduler would when the sweep is interrupted (Ctrl-C,
+    # --stop-after-trials): the trial's own run may have tagged itself stopped early, or still run
+    client = MlflowClient(mlflow_store)
+    experiment = client.create_experiment("sweep")
+    parent = SimpleNamespace(client=client, experiment_id=experiment)
+    parent.run_id = client.create_run(experiment).info.run_id
+
+    def child(trial: str, **tags: str) -> str:
+        run = client.create_run(
+            experiment, tags={Tags.PARENT_RUN_ID: parent.run_id, Tags.TRIAL_ID: trial, **tags}
+        )
+        return run.info.run_id
+
+    by_asha, running, cut_short = child("a", **{Tags.STOPPED_EARLY: "true"}), child("b"), child("c")
+    closed_by_its_own_run = child("d", **{Tags.STOPPED_EARLY: "true"})
+    client.set_terminated(by_asha, status="KILLED")
+    client.set_terminated(closed_by_its_own_run, status="KILLED")
+    _close_stopped_children(parent, interrupted={"c", "d"})
+    ended = {
+        run_id: client.get_run(run_id) for run_id in (by_asha, running, cut_short, closed_by_its_own_run)
+    }
+    assert {run.info.status for run in ended.values()} == {"KILLED"}
+    stopped_early = {run_id for run_id, run in ended.items() if Tags.STOPPED_EARLY in run.data.tags}
+    assert stopped_early == {by_asha, running}
