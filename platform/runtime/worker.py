@@ -316,9 +316,11 @@ class ClientHost:
         data = self.client_data(task)
         ctx = ClientContext(task.client, self.cfg, self.meta["num_classes"], data.train, data.class_counts)
         if not self.keeps_state:
-            return self.spec.client_cls(
-                self.arch_model(arch_for_client(self.cfg.model.group, task.client)), ctx
-            )
+            model = self.arch_model(arch_for_client(self.cfg.model.group, task.client))
+            module = self.spec.client_cls(model, ctx)
+            # on a GPU with what its construction holds besides the model, as below (on the CPU it is
+            # there already: 0.1 ms a client saved)
+            return module.to(self.device) if self.device.type != "cpu" else module
         cached = self.modules.take(task.client)
         if cached is not None and cached[0] == task.version:
             return cached[1]
