@@ -130,16 +130,15 @@ PLACEMENT = textwrap.dedent(
     import ray
     from mlflow.tracking import MlflowClient
     from fedray.platform.catalog import load_config
-    from fedray.platform.runtime.coordinator import Coordinator, pool_size
+    from fedray.platform.runtime.coordinator import pool_size
     from fedray.platform.runtime.driver import run_experiment, start_local_ray
+    from fedray.platform.runtime.processes import KeptRuntime, sharing_processes
     from fedray.platform.tracking.names import Metrics, Tags
 
     # fedray's local Ray (its workers at nice 0, not Ray's 15, which starves them on a loaded machine)
     start_local_ray(2, num_gpus=1, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     cfg = load_config(None, json.loads(sys.argv[1]))
     free_gpu = []
-    result = run_experiment(cfg, on_round=lambda rnd, m: free_gpu.append(ray.available_resources().get("GPU", 0.0)))
-    tags = MlflowClient().get_run(result.run_id).data.tags
 
     # the Coordinator starts the replacement of a dead worker, which inherits its runtime env: Ray
     # must still assign that one its slice, while the Coordinator itself sees no GPU
@@ -151,7 +150,11 @@ PLACEMENT = textwrap.dedent(
     def started_by(coordinator):
         return os.environ.get("CUDA_VISIBLE_DEVICES"), ray.get(Replacement.remote().gpu_ids.remote())
 
-    coordinator_sees, replacement_gpus = ray.get(Coordinator.remote().__ray_call__.remote(started_by))
+    with sharing_processes():  # the run's Coordinator kept, for the check after it
+        result = run_experiment(cfg, on_round=lambda rnd, m: free_gpu.append(ray.available_resources().get("GPU", 0.0)))
+        coordinator = KeptRuntime.kept.coordinator
+        coordinator_sees, replacement_gpus = ray.get(coordinator.__ray_call__.remote(started_by))
+    tags = MlflowClient().get_run(result.run_id).data.tags
     print(json.dumps({
         "coordinator_sees": coordinator_sees,
         "replacement_gpus": replacement_gpus,
