@@ -647,7 +647,8 @@ def summarize(
     best_config = trial_config(base, best_point).to_dict() if best_point else {}
     parent.log_text(yaml.safe_dump(best_config, sort_keys=False), "best_config.yaml")
     parent.log_table(table, "trials.csv")
-    children = _close_stopped_children(parent, set(table.loc[table["status"] == "interrupted", "trial"]))
+    interrupted = set() if table.empty else set(table.loc[table["status"] == "interrupted", "trial"])
+    children = _close_stopped_children(parent, interrupted)
     best = None
     if top is not None:
         run_id = next(

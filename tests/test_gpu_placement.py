@@ -200,6 +200,8 @@ def test_the_pool_is_as_many_workers_as_the_scarcer_of_cpus_and_gpu_slices():
     assert pool_size(quarter, {"CPU": 16, "GPU": 1.5}) == 6  # a GPU in use: the half left holds two
     # a GPU node of one CPU beside an 8-CPU node: one GPU worker; 2 CPUs a client on two 3-CPU nodes: two
     assert pool_size(quarter, {"CPU": 9, "GPU": 1}, [{"CPU": 1, "GPU": 1}, {"CPU": 8}]) == 1
+    # a GPU node without CPUs (Ray leaves the key out) holds none
+    assert pool_size(quarter, {"CPU": 9, "GPU": 2}, [{"GPU": 1}, {"CPU": 1, "GPU": 1}, {"CPU": 8}]) == 1
     two_cpus = config("ray.num_cpus_per_client=2", *fill)
     assert pool_size(two_cpus, {"CPU": 6}, [{"CPU": 3}, {"CPU": 3}]) == 2
     assert pool_size(two_cpus, {"CPU": 2}, [{"CPU": 3}, {"CPU": 3}]) == 1  # what is free binds too

@@ -146,16 +146,16 @@ def pool_size(
     """How many ClientActors fit the cluster: bounded by CPUs, GPU slices (when asked for) and
     clients. ``resources``: what the cluster has free; ``nodes``: each node's own resources, as Ray
     places an actor on one node (a 4-CPU node and a 1-CPU GPU node do not hold four GPU workers)."""
-    fit = actors_fitting(cfg.ray, resources)
-    if nodes:
-        fit = min(fit, sum(actors_fitting(cfg.ray, node) for node in nodes))
+    fit = actors_fitting(cfg.ray, resources, cpus_if_unknown=1)
+    if nodes:  # a node without CPUs (a head started with --num-cpus=0) has no "CPU" key
+        fit = min(fit, sum(actors_fitting(cfg.ray, node, cpus_if_unknown=0) for node in nodes))
     if cfg.ray.max_actors:
         fit = min(fit, cfg.ray.max_actors)
     return max(1, min(fit, cfg.data.num_clients))
 
 
-def actors_fitting(r: RayConfig, resources: dict[str, float]) -> int:
-    fit = math.floor(resources.get("CPU", 1) / r.num_cpus_per_client + 1e-9)
+def actors_fitting(r: RayConfig, resources: dict[str, float], cpus_if_unknown: float) -> int:
+    fit = math.floor(resources.get("CPU", cpus_if_unknown) / r.num_cpus_per_client + 1e-9)
     if r.num_gpus_per_client > 0:
         fit = min(fit, gpu_slices(resources.get("GPU", 0), r.num_gpus_per_client))
     return fit
@@ -164,7 +164,9 @@ def actors_fitting(r: RayConfig, resources: dict[str, float]) -> int:
 def gpu_slices(gpus: float, share: float) -> int:
     """How many slices of ``share`` GPUs fit in ``gpus``. Ray puts a slice under one GPU on one GPU,
     so each whole GPU holds ``floor(1 / share)`` of them (two GPUs hold four slices of 0.4, not
-    five), and what is left of a GPU in use holds what fits in it."""
+    five). Ray reports a sum, so what is left over is read as the rest of one GPU in use: exact for
+    a run's own GPUs, free whole when its pool is sized, but an over-count where other work holds
+    slices of several GPUs."""
     if share >= 1:
         return math.floor(gpus / share + 1e-9)
     whole = math.floor(gpus + 1e-9)

@@ -111,7 +111,7 @@ class KeptRuntime:
             and group_id(placement_group) == cls.group
             and cls.this_node() == cls.node
         )
-        answers = answered([kept.coordinator, *kept.workers]) if fits else []
+        answers = answered([kept.coordinator, *kept.workers], timeout_s=10 if fits else 1)
         if fits and all(answers):
             return kept
         # a worker that died holds nothing: the stop counts only the others' resources as freed
