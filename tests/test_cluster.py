@@ -46,7 +46,8 @@ pytestmark = pytest.mark.skipif(not RAY_CLI.exists(), reason="the ray CLI is not
 # The driver: joins the cluster with fedray's own ensure_ray (RAY_ADDRESS), waits for the worker node,
 # then runs full / stopped / resumed, noting after each run the ClientActors it started and their nodes.
 DRIVER = r"""
-import json, os, sys, time
+import json, os, sys, threading, time
+from pathlib import Path
 
 start = time.monotonic()
 
@@ -112,9 +113,19 @@ other = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != me][0
 out["driver_on_head"] = any("node:__internal_head__" in n["Resources"] for n in ray.nodes() if n["NodeID"] == me)
 
 
-def lose_the_other_node(rnd, metrics):
-    if rnd != 2:
-        return
+def lose_the_other_node_after_round_2(storage, earlier):
+    # on the Coordinator's progress, not on the driver's rounds (it logs them behind the Coordinator,
+    # far behind on a loaded machine): the versions the clients committed to the new run's folder,
+    # two a round (train.fraction 0.5 of 4 clients)
+    while True:
+        versions = {}
+        for run_dir in set(storage.iterdir()) - earlier:
+            for state in (run_dir / "states").glob("*-v*.pt"):
+                client, version = state.stem.split("-v")
+                versions[client] = max(versions.get(client, 0), int(version))
+        if sum(versions.values()) >= 4:
+            break
+        time.sleep(0.02)
     for proc in psutil.process_iter(["name", "cmdline"]):
         if f"--node_id={other}" in (proc.info["cmdline"] or []) and "raylet" in (proc.info["name"] or ""):
             doomed = [proc, *proc.children(recursive=True)]  # the raylet and the node's workers
@@ -135,14 +146,18 @@ with sharing_processes():  # every run below starts on the last one's processes
     out["resumed"] = record(resume_experiment(out["stopped"]["run_id"]), before)
 
     # the worker node lost mid-run: its raylet (with its object store) and its processes killed once
-    # round 2 is logged, while round 3 trains; rounds 1-2 committed client states on both nodes. Six
-    # rounds of 40 local epochs (a second or two each, so the driver, which logs behind the
-    # Coordinator, kills the node with rounds to go), against an undisturbed run of the same config
+    # round 2's states are committed, as round 3 starts; rounds 1-2 committed client states on both
+    # nodes. Six rounds of 40 local epochs (a second or two each), against an undisturbed run of the
+    # same config
     longer = [*overrides, "rounds=6", "train.local_epochs=40"]
     before = actors()
     out["full10"] = record(run_experiment(load_config(None, longer)), before)
     before = actors()
-    out["node_lost"] = record(run_experiment(load_config(None, longer), on_round=lose_the_other_node), before)
+    storage = Path("../storage").resolve()
+    killer = threading.Thread(target=lose_the_other_node_after_round_2, args=(storage, set(storage.iterdir())))
+    killer.start()
+    out["node_lost"] = record(run_experiment(load_config(None, longer)), before)
+    killer.join(timeout=60)
 with open(out_path, "w") as f:
     json.dump(out, f)
 """
