@@ -24,8 +24,8 @@ from fedray.platform.config import ExperimentConfig, config_yaml
 from fedray.platform.errors import ConfigError, first_line
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.state_store import StateStore
-from fedray.platform.tracking.mlflow_run import recorded_checkpoint_dir, run_name
-from fedray.platform.tracking.names import Metrics
+from fedray.platform.tracking.mlflow_run import run_name, run_to_resume
+from fedray.platform.tracking.names import Metrics, Tags
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,10 @@ def saved_config_text(directory: str) -> str:
 
 def checkpoint_dir_of(run_id: str, uri: str | None = None) -> str:
     """The checkpoint folder a run recorded, for ``fedray run --resume RUN_ID``; one line if none."""
-    path = recorded_checkpoint_dir(run_id, uri)
+    run = run_to_resume(run_id, uri)
+    if run.info.status == "FINISHED":
+        raise ConfigError(f"--resume {run_id}: the run finished; there is nothing left to resume")
+    path = run.data.tags.get(Tags.CHECKPOINT_DIR)
     if not path or not has_checkpoint(path):
         raise ConfigError(f"--resume {run_id}: the run has no checkpoint to resume from (looked in {path})")
     return path

@@ -56,7 +56,7 @@ from fedray.platform.runtime.session import Ending, RunSession
 from fedray.platform.runtime.worker import model_of_arch
 from fedray.platform.tracking.dataset import federation_dataset
 from fedray.platform.tracking.descriptions import run_description
-from fedray.platform.tracking.mlflow_run import RunTracker, run_to_resume
+from fedray.platform.tracking.mlflow_run import RunTracker
 from fedray.platform.tracking.names import Metrics, Tags, best_of, best_round_of, final_of
 
 logger = logging.getLogger(__name__)
@@ -571,8 +571,6 @@ def log_final(
 
 def resume_experiment(run_id: str, **kwargs: Any) -> Result:
     """Continue an interrupted run from its last checkpoint, to the same final numbers."""
-    if run_to_resume(run_id).info.status == "FINISHED":
-        raise ConfigError(f"--resume {run_id}: the run finished; there is nothing left to resume")
     directory = checkpoint_dir_of(run_id)
     saved = storage.load_torch(checkpoint_file(directory))  # an altered checkpoint stops here, before Ray
     raw = yaml.safe_load(saved_config_text(directory))

@@ -115,8 +115,7 @@ class KeptRuntime:
         if fits and all(answers):
             return kept
         # a worker that died holds nothing: the stop counts only the others' resources as freed
-        dead = {i for i, answer in enumerate(answers[1:]) if answer is False}
-        alive = [worker for i, worker in enumerate(kept.workers) if i not in dead]
+        alive = [worker for worker, answer in zip(kept.workers, answers[1:]) if answer is not False]
         Runtime(kept.coordinator, alive, kept.worker_options).stop()
         return None
 
