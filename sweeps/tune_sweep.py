@@ -32,7 +32,14 @@ from fedray.platform.config import ExperimentConfig, merge, raw_config
 from fedray.platform.environ import environ_restored
 from fedray.platform.errors import ConfigError, Diverged, last_line
 from fedray.platform.runtime import storage
-from fedray.platform.runtime.driver import Trial, ensure_ray, require_gpus, run_experiment
+from fedray.platform.runtime.checkpoint import has_checkpoint
+from fedray.platform.runtime.driver import (
+    Trial,
+    ensure_ray,
+    require_gpus,
+    resume_experiment,
+    run_experiment,
+)
 from fedray.platform.runtime.processes import KeptRuntime
 from fedray.platform.runtime.session import StoppedEarly
 from fedray.platform.tracking.descriptions import sweep_description
@@ -135,11 +142,13 @@ def run_trial(
     pg = ray.util.get_current_placement_group()
     actors = trial_actors(cfg) if pg is not None else None  # as many as trial_resources reserved
     KeptRuntime.keep_between_trials()  # Tune hands this process the next trial (reuse_actors)
+    trial_id = tune.get_context().get_trial_id() or ""
     tags = {
         Tags.SWEEP_ID: sweep_id,
-        Tags.TRIAL_ID: tune.get_context().get_trial_id() or "",
+        Tags.TRIAL_ID: trial_id,
         Tags.RUN_NAME: f"{cfg.algorithm} {trial_label(point)}",  # charts' legends name the values
     }
+    cut_short = run_to_continue(parent_run_id, trial_id)
 
     def tune_result(rnd: int, metrics: dict[str, float]) -> dict[str, float]:
         return {"round": rnd, **{tune_key(k): v for k, v in metrics.items()}}
@@ -161,7 +170,10 @@ def run_trial(
     # tracking server may be waited for, and a minute more
     os.environ["TUNE_FUNCTION_THREAD_TIMEOUT_S"] = str(int(cfg.tracking.max_outage_s) + 60)
     try:
-        run_experiment(cfg, tags=tags, on_round=report, trial=Trial(parent_run_id, pg, actors))
+        if cut_short is None:
+            run_experiment(cfg, tags=tags, on_round=report, trial=Trial(parent_run_id, pg, actors))
+        else:  # the config its checkpoint saved, which is this trial's
+            resume_experiment(cut_short, tags=tags, on_round=report, trial=Trial(parent_run_id, pg, actors))
     except StoppedEarly:
         # closed as KILLED, tagged stopped early. SystemExit ends the thread as Tune ends a stopped
         # trial's; returning would make Tune's wrapper report the function's end and wait forever
@@ -169,6 +181,27 @@ def run_trial(
         raise SystemExit(0) from None
     for result in last:
         tune.report(result)
+
+
+def run_to_continue(parent_run_id: str, trial_id: str) -> str | None:
+    """The MLflow run of this trial that the sweep's interruption (or a failure other than diverging)
+    cut short, when it left a checkpoint: a resumed sweep runs such a trial again, and it continues
+    from there under the same run rather than from round 0 under a second. None for a trial's first
+    run, and for one cut short before its first checkpoint (it starts again)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()  # the sweep's store: run_trial has set MLFLOW_TRACKING_URI
+    parent = client.get_run(parent_run_id)
+    runs = client.search_runs(
+        [parent.info.experiment_id],
+        filter_string=f"{tag_filter(Tags.PARENT_RUN_ID, parent_run_id)} and {tag_filter(Tags.TRIAL_ID, trial_id)}",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    if not runs or runs[0].info.status == "FINISHED":
+        return None
+    path = runs[0].data.tags.get(Tags.CHECKPOINT_DIR)
+    return runs[0].info.run_id if path and has_checkpoint(path) else None
 
 
 # --------------------------------------------------------------------------------------------- sweep
@@ -673,7 +706,7 @@ def log_trial_curves(parent, children: list, space: SearchSpace, algorithm: str)
 
     from fedray.dashboards.figures import save_png, trial_curves
 
-    newest = {}  # one run per trial: a resumed sweep re-runs an interrupted trial under its id
+    newest = {}  # one run per trial: one cut short before its first checkpoint starts a second
     for run in sorted(children, key=lambda r: r.info.start_time):
         newest[run.data.tags.get(Tags.TRIAL_ID) or run.info.run_id] = run
     curves = {}

@@ -324,6 +324,46 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
     assert [m.step for m in client.get_metric_history(stopped.info.run_id, Metrics.ACC_GLOBAL)] == [1]
 
 
+@pytest.mark.usefixtures("ray_session")
+def test_a_trial_the_sweeps_interrupt_cut_short_resumes_from_its_checkpoint_under_its_run(
+    tmp_path, mlflow_store, monkeypatch
+):
+    # Ctrl-C (Tune's SIGUSR1) once the trial's first round reaches Tune; its Coordinator may run a
+    # round or two ahead before Tune stops it, and a checkpoint lands every round
+    path = tmp_path / "space.yaml"
+    space = {"search": "grid", "scheduler": "none", "metric": Metrics.ACC_GLOBAL}
+    path.write_text(yaml.safe_dump({**space, "params": {"train.lr": [0.05]}}))
+    overrides = tiny_overrides(rounds=8, checkpoint_every=1, **{"ray.max_actors": 1})
+
+    def interrupt(self, iteration, trials, trial, result, **info):
+        if result.get("round") == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(_TrialLines, "on_trial_result", interrupt)
+        first = run_sweep("fedavg", space_file=str(path), overrides=overrides)
+    (row,) = first.trials.to_dict("records")
+    assert row["status"] == "interrupted" and row["rounds run"] < 8, row
+    client = MlflowClient(mlflow_store)
+    experiment = client.get_run(first.parent_run_id).info.experiment_id
+    (cut,) = client.search_runs(
+        [experiment], filter_string=tag_filter(Tags.PARENT_RUN_ID, first.parent_run_id)
+    )
+    assert cut.info.status == "KILLED" and Tags.STOPPED_EARLY not in cut.data.tags
+
+    resumed = run_sweep("fedavg", space_file=str(path), overrides=overrides, resume=True)
+    (row,) = resumed.trials.to_dict("records")
+    assert row["status"] == "ok" and row["rounds run"] == 8, row
+    # the trial went on from its checkpoint in the run it had: one run, each round logged once (a
+    # trial run again from round 0 would log its first rounds twice, or start a second run)
+    (run,) = client.search_runs(
+        [experiment], filter_string=tag_filter(Tags.PARENT_RUN_ID, first.parent_run_id)
+    )
+    assert run.info.run_id == cut.info.run_id and run.info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, Metrics.ACC_GLOBAL)]
+    assert sorted(steps) == list(range(1, 9)), steps
+
+
 @pytest.mark.parametrize(
     ("metrics", "error", "point", "status"),
     [

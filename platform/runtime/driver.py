@@ -428,12 +428,19 @@ def preflight(cfg: ExperimentConfig) -> tuple[Federation, dict[str, float]]:
     return fed, baseline
 
 
-def reopen_run(session: RunSession, handle: CoordinatorHandle, run_id: str) -> str:
+def reopen_run(
+    session: RunSession,
+    handle: CoordinatorHandle,
+    run_id: str,
+    on_round: Callable[[int, dict[str, float]], None] | None,
+) -> str:
     """A resumed run: its MLflow run reopened, the Coordinator at its checkpoint, the rounds MLflow
-    missed logged. Returns the checkpoint folder."""
+    missed logged (and seen by ``on_round``: a resumed sweep trial's scheduler gets them too).
+    Returns the checkpoint folder."""
     tracker = session.reopen(run_id)
     ckpt_dir = checkpoint_dir_of(run_id, tracker.uri)
-    log_unlogged_rounds(tracker, handle.load_checkpoint(ckpt_dir), [tracker.last_step(Metrics.COMM_UP_BYTES)])
+    history = handle.load_checkpoint(ckpt_dir)
+    log_unlogged_rounds(tracker, history, [tracker.last_step(Metrics.COMM_UP_BYTES)], on_round)
     return ckpt_dir
 
 
@@ -501,7 +508,7 @@ def run_experiment(
     with session.guard(handle.release):
         devices = handle.devices()  # algorithm and client set-up errors surface here
         if resume_run_id is not None:
-            ckpt_dir = reopen_run(session, handle, resume_run_id)
+            ckpt_dir = reopen_run(session, handle, resume_run_id, on_round)
         else:
             ckpt_dir = new_checkpoint_dir(cfg)  # before the MLflow run: its tag points here
         # the rounds start now; a new MLflow run is set up while the first one trains, and the events
