@@ -1,8 +1,8 @@
 """GPU placement without a GPU: what the runtime decides from the config and from Ray's assignment.
 
-The machine has no GPU, so the placement test starts its own local Ray that declares one
-(``num_gpus=1``) in a subprocess (the session's Ray is never touched): Ray then hands out 0.25 slices
-of a GPU the process cannot use, which is the situation to get right. The device choice and the
+The machine has no GPU, so the placement test starts its own local Ray that declares two
+(``num_gpus=2``) in a subprocess (the session's Ray is never touched): Ray then hands out 0.25 slices
+of GPUs the process cannot use, which is the situation to get right. The device choice and the
 sweep's bundles are checked without Ray.
 """
 
@@ -132,12 +132,19 @@ PLACEMENT = textwrap.dedent(
     from fedray.platform.catalog import load_config
     from fedray.platform.runtime.coordinator import pool_size
     from fedray.platform.runtime.driver import run_experiment, start_local_ray
-    from fedray.platform.runtime.processes import KeptRuntime, sharing_processes
+    from fedray.platform.runtime.processes import KeptRuntime, node_resources, sharing_processes
     from fedray.platform.tracking.names import Metrics, Tags
+    from ray._private import state
+    from ray.util.placement_group import placement_group, remove_placement_group
 
     # fedray's local Ray (its workers at nice 0, not Ray's 15, which starves them on a loaded machine)
-    start_local_ray(2, num_gpus=1, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    start_local_ray(2, num_gpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     cfg = load_config(None, json.loads(sys.argv[1]))
+    # other work holds 0.6 of each GPU: Ray says 0.8 GPU is free, three quarters by the sum, but each
+    # GPU has room for one
+    held = [placement_group([{"GPU": 0.6}]) for _ in range(2)]
+    assert all(pg.wait(60) for pg in held)
+    pool = pool_size(cfg, ray.available_resources(), node_resources())
     free_gpu = []
 
     # the Coordinator starts the replacement of a dead worker, which inherits its runtime env: Ray
@@ -151,14 +158,18 @@ PLACEMENT = textwrap.dedent(
         return os.environ.get("CUDA_VISIBLE_DEVICES"), ray.get(Replacement.remote().gpu_ids.remote())
 
     with sharing_processes():  # the run's Coordinator kept, for the check after it
-        result = run_experiment(cfg, on_round=lambda rnd, m: free_gpu.append(ray.available_resources().get("GPU", 0.0)))
+        result = run_experiment(cfg, on_round=lambda rnd, m: free_gpu.append(round(ray.available_resources().get("GPU", 0.0), 6)))
+        pending = [a for a in state.actors().values() if a["State"] not in ("ALIVE", "DEAD")]
+        for pg in held:  # room for the replacement
+            remove_placement_group(pg)
         coordinator = KeptRuntime.kept.coordinator
         coordinator_sees, replacement_gpus = ray.get(coordinator.__ray_call__.remote(started_by))
     tags = MlflowClient().get_run(result.run_id).data.tags
     print(json.dumps({
         "coordinator_sees": coordinator_sees,
         "replacement_gpus": replacement_gpus,
-        "pool": pool_size(cfg, ray.cluster_resources()),
+        "pool": pool,
+        "pending_after_the_run": len(pending),
         "workers": tags[Tags.WORKERS],
         "device": tags[Tags.DEVICE],
         "free_gpu_during_rounds": free_gpu,
@@ -210,9 +221,10 @@ def test_the_pool_is_as_many_workers_as_the_scarcer_of_cpus_and_gpu_slices():
     )  # no GPU
 
 
-def test_quarter_gpu_slices_put_client_actors_on_one_gpu(tmp_path):
+def test_quarter_gpu_slices_go_where_a_gpu_has_room_and_the_run_goes_on_without_one_none_has(tmp_path):
     overrides = [o for o in tiny_overrides(rounds=2) if not o.startswith("ray.max_actors")]
-    overrides += ["ray.num_gpus_per_client=0.25", f"storage_path={tmp_path / 'store'}"]
+    overrides += ["ray.num_gpus_per_client=0.25", "ray.num_cpus_per_client=0.5"]
+    overrides += [f"storage_path={tmp_path / 'store'}"]
     done = subprocess.run(
         [sys.executable, "-c", PLACEMENT, json.dumps(overrides)],
         capture_output=True,
@@ -223,12 +235,17 @@ def test_quarter_gpu_slices_put_client_actors_on_one_gpu(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    # two CPUs and one GPU in quarters: two ClientActors (the CPUs bind), two slices held while rounds
-    # run. Four quarters filling the GPU are left to the pool_size test above and to make gpu-check:
-    # here they would cost two more processes importing torch
-    assert seen["pool"] == 2 and seen["workers"] == "2"
-    assert seen["free_gpu_during_rounds"] == [0.5, 0.5]
-    # each worker was assigned GPU 0 by Ray, cannot use it here, trained on the CPU and said so
-    assert seen["device"] == "cpu (Ray assigned GPU 0, but CUDA is not available in this process)"
+    # Ray's free GPUs are a sum (0.8), so the pool is sized at three quarters; two GPUs have room for
+    # one each: the run trains on those two (rather than waiting forever for the third, which is
+    # dropped at the end), holding their two slices while rounds run. Four quarters filling one GPU
+    # are left to the pool_size test above and to make gpu-check: here they would cost two more
+    # processes importing torch
+    assert seen["pool"] == 3 and seen["workers"] == "2", seen
+    assert seen["free_gpu_during_rounds"] == [0.3, 0.3], seen
+    assert seen["pending_after_the_run"] == 0
+    # each worker was assigned its GPU by Ray, cannot use it here, trained on the CPU and said so
+    assert seen["device"] == "; ".join(
+        f"cpu (Ray assigned GPU {gpu}, but CUDA is not available in this process)" for gpu in (0, 1)
+    ), seen
     assert seen["finished"] and seen["failed"] == 0
-    assert seen["coordinator_sees"] == "" and seen["replacement_gpus"] == [0], seen
+    assert seen["coordinator_sees"] == "" and seen["replacement_gpus"] in ([0], [1]), seen

@@ -3,10 +3,14 @@ round's training calls carry."""
 
 import pytest
 
+from fedray.platform.config import RayConfig
+from fedray.platform.errors import ConfigError
 from fedray.platform.runtime import dispatch
+from fedray.platform.runtime import pool as pool_module
+from fedray.platform.runtime.coordinator import worker_asks
 from fedray.platform.runtime.dispatch import TrainingDispatch
 from fedray.platform.runtime.failures import ClientCodeError, Failure
-from fedray.platform.runtime.pool import Job, WorkerPool
+from fedray.platform.runtime.pool import PLACEMENT_WAIT_S, SET_UP_GRACE_S, Job, WorkerPool, unplaced
 from fedray.platform.runtime.state_store import StateStore
 
 
@@ -67,6 +71,29 @@ def test_a_pinned_client_runs_elsewhere_while_its_worker_waits_for_a_node():
     pool.placing[1] = "set-up of a replacement no node has room for yet"
     assert pool.pick(jobs((1, 1)), 0).key == 0
     assert pool.pick(jobs((0, 0)), 1) is None  # a client whose worker runs still waits for it
+
+
+def test_a_run_starts_with_the_first_workers_ray_placed_and_says_so_in_one_line_when_none(monkeypatch):
+    # Ray sizes a pool from sums of free resources: a worker no GPU has room for waits for a node
+    # (the pool's placing slots, as a replacement) while the others train
+    waits = []
+
+    def wait(refs, num_returns, timeout):
+        waits.append((num_returns, timeout))
+        up = [r for r in refs if not r.startswith("stuck")]
+        return up[:num_returns], [r for r in refs if r not in up[:num_returns]]
+
+    monkeypatch.setattr(pool_module.ray, "wait", wait)
+    assert unplaced(["up0", "stuck1", "up2"], "1 CPU") == {1: "stuck1"}
+    # the first up within PLACEMENT_WAIT_S, then the others given SET_UP_GRACE_S at least
+    assert waits[0] == (1, PLACEMENT_WAIT_S) and waits[1][0] == 3 and waits[1][1] >= SET_UP_GRACE_S
+    with pytest.raises(ConfigError) as err:
+        unplaced(
+            ["stuck0", "stuck1"], worker_asks(RayConfig(num_cpus_per_client=1, num_gpus_per_client=0.25))
+        )
+    message = str(err.value)
+    assert "none of the run's 2 ClientActors (1 CPU and 0.25 GPU each) could be placed in 600 s" in message
+    assert "\n" not in message
 
 
 @pytest.mark.parametrize("commits", [False, True])

@@ -52,7 +52,7 @@ from fedray.platform.runtime.events import (
     RoundEnded,
     RoundStarted,
 )
-from fedray.platform.runtime.pool import WorkerPool
+from fedray.platform.runtime.pool import WorkerPool, unplaced
 from fedray.platform.runtime.process_roles import set_up_coordinator
 from fedray.platform.runtime.state_store import STATES_DIR, StateStore
 from fedray.platform.runtime.worker import ClientActor, make_client_model
@@ -215,11 +215,19 @@ def start_pool(
         worker = start_worker(cfg, options)
         return worker, worker.setup.remote(meta_ref)  # runs before any job: an actor's calls run in order
 
-    infos = ray.get([w.setup.remote(meta_ref, cfg) for w in workers])
+    set_ups = [w.setup.remote(meta_ref, cfg) for w in workers]
+    placing = unplaced(set_ups, worker_asks(cfg.ray))
+    infos = ray.get([ref for slot, ref in enumerate(set_ups) if slot not in placing])
     # a worker per client keeps each client's module for the run, when clients keep state
     pinned = commits and len(workers) >= cfg.data.num_clients
-    pool = WorkerPool(workers, spawn, pinned=pinned)
+    pool = WorkerPool(workers, spawn, pinned=pinned, placing=placing)
     return pool, [info["device"] for info in infos]
+
+
+def worker_asks(r: RayConfig) -> str:
+    """What one ClientActor asks Ray for, in words."""
+    gpus = f" and {r.num_gpus_per_client:g} GPU" if r.num_gpus_per_client > 0 else ""
+    return f"{r.num_cpus_per_client:g} CPU{gpus}"
 
 
 class RoundLoop:
@@ -264,7 +272,7 @@ class RoundLoop:
         drop_partial_writes(checkpoint_dir)  # what an interrupted run's killed checkpoint writer left
         if self.commits:  # the workers write states into this folder, and never make it
             storage.make_dirs(storage.join(checkpoint_dir, STATES_DIR))
-            check_workers_see(self.pool.workers, checkpoint_dir)
+            check_workers_see(self.pool.placed(), checkpoint_dir)
             self.store.sweep()  # what a resumed run's interrupted one left that nothing needs
         try:
             summary = self.run_rounds(stop_after_round)

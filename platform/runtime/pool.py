@@ -16,6 +16,7 @@ algorithm that breaks the platform's contract, or a config that cannot work, sto
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +29,14 @@ from fedray.platform.runtime.failures import ClientCodeError, Failure, remote_fa
 
 MAX_RETRIES = 3  # a client that keeps killing its worker (its own OOM) is reported as failed
 IN_FLIGHT = 2  # calls queued in one worker at a time
-# how long the pool waits with every worker a replacement that no node has room for (a lost node)
+# how long the pool waits with every worker a replacement that no node has room for (a lost node),
+# and a run's set-up for its first worker
 PLACEMENT_WAIT_S = 600.0
+# how long a run's set-up waits for its other first workers, once one is up (at least; twice what
+# that one took, if longer): they started with it, so one not up by then waits for resources that
+# other work holds. Generous, as a kept worker is up at once and a new one may take half a minute
+# on a loaded machine, and one that joins late is left out of the run's workers tag
+SET_UP_GRACE_S = 60.0
 
 
 # a worker gone, with its process or its node: what it was running (and returned) runs again
@@ -72,12 +79,14 @@ class WorkerPool:
         spawn: Callable[[], tuple[Any, Any]],
         *,
         pinned: bool,
+        placing: dict[int, Any] | None = None,
     ) -> None:
         self.workers = list(workers)
         self.generation = [0] * len(self.workers)
         # a fresh worker and the ref its set-up returns (its description, "node" among it) once placed
         self.spawn = spawn
-        self.placing: dict[int, Any] = {}  # slot -> set-up ref of a replacement not placed yet
+        # slot -> set-up ref of a worker not placed yet (a replacement, or one of the first: unplaced())
+        self.placing: dict[int, Any] = dict(placing or {})
         self.pinned = pinned
 
     def __len__(self) -> int:
@@ -221,9 +230,32 @@ class WorkerPool:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
 
+    def placed(self) -> list:
+        """The workers that run now: not those still waiting for a node."""
+        return [worker for slot, worker in enumerate(self.workers) if slot not in self.placing]
+
     def detach(self) -> list:
-        """The workers that run now, handed over for another run; a replacement still waiting for a
+        """The workers that run now, handed over for another run; a worker still waiting for a
         node is killed."""
         for slot in self.placing:
             ray.kill(self.workers[slot], no_restart=True)
-        return [worker for slot, worker in enumerate(self.workers) if slot not in self.placing]
+        return self.placed()
+
+
+def unplaced(set_ups: list, asks: str) -> dict[int, Any]:
+    """The first workers' set-ups (by slot) that Ray has not placed once one of them is up and the
+    others had :data:`SET_UP_GRACE_S` more: the pool starts without them and each joins once placed,
+    as a replacement does. Ray reports free resources as sums over GPUs and nodes, so a pool sized
+    from them may hold a worker that no GPU or node has room for while other work holds its share:
+    the run goes on without it rather than waiting for it. None up in :data:`PLACEMENT_WAIT_S`: one
+    line. ``asks``: what each worker asks for, for that line."""
+    started = time.monotonic()
+    if not ray.wait(set_ups, num_returns=1, timeout=PLACEMENT_WAIT_S)[0]:
+        raise ConfigError(
+            f"ray: none of the run's {len(set_ups)} ClientActors ({asks} each) could be placed in "
+            f"{PLACEMENT_WAIT_S:.0f} s: no node has that free; free it, or ask for less"
+        )
+    grace = max(SET_UP_GRACE_S, 2 * (time.monotonic() - started))
+    ready, _ = ray.wait(set_ups, num_returns=len(set_ups), timeout=grace)
+    up = set(ready)
+    return {slot: ref for slot, ref in enumerate(set_ups) if ref not in up}
