@@ -226,10 +226,10 @@ def test_a_checkpoint_cut_short_leaves_the_last_one_whole(tmp_path, monkeypatch)
     trains(0.0)
     second = take_checkpoint(directory, 2, server, store, record)
 
-    def refuse_the_checkpoint_file(uri, data, write=storage.write_bytes):
+    def refuse_the_checkpoint_file(uri, data, *args, write=storage.write_bytes, **kwargs):
         if uri.endswith("checkpoint.pt"):
             raise OSError("disk full")
-        write(uri, data)
+        write(uri, data, *args, **kwargs)
 
     monkeypatch.setattr(storage, "write_bytes", refuse_the_checkpoint_file)
     with pytest.raises(OSError, match="disk full"):

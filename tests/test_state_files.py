@@ -5,6 +5,8 @@ same numbers with a checkpoint after every round, with none, and stopped and res
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -82,6 +84,39 @@ def test_a_version_a_checkpoint_lists_stays_until_a_later_checkpoint_has_landed(
     trains(resumed, 1, 6.0)  # the resumed run writes v5 again (the interrupted run's is overwritten)
     assert files(tmp_path) == ["1-v4.pt", "1-v5.pt"]
     assert float(resumed.states([1])[1]["module"]["w"][0]) == 6.0
+
+
+def test_a_checkpoint_reaches_the_disk_after_the_states_it_lists(tmp_path, monkeypatch):
+    # a rename is atomic against a killed process, not against the host's crash: the states a
+    # checkpoint lists are flushed (files, then their folder) before it is, and it (its temporary
+    # file, then its folder: the rename) before the run deletes what only the last one listed
+    synced = []
+    flush = os.fsync
+
+    def fsync(fd):
+        path = Path(os.readlink(f"/proc/self/fd/{fd}")).relative_to(tmp_path).as_posix()
+        synced.append((re.sub(r"\.[0-9a-f]{8}\.tmp$", ".tmp", path), (tmp_path / "checkpoint.pt").exists()))
+        flush(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    store, directory = StateStore(), str(tmp_path)
+    store.directory = directory
+    trains(store, 1, 1.0)
+    trains(store, 2, 2.0)
+    assert synced == []  # a worker's write of a state is not flushed: its checkpoint does that
+    write_checkpoint(checkpoint(store, directory, 1))
+    store.landed()
+    assert synced == [
+        ("states/1-v1.pt", False),
+        ("states/2-v1.pt", False),
+        ("states", False),
+        ("checkpoint.pt.tmp", False),
+        (".", True),
+    ]
+    synced.clear()
+    trains(store, 1, 3.0)
+    write_checkpoint(checkpoint(store, directory, 2))  # 2-v1 is on the disk since the first
+    assert [path for path, _ in synced] == ["states/1-v2.pt", "states", "checkpoint.pt.tmp", "."]
 
 
 def test_a_resumed_run_starts_by_deleting_what_its_interrupted_run_left_that_nothing_needs(tmp_path):

@@ -57,7 +57,7 @@ def new_checkpoint_dir(cfg: ExperimentConfig) -> str:
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     path = storage.join(storage.resolve(cfg.storage_path), f"{run_name(cfg)}-{stamp}")
     storage.make_dirs(path)
-    storage.write_bytes(storage.join(path, CONFIG_FILE), config_yaml(cfg).encode())
+    storage.write_bytes(storage.join(path, CONFIG_FILE), config_yaml(cfg).encode(), durable=True)
     return path
 
 
@@ -104,6 +104,7 @@ class Checkpoint:
 
     path: str  # the checkpoint file
     contents: memoryview  # its bytes: the server state, the store's manifest and the loop's record
+    new_states: list[str] = field(default_factory=list)  # state files it lists that no landed one did
 
 
 def take_checkpoint(
@@ -120,12 +121,16 @@ def take_checkpoint(
         "last_client_acc": record.client_acc,
         "torch_rng": torch.get_rng_state(),
     }
-    return Checkpoint(checkpoint_file(directory), storage.torch_bytes(state))
+    return Checkpoint(checkpoint_file(directory), storage.torch_bytes(state), store.unlanded_files())
 
 
 def write_checkpoint(checkpoint: Checkpoint) -> str:
-    """The checkpoint file, atomically: a checkpoint cut short leaves the last one whole. Returns its path."""
-    storage.write_bytes(checkpoint.path, checkpoint.contents)
+    """The checkpoint file, atomically: a checkpoint cut short leaves the last one whole. The state
+    files it lists reach the disk before it does, and it before this returns (the run then deletes
+    the files only the last one listed): a host that crashes leaves a checkpoint to resume from.
+    Returns its path."""
+    storage.flush_to_disk(checkpoint.new_states)
+    storage.write_bytes(checkpoint.path, checkpoint.contents, durable=True)
     return checkpoint.path
 
 

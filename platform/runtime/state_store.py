@@ -140,6 +140,11 @@ class StateStore:
         self.pending_manifest = dict(self.version)
         return {c: state_name(c, v) for c, v in sorted(self.version.items())}
 
+    def unlanded_files(self) -> list[str]:
+        """The files of the current versions that the last landed checkpoint does not list: what a
+        checkpoint taken now must flush to the disk before it lands."""
+        return [self.file(c, v) for c, v in sorted(self.version.items()) if self.landed_manifest.get(c) != v]
+
     def landed(self) -> None:
         """The checkpoint on its way has landed: the versions only the one before it listed go."""
         before, self.landed_manifest, self.pending_manifest = self.landed_manifest, self.pending_manifest, {}

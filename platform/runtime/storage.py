@@ -11,11 +11,12 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import pickle
 import posixpath
 import re
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +61,10 @@ def exists(uri: str) -> bool:
 PARTIAL = ".tmp"  # a write's temporary name ends so: one still there was cut short (its process killed)
 
 
-def write_bytes(uri: str, data: bytes | memoryview, parents: bool = True) -> None:
+def write_bytes(uri: str, data: bytes | memoryview, parents: bool = True, durable: bool = False) -> None:
     """Write atomically: to a temporary name first, then renamed over ``uri`` (object stores write
-    whole objects, so the rename there is a copy of a complete file)."""
+    whole objects, so the rename there is a copy of a complete file). ``durable``: on the disk, not
+    only in the page cache, when this returns (:func:`flush_to_disk`), the file before its rename."""
     filesystem, path = _filesystem(uri)
     if parents:
         filesystem.create_dir(posixpath.dirname(path) or ".", recursive=True)
@@ -70,11 +72,29 @@ def write_bytes(uri: str, data: bytes | memoryview, parents: bool = True) -> Non
     try:
         with filesystem.open_output_stream(tmp) as out:
             out.write(data)
+        if durable:
+            flush_to_disk([tmp], folders=False)
         filesystem.move(tmp, path)
     except BaseException:  # a full disk, a refused upload: no half-written file left behind
         with contextlib.suppress(Exception):
             filesystem.delete_file(tmp)
         raise
+    if durable:
+        flush_to_disk([uri], files=False)
+
+
+def flush_to_disk(uris: Iterable[str], files: bool = True, folders: bool = True) -> None:
+    """Local files and the folders that hold them forced to the disk (``fsync``): a rename makes a
+    write atomic against a killed process, not against the host's crash, after which a file renamed
+    but not yet flushed may be found empty, or missing. An object store's upload is durable once it
+    returns: a URI is left as it is."""
+    local = [uri for uri in uris if "://" not in uri]
+    for path in (local if files else []) + sorted({os.path.dirname(p) for p in local} if folders else []):
+        fd = os.open(path, os.O_RDONLY)  # a folder too: its fsync makes the renames into it last
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def names_in(uri: str) -> list[str]:
