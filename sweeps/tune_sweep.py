@@ -32,7 +32,7 @@ from fedray.platform.config import ExperimentConfig, merge, raw_config
 from fedray.platform.environ import environ_restored
 from fedray.platform.errors import ConfigError, Diverged, last_line
 from fedray.platform.runtime import storage
-from fedray.platform.runtime.checkpoint import has_checkpoint
+from fedray.platform.runtime.checkpoint import checkpoint_file, has_checkpoint
 from fedray.platform.runtime.driver import (
     Trial,
     ensure_ray,
@@ -45,6 +45,7 @@ from fedray.platform.runtime.session import StoppedEarly
 from fedray.platform.tracking.descriptions import sweep_description
 from fedray.platform.tracking.mlflow_run import RunTracker, tracking_uri
 from fedray.platform.tracking.names import RunKind, Tags, tag_filter
+from fedray.platform.tracking.outage import PatientCalls
 from fedray.platform.tracking.views import DEFAULT_SERVER, runs_table_url, save_sweep_view
 from fedray.sweeps.space import (
     SearchSpace,
@@ -116,18 +117,25 @@ def trial_resources(cfg: ExperimentConfig):
 # --------------------------------------------------------------------------------------------- trial
 
 
+def tune_result(rnd: int, metrics: dict[str, float]) -> dict[str, float]:
+    """A round's metrics as a trial reports them to Tune."""
+    return {"round": rnd, **{tune_key(k): v for k, v in metrics.items()}}
+
+
 def run_trial(
     point: dict[str, Any],
     base: dict[str, Any],
     parent_run_id: str,
     sweep_id: str,
     diverged: dict[str, str] | None = None,
+    resumed: bool = False,
 ) -> None:
     """The Tune trainable: one federated run with the sampled values, reporting every round.
     ``diverged`` (the sweep's state, :func:`remember_divergences`) names the trials whose run
     diverged before a resume: when Tune resumes them (with a trial that failed otherwise,
     :func:`failed_otherwise`), one of these ends as soon as it is scheduled, before a run starts,
-    with its line: the same settings would diverge again."""
+    with its line: the same settings would diverge again. In a ``resumed`` sweep, a trial that ran
+    before goes on from its run's last checkpoint, in that run (:func:`earlier_run`)."""
     import ray
     from ray import tune
 
@@ -139,20 +147,22 @@ def run_trial(
     # this worker would name a store in the trial's own directory
     if cfg.tracking.uri:
         os.environ["MLFLOW_TRACKING_URI"] = cfg.tracking.uri
+    trial_id = tune.get_context().get_trial_id() or ""
+    earlier = earlier_run(cfg, parent_run_id, trial_id) if resumed else None
+    if earlier is not None and earlier.info.status == "FINISHED":
+        history = checkpoint_history(earlier)
+        if history:  # it ended before Tune heard its last round: that round, and nothing run again
+            tune.report(tune_result(len(history), history[-1]))
+            return
+    cut_short = earlier.info.run_id if earlier is not None and continuable(earlier) else None
     pg = ray.util.get_current_placement_group()
     actors = trial_actors(cfg) if pg is not None else None  # as many as trial_resources reserved
     KeptRuntime.keep_between_trials()  # Tune hands this process the next trial (reuse_actors)
-    trial_id = tune.get_context().get_trial_id() or ""
     tags = {
         Tags.SWEEP_ID: sweep_id,
         Tags.TRIAL_ID: trial_id,
         Tags.RUN_NAME: f"{cfg.algorithm} {trial_label(point)}",  # charts' legends name the values
     }
-    cut_short = run_to_continue(parent_run_id, trial_id)
-
-    def tune_result(rnd: int, metrics: dict[str, float]) -> dict[str, float]:
-        return {"round": rnd, **{tune_key(k): v for k, v in metrics.items()}}
-
     last: list[dict[str, float]] = []
 
     def report(rnd: int, metrics: dict[str, float]) -> None:
@@ -169,39 +179,56 @@ def run_trial(
     # this many seconds (default 2) for that before it fails the *next* trial: as long as the
     # tracking server may be waited for, and a minute more
     os.environ["TUNE_FUNCTION_THREAD_TIMEOUT_S"] = str(int(cfg.tracking.max_outage_s) + 60)
+    trial = Trial(parent_run_id, pg, actors)
     try:
         if cut_short is None:
-            run_experiment(cfg, tags=tags, on_round=report, trial=Trial(parent_run_id, pg, actors))
+            result = run_experiment(cfg, tags=tags, on_round=report, trial=trial)
         else:  # the config its checkpoint saved, which is this trial's
-            resume_experiment(cut_short, tags=tags, on_round=report, trial=Trial(parent_run_id, pg, actors))
+            result = resume_experiment(cut_short, tags=tags, on_round=report, trial=trial)
     except StoppedEarly:
         # closed as KILLED, tagged stopped early. SystemExit ends the thread as Tune ends a stopped
         # trial's; returning would make Tune's wrapper report the function's end and wait forever
         # for a go-ahead that a stopped trial never gets
         raise SystemExit(0) from None
-    for result in last:
-        tune.report(result)
+    if not last and result.finished and result.history:
+        # continued from its last round's checkpoint, which its run had logged already
+        last.append(tune_result(len(result.history), result.history[-1]))
+    for final in last:
+        tune.report(final)
 
 
-def run_to_continue(parent_run_id: str, trial_id: str) -> str | None:
-    """The MLflow run of this trial that the sweep's interruption (or a failure other than diverging)
-    cut short, when it left a checkpoint: a resumed sweep runs such a trial again, and it continues
-    from there under the same run rather than from round 0 under a second. None for a trial's first
-    run, and for one cut short before its first checkpoint (it starts again)."""
+def earlier_run(cfg: ExperimentConfig, parent_run_id: str, trial_id: str):
+    """The newest MLflow run of this trial in the sweep's store (None if it has none): in a resumed
+    sweep, one the interruption (or a failure other than diverging) cut short, or one that finished
+    before Tune heard its last round. Waits out an outage of the tracking server as a run does."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient()  # the sweep's store: run_trial has set MLFLOW_TRACKING_URI
-    parent = client.get_run(parent_run_id)
-    runs = client.search_runs(
+    uri = tracking_uri(cfg)  # the sweep's store
+    client, patient = MlflowClient(tracking_uri=uri), PatientCalls(uri, cfg.tracking.max_outage_s)
+    parent = patient(client.get_run, parent_run_id)
+    runs = patient(
+        client.search_runs,
         [parent.info.experiment_id],
         filter_string=f"{tag_filter(Tags.PARENT_RUN_ID, parent_run_id)} and {tag_filter(Tags.TRIAL_ID, trial_id)}",
         order_by=["attributes.start_time DESC"],
         max_results=1,
     )
-    if not runs or runs[0].info.status == "FINISHED":
-        return None
-    path = runs[0].data.tags.get(Tags.CHECKPOINT_DIR)
-    return runs[0].info.run_id if path and has_checkpoint(path) else None
+    return runs[0] if runs else None
+
+
+def continuable(run) -> bool:
+    """Whether a trial's earlier run goes on from a checkpoint, in the same run, rather than from
+    round 0 under a second (one cut short before its first checkpoint starts again)."""
+    path = run.data.tags.get(Tags.CHECKPOINT_DIR)
+    return run.info.status != "FINISHED" and bool(path) and has_checkpoint(path)
+
+
+def checkpoint_history(run) -> list[dict[str, float]]:
+    """The rounds' metrics a run's last checkpoint holds (none without a checkpoint)."""
+    path = run.data.tags.get(Tags.CHECKPOINT_DIR)
+    if not path or not has_checkpoint(path):
+        return []
+    return storage.load_torch(checkpoint_file(path))["history"]
 
 
 # --------------------------------------------------------------------------------------------- sweep
@@ -425,7 +452,12 @@ def run_sweep(
 
     trainable = tune.with_resources(
         tune.with_parameters(
-            run_trial, base=base, parent_run_id=parent.run_id, sweep_id=name, diverged=state["diverged"]
+            run_trial,
+            base=base,
+            parent_run_id=parent.run_id,
+            sweep_id=name,
+            diverged=state["diverged"],
+            resumed=resume,
         ),
         resources=trial_resources(base_cfg),
     )

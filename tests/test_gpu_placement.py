@@ -126,7 +126,7 @@ def test_gpus_this_machine_lacks_fail_before_a_local_ray_and_a_cluster_is_asked_
 
 PLACEMENT = textwrap.dedent(
     """
-    import json, os, sys
+    import json, os, sys, time
     import ray
     from mlflow.tracking import MlflowClient
     from fedray.platform.catalog import load_config
@@ -159,7 +159,11 @@ PLACEMENT = textwrap.dedent(
 
     with sharing_processes():  # the run's Coordinator kept, for the check after it
         result = run_experiment(cfg, on_round=lambda rnd, m: free_gpu.append(round(ray.available_resources().get("GPU", 0.0), 6)))
-        pending = [a for a in state.actors().values() if a["State"] not in ("ALIVE", "DEAD")]
+        for _ in range(150):  # the unplaced worker, killed as the run ends (ray.kill does not wait)
+            pending = [a for a in state.actors().values() if a["State"] not in ("ALIVE", "DEAD")]
+            if not pending:
+                break
+            time.sleep(0.2)
         for pg in held:  # room for the replacement
             remove_placement_group(pg)
         coordinator = KeptRuntime.kept.coordinator

@@ -96,6 +96,25 @@ def test_a_run_starts_with_the_first_workers_ray_placed_and_says_so_in_one_line_
     assert "\n" not in message
 
 
+def test_a_worker_placed_late_is_checked_before_it_takes_a_job(monkeypatch):
+    # the first workers are checked as the run starts (the run's folder seen from their node); one
+    # placed later, or a replacement, is checked when it is placed, and a failed check stops the run
+    monkeypatch.setattr(pool_module.ray, "wait", lambda refs, timeout: (refs, []))
+    monkeypatch.setattr(pool_module.ray, "get", lambda ref: {"device": "cpu"})
+    pool = WorkerPool(["w0", "w1"], spawn=lambda: ("new", None), pinned=False, placing={1: "set-up of w1"})
+    checked = []
+    pool.on_placed = checked.append
+    assert pool.ready(0) and checked == []
+    assert pool.ready(1) and checked == ["w1"] and pool.placing == {}
+
+    def refuse(worker):
+        raise ConfigError("storage_path: the run's folder is not there on node 10.0.0.2")
+
+    pool.placing[0], pool.on_placed = "set-up of a replacement", refuse
+    with pytest.raises(ConfigError, match="not there on node"):
+        pool.ready(0)
+
+
 @pytest.mark.parametrize("commits", [False, True])
 def test_a_broadcast_is_put_in_the_object_store_once_a_round(monkeypatch, commits):
     """50 clients sharing one downlink: one object, so each worker reads it once (it keys what it

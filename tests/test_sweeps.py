@@ -18,8 +18,11 @@ from mlflow.tracking import MlflowClient
 from ui_helpers import browser_or_skip, page_dom, ui_server
 
 from fedray.platform.apps.cli import main
+from fedray.platform.catalog import load_config
 from fedray.platform.config import load_yaml
 from fedray.platform.errors import ConfigError, Diverged
+from fedray.platform.runtime import storage
+from fedray.platform.tracking.mlflow_run import RunTracker
 from fedray.platform.tracking.names import Metrics, RunKind, Tags, tag_filter
 from fedray.sweeps.space import SPACES_DIR, check_space, load_space, trial_config
 from fedray.sweeps.tune_sweep import (
@@ -39,6 +42,7 @@ from fedray.sweeps.tune_sweep import (
     run_trial,
     trial_status,
     trial_table,
+    tune_key,
     tune_settings,
     unreported_metric,
 )
@@ -529,6 +533,72 @@ def test_a_trial_that_diverged_before_ends_before_its_run_when_tune_resumes_it(m
     assert str(raised.value) == line + NOT_RUN_AGAIN and is_divergence(str(raised.value))
 
 
+@pytest.fixture
+def trial_without_ray(monkeypatch, tmp_path):
+    """run_trial as Tune calls it, without Ray: what it reports, and how it ran (fresh, continued)."""
+    import ray.util
+    from ray import tune
+
+    from fedray.platform.runtime.processes import KeptRuntime
+    from fedray.sweeps import tune_sweep
+
+    context = SimpleNamespace(get_trial_dir=lambda: "/s/sweep/t0", get_trial_id=lambda: "t0")
+    monkeypatch.setattr(tune, "get_context", lambda: context)
+    reported, ran = [], []
+    monkeypatch.setattr(tune, "report", reported.append)
+    monkeypatch.setattr(ray.util, "get_current_placement_group", lambda: None)
+    monkeypatch.setattr(KeptRuntime, "keep_between_trials", lambda: None)
+    for key in ("MLFLOW_TRACKING_URI", "TUNE_FUNCTION_THREAD_TIMEOUT_S"):  # run_trial sets them
+        monkeypatch.setenv(key, os.environ.get(key, ""))
+    history = [{Metrics.ACC_GLOBAL: 0.1 * (r + 1)} for r in range(3)]
+
+    def run(cfg, tags, on_round, trial, logged=3):  # a run whose rounds up to `logged` were logged before
+        for rnd in range(logged + 1, 4):
+            on_round(rnd, history[rnd - 1])
+        return SimpleNamespace(finished=True, history=history)
+
+    monkeypatch.setattr(
+        tune_sweep, "run_experiment", lambda cfg, **kw: ran.append("fresh") or run(cfg, logged=0, **kw)
+    )
+    monkeypatch.setattr(
+        tune_sweep, "resume_experiment", lambda run_id, **kw: ran.append(run_id) or run(None, **kw)
+    )
+    base = prepare_base(None, "fedavg", tiny_overrides(rounds=3))
+
+    def earlier(status, checkpoint=True):
+        folder = tmp_path / f"run-{status}-{checkpoint}"
+        if checkpoint:
+            storage.save_torch({"history": history}, str(folder / "checkpoint.pt"))
+        tags = {Tags.CHECKPOINT_DIR: str(folder)}
+        found = SimpleNamespace(
+            info=SimpleNamespace(status=status, run_id=f"r-{status}"), data=SimpleNamespace(tags=tags)
+        )
+        monkeypatch.setattr(tune_sweep, "earlier_run", lambda cfg, parent, trial: found)
+
+    def trial(resumed=True):
+        reported.clear(), ran.clear()
+        run_trial({"train.lr": 0.1}, base=base, parent_run_id="p", sweep_id="s", resumed=resumed)
+        return ran, [r["round"] for r in reported], reported[-1][tune_key(Metrics.ACC_GLOBAL)]
+
+    return earlier, trial
+
+
+def test_a_resumed_trial_tells_tune_its_last_round_whenever_its_run_logged_it(trial_without_ray):
+    earlier, trial = trial_without_ray
+    # a first run: every round reaches Tune, the last once its run is closed
+    assert trial(resumed=False) == (["fresh"], [1, 2, 3], pytest.approx(0.3))
+    # cut short after its last round's checkpoint (closing the run, logging its models): it goes on
+    # in its run, which logged every round before; Tune hears the last from the run's result
+    earlier("KILLED")
+    assert trial() == (["r-KILLED"], [3], pytest.approx(0.3))
+    # its run finished before Tune heard its last round: that round, from the checkpoint, and no run
+    earlier("FINISHED")
+    assert trial() == ([], [3], pytest.approx(0.3))
+    # cut short before its first checkpoint: it starts again
+    earlier("KILLED", checkpoint=False)
+    assert trial() == (["fresh"], [1, 2, 3], pytest.approx(0.3))
+
+
 def test_a_stop_after_trials_limit_is_the_fits_own_and_holds_for_a_restored_callback(monkeypatch):
     # Tune restores a resumed sweep's callbacks as pickled: the limit is read from the class, for
     # the fit it is set for, the count starts again at every fit (setup), and a trial that diverged
@@ -735,3 +805,10 @@ def test_an_interrupted_trials_run_is_closed_killed_and_not_tagged_stopped_early
     assert {run.info.status for run in ended.values()} == {"KILLED"}
     stopped_early = {run_id for run_id, run in ended.items() if Tags.STOPPED_EARLY in run.data.tags}
     assert stopped_early == {by_asha, running}
+
+    # a trial's run continued (a resume, after a driver that died before it could untag it): no
+    # longer stopped early
+    client.set_tag(cut_short, Tags.STOPPED_EARLY, "true")
+    RunTracker(load_config(None, tiny_overrides()), run_id=cut_short)
+    continued = client.get_run(cut_short)
+    assert continued.info.status == "RUNNING" and Tags.STOPPED_EARLY not in continued.data.tags

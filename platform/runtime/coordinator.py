@@ -273,6 +273,7 @@ class RoundLoop:
         if self.commits:  # the workers write states into this folder, and never make it
             storage.make_dirs(storage.join(checkpoint_dir, STATES_DIR))
             check_workers_see(self.pool.placed(), checkpoint_dir)
+            self.pool.on_placed = lambda worker: check_workers_see([worker], checkpoint_dir)
             self.store.sweep()  # what a resumed run's interrupted one left that nothing needs
         try:
             summary = self.run_rounds(stop_after_round)

@@ -88,6 +88,8 @@ class WorkerPool:
         # slot -> set-up ref of a worker not placed yet (a replacement, or one of the first: unplaced())
         self.placing: dict[int, Any] = dict(placing or {})
         self.pinned = pinned
+        # what a worker placed late must pass before it takes a job (the run's folder seen from its node)
+        self.on_placed: Callable[[Any], None] | None = None
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -109,6 +111,8 @@ class WorkerPool:
             return False
         with contextlib.suppress(ray.exceptions.RayError):  # a failed set-up fails its first job instead
             ray.get(self.placing.pop(slot))
+            if self.on_placed is not None:
+                self.on_placed(self.workers[slot])
         return True
 
     def wait_for_placement(self, queue: list[Job]) -> None:

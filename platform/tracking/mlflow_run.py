@@ -103,7 +103,10 @@ class RunTracker:
         """The run to log into: ``run_id`` set running again, or a new one."""
         if run_id is not None:
             self.client.update_run(run_id, status="RUNNING")
-            return run_id, self.client.get_run(run_id).info.experiment_id
+            run = self.client.get_run(run_id)
+            if Tags.STOPPED_EARLY in run.data.tags:  # a sweep's trial cut short, continued: no longer so
+                self.client.delete_tag(run_id, Tags.STOPPED_EARLY)
+            return run_id, run.info.experiment_id
         experiment = experiment_id(self.client, cfg.tracking.experiment or cfg.name, self.uri)
         tags = {**run_tags(cfg), **(extra_tags or {})}
         name = tags.pop(Tags.RUN_NAME, None) or run_name(cfg)  # a caller may name the run
