@@ -306,3 +306,29 @@ def test_a_run_after_a_stop_waits_until_ray_shows_the_resources_or_the_wait_ends
     # nothing stopped: asked once
     asked = ray_shows(0.0)
     assert available_resources() == {"CPU": 0.0} and len(asked) == 1
+
+
+def test_a_stop_counts_as_freed_only_the_workers_that_held_resources(monkeypatch):
+    # without Ray: a worker that never left the queue for a node (its pool sized from summed free
+    # resources), or a dead one already replaced, frees nothing when the run stops; counted, it
+    # would make the driver's next run wait 5 s for resources that never come
+    from fedray.platform.runtime.processes import Runtime
+
+    class Coordinator:
+        def __init__(self, answer):
+            self.shutdown = type("Method", (), {"remote": staticmethod(lambda: answer)})
+
+    def get(answer, timeout):
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    freed: list[dict[str, float]] = []
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "kill", lambda actor: None)
+    monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 0.0})
+    monkeypatch.setattr(StoppedProcesses, "expect", classmethod(lambda cls, before, f: freed.append(f)))
+    options = {"num_cpus": 1, "num_gpus": 0.25}
+    Runtime(Coordinator(1), ["placed", "unplaced"], options).stop()  # the Coordinator's count
+    Runtime(Coordinator(ray.exceptions.RayError()), ["w0", "w1"], options).stop()  # a dead Coordinator's
+    assert freed == [{"CPU": 1, "GPU": 0.25}, {"CPU": 2, "GPU": 0.5}]

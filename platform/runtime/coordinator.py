@@ -380,8 +380,12 @@ class RoundLoop:
         num_clients = self.cfg.data.num_clients
         return results.client_models(self.spec.client_cls, self.server, self.store, num_clients, limit)
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> int:
+        """Kills the pool's workers (the replacements it started among them); returns how many held
+        their resources: a worker still waiting for a node holds none."""
+        placed = len(self.pool.placed())
         self.pool.shutdown()
+        return placed
 
     def release(self) -> list:
         """The run is over and the driver keeps its processes for its next run: the workers that run now,

@@ -27,10 +27,12 @@ class Runtime:
     workers: list
     worker_options: dict[str, Any]
 
-    def held(self) -> dict[str, float]:
-        """What the workers hold: their CPUs and GPU slices."""
+    def held(self, workers: int | None = None) -> dict[str, float]:
+        """What the workers hold: their CPUs and GPU slices (of ``workers`` of them; by default,
+        every one the run started with)."""
         cpus, gpus = worker_resources(self.worker_options)
-        return {"CPU": cpus * len(self.workers), "GPU": gpus * len(self.workers)}
+        count = len(self.workers) if workers is None else workers
+        return {"CPU": cpus * count, "GPU": gpus * count}
 
     def stop(self) -> None:
         import ray
@@ -41,15 +43,18 @@ class Runtime:
         if "scheduling_strategy" not in self.worker_options:
             with contextlib.suppress(Exception):  # no Ray, or one that no longer answers
                 before = dict(ray.available_resources())
-        # the Coordinator kills the workers it started as replacements; a dead one took them with it
+        # the Coordinator kills the workers it started as replacements (a dead one took them with
+        # it), and counts those that held resources: not one waiting for a node, nor a dead one it
+        # had replaced. Without its count, every worker the run started with counts
+        placed = None
         with contextlib.suppress(ray.exceptions.RayError):
-            ray.get(self.coordinator.shutdown.remote(), timeout=10)
+            placed = ray.get(self.coordinator.shutdown.remote(), timeout=10)
         for actor in [self.coordinator, *self.workers]:
             with contextlib.suppress(Exception):  # a handle of a Ray since shut down
                 ray.kill(actor)
         if before is not None:
             with contextlib.suppress(Exception):  # a Ray Client connection lost meanwhile: stop never raises
-                StoppedProcesses.expect(before, self.held())
+                StoppedProcesses.expect(before, self.held(placed))
 
 
 class KeptRuntime:
