@@ -32,7 +32,7 @@ from fedray.platform.config import ExperimentConfig, merge, raw_config
 from fedray.platform.environ import environ_restored
 from fedray.platform.errors import ConfigError, Diverged, last_line
 from fedray.platform.runtime import storage
-from fedray.platform.runtime.checkpoint import checkpoint_file, has_checkpoint
+from fedray.platform.runtime.checkpoint import has_checkpoint
 from fedray.platform.runtime.driver import (
     Trial,
     ensure_ray,
@@ -150,10 +150,10 @@ def run_trial(
     trial_id = tune.get_context().get_trial_id() or ""
     earlier = earlier_run(cfg, parent_run_id, trial_id) if resumed else None
     if earlier is not None and earlier.info.status == "FINISHED":
-        history = checkpoint_history(earlier)
-        if history:  # it ended before Tune heard its last round: that round, and nothing run again
-            tune.report(tune_result(len(history), history[-1]))
-            return
+        # it ended before Tune heard its last round: that round (each metric's value at its last
+        # step, as MLflow keeps it), and nothing run again
+        tune.report(tune_result(cfg.rounds, dict(earlier.data.metrics)))
+        return
     cut_short = earlier.info.run_id if earlier is not None and continuable(earlier) else None
     pg = ray.util.get_current_placement_group()
     actors = trial_actors(cfg) if pg is not None else None  # as many as trial_resources reserved
@@ -221,14 +221,6 @@ def continuable(run) -> bool:
     round 0 under a second (one cut short before its first checkpoint starts again)."""
     path = run.data.tags.get(Tags.CHECKPOINT_DIR)
     return run.info.status != "FINISHED" and bool(path) and has_checkpoint(path)
-
-
-def checkpoint_history(run) -> list[dict[str, float]]:
-    """The rounds' metrics a run's last checkpoint holds (none without a checkpoint)."""
-    path = run.data.tags.get(Tags.CHECKPOINT_DIR)
-    if not path or not has_checkpoint(path):
-        return []
-    return storage.load_torch(checkpoint_file(path))["history"]
 
 
 # --------------------------------------------------------------------------------------------- sweep

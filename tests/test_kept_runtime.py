@@ -308,10 +308,10 @@ def test_a_run_after_a_stop_waits_until_ray_shows_the_resources_or_the_wait_ends
     assert available_resources() == {"CPU": 0.0} and len(asked) == 1
 
 
-def test_a_stop_counts_as_freed_only_the_workers_that_held_resources(monkeypatch):
-    # without Ray: a worker that never left the queue for a node (its pool sized from summed free
-    # resources), or a dead one already replaced, frees nothing when the run stops; counted, it
-    # would make the driver's next run wait 5 s for resources that never come
+def test_a_stop_counts_as_freed_the_workers_of_the_coordinators_pool(monkeypatch):
+    # without Ray: a worker that died and was replaced frees nothing when the run stops (its
+    # replacement does); counted, it would make the driver's next run wait 5 s for resources that
+    # never come. The Coordinator counts its pool's workers
     from fedray.platform.runtime.processes import Runtime
 
     class Coordinator:
@@ -329,6 +329,20 @@ def test_a_stop_counts_as_freed_only_the_workers_that_held_resources(monkeypatch
     monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 0.0})
     monkeypatch.setattr(StoppedProcesses, "expect", classmethod(lambda cls, before, f: freed.append(f)))
     options = {"num_cpus": 1, "num_gpus": 0.25}
-    Runtime(Coordinator(1), ["placed", "unplaced"], options).stop()  # the Coordinator's count
+    Runtime(Coordinator(1), ["dead, replaced", "w1"], options).stop()  # the Coordinator's count
     Runtime(Coordinator(ray.exceptions.RayError()), ["w0", "w1"], options).stop()  # a dead Coordinator's
     assert freed == [{"CPU": 1, "GPU": 0.25}, {"CPU": 2, "GPU": 0.5}]
+
+
+def test_a_coordinators_shutdown_counts_its_pools_workers_not_the_dead_it_replaced(monkeypatch):
+    from fedray.platform.runtime import pool as pool_module
+    from fedray.platform.runtime.coordinator import RoundLoop
+    from fedray.platform.runtime.pool import WorkerPool
+
+    killed = []
+    monkeypatch.setattr(pool_module.ray, "kill", lambda worker, no_restart: killed.append(worker))
+    loop = RoundLoop()
+    loop.pool = WorkerPool(["w0", "w1"], spawn=lambda: ("w0 again", "its set-up"), pinned=False)
+    loop.pool.replace(0)  # w0 died: its replacement waits for a node, or sets up
+    killed.clear()
+    assert loop.shutdown() == 2 and killed == ["w0 again", "w1"]

@@ -5,6 +5,7 @@ same numbers with a checkpoint after every round, with none, and stopped and res
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from pathlib import Path
@@ -117,6 +118,24 @@ def test_a_checkpoint_reaches_the_disk_after_the_states_it_lists(tmp_path, monke
     trains(store, 1, 3.0)
     write_checkpoint(checkpoint(store, directory, 2))  # 2-v1 is on the disk since the first
     assert [path for path, _ in synced] == ["states/1-v2.pt", "states", "checkpoint.pt.tmp", "."]
+
+
+def test_a_filesystem_that_cannot_flush_is_written_as_before_and_a_file_uri_is_flushed(tmp_path, monkeypatch):
+    flushed, flush = [], os.fsync
+
+    def fsync(fd, refuse=errno.EINVAL):  # some FUSE and network mounts refuse to flush a folder
+        if os.path.isdir(f"/proc/self/fd/{fd}") or refuse == errno.EIO:
+            raise OSError(refuse, os.strerror(refuse))
+        flushed.append(fd)
+        flush(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    storage.write_bytes(f"file://{tmp_path}/checkpoint.pt", b"x", durable=True)
+    assert (tmp_path / "checkpoint.pt").read_bytes() == b"x" and len(flushed) == 1  # the file, via file://
+    monkeypatch.setattr(os, "fsync", lambda fd: fsync(fd, errno.EIO))  # a disk that fails: the write does
+    with pytest.raises(OSError, match="Input/output error"):
+        storage.write_bytes(str(tmp_path / "checkpoint.pt"), b"y", durable=True)
+    assert (tmp_path / "checkpoint.pt").read_bytes() == b"x"
 
 
 def test_a_resumed_run_starts_by_deleting_what_its_interrupted_run_left_that_nothing_needs(tmp_path):

@@ -570,8 +570,10 @@ def trial_without_ray(monkeypatch, tmp_path):
         if checkpoint:
             storage.save_torch({"history": history}, str(folder / "checkpoint.pt"))
         tags = {Tags.CHECKPOINT_DIR: str(folder)}
+        # MLflow keeps each metric's value at its last step
         found = SimpleNamespace(
-            info=SimpleNamespace(status=status, run_id=f"r-{status}"), data=SimpleNamespace(tags=tags)
+            info=SimpleNamespace(status=status, run_id=f"r-{status}"),
+            data=SimpleNamespace(tags=tags, metrics={**history[-1], Metrics.TIME_WALL_S: 9.0}),
         )
         monkeypatch.setattr(tune_sweep, "earlier_run", lambda cfg, parent, trial: found)
 
@@ -591,8 +593,11 @@ def test_a_resumed_trial_tells_tune_its_last_round_whenever_its_run_logged_it(tr
     # in its run, which logged every round before; Tune hears the last from the run's result
     earlier("KILLED")
     assert trial() == (["r-KILLED"], [3], pytest.approx(0.3))
-    # its run finished before Tune heard its last round: that round, from the checkpoint, and no run
+    # its run finished before Tune heard its last round: that round, from MLflow, and no run (with a
+    # checkpoint or without one: checkpoint_every=0)
     earlier("FINISHED")
+    assert trial() == ([], [3], pytest.approx(0.3))
+    earlier("FINISHED", checkpoint=False)
     assert trial() == ([], [3], pytest.approx(0.3))
     # cut short before its first checkpoint: it starts again
     earlier("KILLED", checkpoint=False)

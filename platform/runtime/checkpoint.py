@@ -58,6 +58,7 @@ def new_checkpoint_dir(cfg: ExperimentConfig) -> str:
     path = storage.join(storage.resolve(cfg.storage_path), f"{run_name(cfg)}-{stamp}")
     storage.make_dirs(path)
     storage.write_bytes(storage.join(path, CONFIG_FILE), config_yaml(cfg).encode(), durable=True)
+    storage.flush_to_disk([path], files=False)  # the storage path's folder: the run's folder in it
     return path
 
 

@@ -39,7 +39,9 @@ from fedray.platform.runtime.checkpoint import (
     CONFIG_FILE,
     CheckpointWriter,
     LoopRecord,
+    checkpoint_file,
     drop_partial_writes,
+    has_checkpoint,
     load_checkpoint,
     take_checkpoint,
 )
@@ -274,7 +276,11 @@ class RoundLoop:
             storage.make_dirs(storage.join(checkpoint_dir, STATES_DIR))
             check_workers_see(self.pool.placed(), checkpoint_dir)
             self.pool.on_placed = lambda worker: check_workers_see([worker], checkpoint_dir)
-            self.store.sweep()  # what a resumed run's interrupted one left that nothing needs
+            # what a resumed run's interrupted one left that nothing needs, once the checkpoint it
+            # resumes from is on the disk (its writer may have been killed before its last flush)
+            if has_checkpoint(checkpoint_dir):
+                storage.flush_to_disk([checkpoint_file(checkpoint_dir)])
+            self.store.sweep()
         try:
             summary = self.run_rounds(stop_after_round)
         except BaseException:
@@ -381,11 +387,12 @@ class RoundLoop:
         return results.client_models(self.spec.client_cls, self.server, self.store, num_clients, limit)
 
     def shutdown(self) -> int:
-        """Kills the pool's workers (the replacements it started among them); returns how many held
-        their resources: a worker still waiting for a node holds none."""
-        placed = len(self.pool.placed())
+        """Kills the pool's workers, the replacements it started among them; returns how many there
+        were (not a dead one it replaced). One waiting for a node counts too, though it holds
+        nothing: one whose set-up is under way holds its share, and the pool cannot tell them apart."""
+        workers = len(self.pool.workers)
         self.pool.shutdown()
-        return placed
+        return workers
 
     def release(self) -> list:
         """The run is over and the driver keeps its processes for its next run: the workers that run now,

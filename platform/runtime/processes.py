@@ -44,8 +44,8 @@ class Runtime:
             with contextlib.suppress(Exception):  # no Ray, or one that no longer answers
                 before = dict(ray.available_resources())
         # the Coordinator kills the workers it started as replacements (a dead one took them with
-        # it), and counts those that held resources: not one waiting for a node, nor a dead one it
-        # had replaced. Without its count, every worker the run started with counts
+        # it), and counts its pool's workers: not a dead one it replaced. Without its count, every
+        # worker the run started with counts
         placed = None
         with contextlib.suppress(ray.exceptions.RayError):
             placed = ray.get(self.coordinator.shutdown.remote(), timeout=10)

@@ -9,6 +9,7 @@ travels, so the Coordinator writes to the same place on whatever node it lands.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import logging
 import os
@@ -87,14 +88,37 @@ def flush_to_disk(uris: Iterable[str], files: bool = True, folders: bool = True)
     """Local files and the folders that hold them forced to the disk (``fsync``): a rename makes a
     write atomic against a killed process, not against the host's crash, after which a file renamed
     but not yet flushed may be found empty, or missing. An object store's upload is durable once it
-    returns: a URI is left as it is."""
-    local = [uri for uri in uris if "://" not in uri]
+    returns: only a local filesystem's paths (``file://`` too) are flushed."""
+    from pyarrow import fs
+
+    local = []
+    for uri in uris:
+        filesystem, path = _filesystem(uri)
+        if isinstance(filesystem, fs.LocalFileSystem):
+            local.append(path)
     for path in (local if files else []) + sorted({os.path.dirname(p) for p in local} if folders else []):
+        _fsync(path)
+
+
+# what a filesystem that cannot flush (some FUSE and network mounts, a folder on Windows) answers:
+# it gives no more durability than it has, and a checkpoint is not failed for it
+CANNOT_FLUSH = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES, errno.EISDIR}
+
+
+def _fsync(path: str) -> None:
+    try:
         fd = os.open(path, os.O_RDONLY)  # a folder too: its fsync makes the renames into it last
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    except OSError as err:
+        if err.errno in CANNOT_FLUSH:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in CANNOT_FLUSH:
+            raise
+    finally:
+        os.close(fd)
 
 
 def names_in(uri: str) -> list[str]:
