@@ -31,6 +31,7 @@ from fedray.platform.errors import ConfigError, ContractError
         (["algorithm=fedavg", "model.group=fedssa_cnns"], "heterogeneous"),
         (["data.split.test=0.5"], "data.split: train+val+test"),
         (["ray.object_store_mb=50"], "ray.object_store_mb=50: must be >= 75 (Ray's smallest store)"),
+        (["ray.pool_wait_s=-1"], "ray.pool_wait_s=-1.0: must be >= 0"),
     ],
 )
 def test_bad_config_value_is_one_line_error(overrides, needle):

@@ -227,7 +227,7 @@ def test_the_pool_is_as_many_workers_as_the_scarcer_of_cpus_and_gpu_slices():
 
 def test_quarter_gpu_slices_go_where_a_gpu_has_room_and_the_run_goes_on_without_one_none_has(tmp_path):
     overrides = [o for o in tiny_overrides(rounds=2) if not o.startswith("ray.max_actors")]
-    overrides += ["ray.num_gpus_per_client=0.25", "ray.num_cpus_per_client=0.5"]
+    overrides += ["ray.num_gpus_per_client=0.25", "ray.num_cpus_per_client=0.5", "ray.pool_wait_s=5"]
     overrides += [f"storage_path={tmp_path / 'store'}"]
     done = subprocess.run(
         [sys.executable, "-c", PLACEMENT, json.dumps(overrides)],

@@ -10,7 +10,7 @@ from fedray.platform.runtime import pool as pool_module
 from fedray.platform.runtime.coordinator import worker_asks
 from fedray.platform.runtime.dispatch import TrainingDispatch
 from fedray.platform.runtime.failures import ClientCodeError, Failure
-from fedray.platform.runtime.pool import PLACEMENT_WAIT_S, SET_UP_GRACE_S, Job, WorkerPool, unplaced
+from fedray.platform.runtime.pool import PLACEMENT_WAIT_S, Job, WorkerPool, unplaced
 from fedray.platform.runtime.state_store import StateStore
 
 
@@ -84,12 +84,12 @@ def test_a_run_starts_with_the_first_workers_ray_placed_and_says_so_in_one_line_
         return up[:num_returns], [r for r in refs if r not in up[:num_returns]]
 
     monkeypatch.setattr(pool_module.ray, "wait", wait)
-    assert unplaced(["up0", "stuck1", "up2"], "1 CPU") == {1: "stuck1"}
-    # the first up within PLACEMENT_WAIT_S, then the others given SET_UP_GRACE_S at least
-    assert waits[0] == (1, PLACEMENT_WAIT_S) and waits[1][0] == 3 and waits[1][1] >= SET_UP_GRACE_S
+    assert unplaced(["up0", "stuck1", "up2"], "1 CPU", wait_s=60) == {1: "stuck1"}
+    # the first up within PLACEMENT_WAIT_S, then the others given ray.pool_wait_s at least
+    assert waits[0] == (1, PLACEMENT_WAIT_S) and waits[1][0] == 3 and waits[1][1] >= 60
     with pytest.raises(ConfigError) as err:
         unplaced(
-            ["stuck0", "stuck1"], worker_asks(RayConfig(num_cpus_per_client=1, num_gpus_per_client=0.25))
+            ["stuck0", "stuck1"], worker_asks(RayConfig(num_cpus_per_client=1, num_gpus_per_client=0.25)), 60
         )
     message = str(err.value)
     assert "none of the run's 2 ClientActors (1 CPU and 0.25 GPU each) could be placed in 600 s" in message

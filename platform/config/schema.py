@@ -137,6 +137,10 @@ class RayConfig:
     # a Coordinator that dies is started again from the last checkpoint this many times (its rounds
     # since then recomputed to the same numbers); past that the run stops with the --resume line
     max_coordinator_restarts: int = 3
+    # once one ClientActor is up, how long (s) the run's set-up waits for the others it started with
+    # (at least; twice what that one took, if longer) before it starts without them: Ray sizes the
+    # pool from summed free resources, so one may have no node with room; each joins once placed
+    pool_wait_s: float = 60.0
 
     def cluster_address(self) -> str:
         """The cluster a run joins: ``RAY_ADDRESS``, else ``address``; "" for a local Ray."""
@@ -376,6 +380,7 @@ def check_fields(cfg: ExperimentConfig) -> None:
     _check(r.num_gpus_per_client >= 0, f"ray.num_gpus_per_client={r.num_gpus_per_client}: must be >= 0")
     _check(r.max_actors is None or r.max_actors >= 1, f"ray.max_actors={r.max_actors}: must be >= 1")
     _check(r.cache_clients >= 1, f"ray.cache_clients={r.cache_clients}: must be >= 1")
+    _check(r.pool_wait_s >= 0, f"ray.pool_wait_s={r.pool_wait_s}: must be >= 0")
     _check(
         r.object_store_mb is None or r.object_store_mb >= MIN_OBJECT_STORE_MB,
         f"ray.object_store_mb={r.object_store_mb}: must be >= {MIN_OBJECT_STORE_MB} (Ray's smallest store)",

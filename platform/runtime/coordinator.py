@@ -218,7 +218,7 @@ def start_pool(
         return worker, worker.setup.remote(meta_ref)  # runs before any job: an actor's calls run in order
 
     set_ups = [w.setup.remote(meta_ref, cfg) for w in workers]
-    placing = unplaced(set_ups, worker_asks(cfg.ray))
+    placing = unplaced(set_ups, worker_asks(cfg.ray), cfg.ray.pool_wait_s)
     infos = ray.get([ref for slot, ref in enumerate(set_ups) if slot not in placing])
     # a worker per client keeps each client's module for the run, when clients keep state
     pinned = commits and len(workers) >= cfg.data.num_clients

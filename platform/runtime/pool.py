@@ -32,11 +32,6 @@ IN_FLIGHT = 2  # calls queued in one worker at a time
 # how long the pool waits with every worker a replacement that no node has room for (a lost node),
 # and a run's set-up for its first worker
 PLACEMENT_WAIT_S = 600.0
-# how long a run's set-up waits for its other first workers, once one is up (at least; twice what
-# that one took, if longer): they started with it, so one not up by then waits for resources that
-# other work holds. Generous, as a kept worker is up at once and a new one may take half a minute
-# on a loaded machine, and one that joins late is left out of the run's workers tag
-SET_UP_GRACE_S = 60.0
 
 
 # a worker gone, with its process or its node: what it was running (and returned) runs again
@@ -246,20 +241,23 @@ class WorkerPool:
         return self.placed()
 
 
-def unplaced(set_ups: list, asks: str) -> dict[int, Any]:
-    """The first workers' set-ups (by slot) that Ray has not placed once one of them is up and the
-    others had :data:`SET_UP_GRACE_S` more: the pool starts without them and each joins once placed,
-    as a replacement does. Ray reports free resources as sums over GPUs and nodes, so a pool sized
-    from them may hold a worker that no GPU or node has room for while other work holds its share:
-    the run goes on without it rather than waiting for it. None up in :data:`PLACEMENT_WAIT_S`: one
-    line. ``asks``: what each worker asks for, for that line."""
+def unplaced(set_ups: list, asks: str, wait_s: float) -> dict[int, Any]:
+    """The first workers' set-ups (by slot) not done once one of them is up and the others had
+    ``wait_s`` more (``ray.pool_wait_s``; twice what the first took, if longer): the pool starts
+    without them and each joins once placed, as a replacement does. Ray reports free resources as
+    sums over GPUs and nodes, so a pool sized from them may hold a worker that no GPU or node has
+    room for while other work holds its share: the run goes on without it rather than waiting for
+    it. The others started with the first, so one not up by then is most likely that one (a kept
+    worker is up at once, a new one may take half a minute on a loaded machine; one that joins late
+    is left out of the run's workers tag). None up in :data:`PLACEMENT_WAIT_S`: one line. ``asks``:
+    what each worker asks for, for that line."""
     started = time.monotonic()
     if not ray.wait(set_ups, num_returns=1, timeout=PLACEMENT_WAIT_S)[0]:
         raise ConfigError(
             f"ray: none of the run's {len(set_ups)} ClientActors ({asks} each) could be placed in "
             f"{PLACEMENT_WAIT_S:.0f} s: no node has that free; free it, or ask for less"
         )
-    grace = max(SET_UP_GRACE_S, 2 * (time.monotonic() - started))
+    grace = max(wait_s, 2 * (time.monotonic() - started))
     ready, _ = ray.wait(set_ups, num_returns=len(set_ups), timeout=grace)
     up = set(ready)
     return {slot: ref for slot, ref in enumerate(set_ups) if ref not in up}
