@@ -179,13 +179,42 @@ def actor_classes() -> dict[str, str]:
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_two_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store, monkeypatch, capsys):
+def test_two_trial_sweep_lands_as_parent_and_children_and_a_trial_cut_short_resumes_in_its_run(
+    tmp_path, mlflow_store, monkeypatch, capsys
+):
     # the store named as a user often does, relative to where the sweep starts: the trials run in
     # their own directories, and must still log into this store
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
     before = set(actor_classes())
-    result = run_sweep("fedprox", space_file=_tiny_space(tmp_path), overrides=tiny_overrides(rounds=2))
+    rounds = 8
+    overrides = tiny_overrides(rounds=rounds, checkpoint_every=1)
 
+    # Ctrl-C (Tune's SIGUSR1) once the second trial's first round reaches Tune; its Coordinator may
+    # run a round or two ahead before Tune stops it, and a checkpoint lands every round
+    def interrupt(self, iteration, trials, trial, result, **info):
+        if trial.config["fedprox.mu"] == 1.0 and result.get("round") == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(_TrialLines, "on_trial_result", interrupt)
+        first = run_sweep("fedprox", space_file=_tiny_space(tmp_path), overrides=overrides)
+    status = dict(zip(first.trials["fedprox.mu"], first.trials["status"], strict=True))
+    cut_at = dict(zip(first.trials["fedprox.mu"], first.trials["rounds run"], strict=True))[1.0]
+    assert status == {0.0: "ok", 1.0: "interrupted"} and cut_at < rounds, first.trials
+    # the second trial ran in the first one's processes (Tune's reuse_actors and KeptRuntime): one
+    # trial process, one Coordinator and two ClientActors started for both
+    started = sorted(name for actor, name in actor_classes().items() if actor not in before)
+    assert started == ["ClientActor", "ClientActor", "Coordinator", "ImplicitFunc"], started
+    client = MlflowClient(mlflow_store)
+    experiment = client.get_run(first.parent_run_id).info.experiment_id
+    cut = client.search_runs(
+        [experiment],
+        filter_string=f"{tag_filter(Tags.PARENT_RUN_ID, first.parent_run_id)} and params.`fedprox.mu` = '1.0'",
+    )
+    assert [(c.info.status, Tags.STOPPED_EARLY in c.data.tags) for c in cut] == [("KILLED", False)]
+
+    # the resume goes on with the cut trial from its checkpoint, in its run
+    result = run_sweep("fedprox", space_file=_tiny_space(tmp_path), overrides=overrides, resume=True)
     assert len(result.trials) == 2 and set(result.trials["status"]) == {"ok"}
     # Tune's result files for its own resume, no TensorBoard files nor a command to read them
     assert len(list(result.path.rglob("result.json"))) == 2 and not list(result.path.rglob("events.out.*"))
@@ -194,23 +223,21 @@ def test_two_trial_sweep_lands_as_parent_and_children(tmp_path, mlflow_store, mo
     assert "TensorBoard" not in out and "Search algorithm" not in out and "View detailed results" not in out
     assert "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS" not in os.environ  # set for the fit only
     assert "TUNE_PRINT_ALL_TRIAL_ERRORS" not in os.environ and "RAY_AIR_NEW_OUTPUT" not in os.environ
-    # the second trial ran in the first one's processes (Tune's reuse_actors and KeptRuntime): one
-    # trial process, one Coordinator and two ClientActors started for the whole sweep
-    started = sorted(name for actor, name in actor_classes().items() if actor not in before)
-    assert started == ["ClientActor", "ClientActor", "Coordinator", "ImplicitFunc"], started
-    client = MlflowClient(mlflow_store)
+    assert result.parent_run_id == first.parent_run_id
     parent = client.get_run(result.parent_run_id)
     assert parent.data.tags[Tags.KIND] == RunKind.SWEEP and parent.info.status == "FINISHED"
     children = client.search_runs(
         [parent.info.experiment_id], filter_string=tag_filter(Tags.PARENT_RUN_ID, result.parent_run_id)
     )
-    assert len(children) == 2
+    assert len(children) == 2 and cut[0].info.run_id in {c.info.run_id for c in children}
     assert sorted(float(c.data.params["fedprox.mu"]) for c in children) == [0.0, 1.0]
     for child in children:
-        assert child.data.tags[Tags.SWEEP_ID] == result.path.name
+        assert child.data.tags[Tags.SWEEP_ID] == result.path.name and child.info.status == "FINISHED"
         # ray.max_actors=2 reserves two ClientActor bundles, and the trial runs two workers in them
         assert child.data.tags[Tags.WORKERS] == "2" and child.data.tags[Tags.DEVICE] == "cpu"
-        assert [m.step for m in client.get_metric_history(child.info.run_id, Metrics.ACC_GLOBAL)] == [1, 2]
+        # every round logged once: the cut trial was not run again from round 0
+        steps = [m.step for m in client.get_metric_history(child.info.run_id, Metrics.ACC_GLOBAL)]
+        assert sorted(steps) == list(range(1, rounds + 1)), steps
     artifacts = {a.path for a in client.list_artifacts(result.parent_run_id)}
     assert {"best_config.yaml", "trials.csv", "search_space.yaml", "trial_curves.png"} <= artifacts
     best = result.trials.iloc[0]
@@ -326,46 +353,6 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
     assert stopped.info.status == "KILLED" and stopped.data.tags[Tags.STOPPED_EARLY] == "true"
     assert Metrics.TIME_WALL_S in stopped.data.metrics  # closed by its own run, not by the sweep after it
     assert [m.step for m in client.get_metric_history(stopped.info.run_id, Metrics.ACC_GLOBAL)] == [1]
-
-
-@pytest.mark.usefixtures("ray_session")
-def test_a_trial_the_sweeps_interrupt_cut_short_resumes_from_its_checkpoint_under_its_run(
-    tmp_path, mlflow_store, monkeypatch
-):
-    # Ctrl-C (Tune's SIGUSR1) once the trial's first round reaches Tune; its Coordinator may run a
-    # round or two ahead before Tune stops it, and a checkpoint lands every round
-    path = tmp_path / "space.yaml"
-    space = {"search": "grid", "scheduler": "none", "metric": Metrics.ACC_GLOBAL}
-    path.write_text(yaml.safe_dump({**space, "params": {"train.lr": [0.05]}}))
-    overrides = tiny_overrides(rounds=8, checkpoint_every=1, **{"ray.max_actors": 1})
-
-    def interrupt(self, iteration, trials, trial, result, **info):
-        if result.get("round") == 1:
-            os.kill(os.getpid(), signal.SIGUSR1)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(_TrialLines, "on_trial_result", interrupt)
-        first = run_sweep("fedavg", space_file=str(path), overrides=overrides)
-    (row,) = first.trials.to_dict("records")
-    assert row["status"] == "interrupted" and row["rounds run"] < 8, row
-    client = MlflowClient(mlflow_store)
-    experiment = client.get_run(first.parent_run_id).info.experiment_id
-    (cut,) = client.search_runs(
-        [experiment], filter_string=tag_filter(Tags.PARENT_RUN_ID, first.parent_run_id)
-    )
-    assert cut.info.status == "KILLED" and Tags.STOPPED_EARLY not in cut.data.tags
-
-    resumed = run_sweep("fedavg", space_file=str(path), overrides=overrides, resume=True)
-    (row,) = resumed.trials.to_dict("records")
-    assert row["status"] == "ok" and row["rounds run"] == 8, row
-    # the trial went on from its checkpoint in the run it had: one run, each round logged once (a
-    # trial run again from round 0 would log its first rounds twice, or start a second run)
-    (run,) = client.search_runs(
-        [experiment], filter_string=tag_filter(Tags.PARENT_RUN_ID, first.parent_run_id)
-    )
-    assert run.info.run_id == cut.info.run_id and run.info.status == "FINISHED"
-    steps = [m.step for m in client.get_metric_history(run.info.run_id, Metrics.ACC_GLOBAL)]
-    assert sorted(steps) == list(range(1, 9)), steps
 
 
 @pytest.mark.parametrize(
