@@ -804,3 +804,22 @@ def test_an_interrupted_trials_run_is_closed_killed_and_not_tagged_stopped_early
     RunTracker(load_config(None, tiny_overrides()), run_id=cut_short)
     continued = client.get_run(cut_short)
     assert continued.info.status == "RUNNING" and Tags.STOPPED_EARLY not in continued.data.tags
+
+
+def test_a_resumed_run_hands_the_rounds_it_logs_late_to_on_round(monkeypatch):
+    # without Ray or MLflow: the interrupted run had logged rounds 1-2, its checkpoint holds 1-4 (its
+    # Coordinator ran ahead); the resume logs 3 and 4 once, and a sweep's trial reports them to Tune
+    from fedray.platform.runtime import driver
+
+    history = [{Metrics.ACC_GLOBAL: r / 10} for r in range(1, 5)]
+    logged, seen = [], []
+    tracker = SimpleNamespace(
+        uri="sqlite:///x.db",
+        last_step=lambda key: 2,
+        log_metrics=lambda metrics, step: logged.append(step),
+    )
+    session = SimpleNamespace(reopen=lambda run_id: tracker)
+    handle = SimpleNamespace(load_checkpoint=lambda directory: history)
+    monkeypatch.setattr(driver, "checkpoint_dir_of", lambda run_id, uri: "/runs/r1")
+    folder = driver.reopen_run(session, handle, "r1", lambda rnd, metrics: seen.append((rnd, metrics)))
+    assert folder == "/runs/r1" and logged == [3, 4] and seen == [(3, history[2]), (4, history[3])]
