@@ -32,7 +32,7 @@ from fedray.platform.config import ExperimentConfig, merge, raw_config
 from fedray.platform.environ import environ_restored
 from fedray.platform.errors import ConfigError, Diverged, last_line
 from fedray.platform.runtime import storage
-from fedray.platform.runtime.checkpoint import has_checkpoint
+from fedray.platform.runtime.checkpoint import recorded_checkpoint
 from fedray.platform.runtime.driver import (
     Trial,
     ensure_ray,
@@ -154,7 +154,8 @@ def run_trial(
         # step, as MLflow keeps it), and nothing run again
         tune.report(tune_result(cfg.rounds, dict(earlier.data.metrics)))
         return
-    cut_short = earlier.info.run_id if earlier is not None and continuable(earlier) else None
+    # one cut short before its first checkpoint starts again, under a new run
+    cut_short = earlier.info.run_id if earlier is not None and recorded_checkpoint(earlier) else None
     pg = ray.util.get_current_placement_group()
     actors = trial_actors(cfg) if pg is not None else None  # as many as trial_resources reserved
     KeptRuntime.keep_between_trials()  # Tune hands this process the next trial (reuse_actors)
@@ -214,13 +215,6 @@ def earlier_run(cfg: ExperimentConfig, parent_run_id: str, trial_id: str):
         max_results=1,
     )
     return runs[0] if runs else None
-
-
-def continuable(run) -> bool:
-    """Whether a trial's earlier run goes on from a checkpoint, in the same run, rather than from
-    round 0 under a second (one cut short before its first checkpoint starts again)."""
-    path = run.data.tags.get(Tags.CHECKPOINT_DIR)
-    return run.info.status != "FINISHED" and bool(path) and has_checkpoint(path)
 
 
 # --------------------------------------------------------------------------------------------- sweep

@@ -66,14 +66,21 @@ def saved_config_text(directory: str) -> str:
     return storage.read_bytes(storage.join(directory, CONFIG_FILE)).decode()
 
 
+def recorded_checkpoint(run) -> str | None:
+    """The checkpoint folder an MLflow run recorded, if a checkpoint is there (None otherwise)."""
+    path = run.data.tags.get(Tags.CHECKPOINT_DIR)
+    return path if path and has_checkpoint(path) else None
+
+
 def checkpoint_dir_of(run_id: str, uri: str | None = None) -> str:
     """The checkpoint folder a run recorded, for ``fedray run --resume RUN_ID``; one line if none."""
     run = run_to_resume(run_id, uri)
     if run.info.status == "FINISHED":
         raise ConfigError(f"--resume {run_id}: the run finished; there is nothing left to resume")
-    path = run.data.tags.get(Tags.CHECKPOINT_DIR)
-    if not path or not has_checkpoint(path):
-        raise ConfigError(f"--resume {run_id}: the run has no checkpoint to resume from (looked in {path})")
+    path = recorded_checkpoint(run)
+    if path is None:
+        looked = run.data.tags.get(Tags.CHECKPOINT_DIR)
+        raise ConfigError(f"--resume {run_id}: the run has no checkpoint to resume from (looked in {looked})")
     return path
 
 
@@ -181,8 +188,12 @@ class CheckpointWriter:
 
 
 def load_checkpoint(directory: str, server: Server, store: StateStore) -> tuple[int, LoopRecord]:
-    """Restore the server and the store as the checkpoint left them; returns the rounds done and the record."""
-    state = storage.load_torch(checkpoint_file(directory))
+    """Restore the server and the store as the checkpoint left them; returns the rounds done and the
+    record. The checkpoint is flushed to the disk first (its writer may have been killed before its
+    last flush): the run goes on to delete what only the one before it listed."""
+    path = checkpoint_file(directory)
+    storage.flush_to_disk([path])
+    state = storage.load_torch(path)
     server.load_state_dict(state["server"])
     store.read(directory, state["states"])
     torch.set_rng_state(state["torch_rng"])

@@ -39,9 +39,7 @@ from fedray.platform.runtime.checkpoint import (
     CONFIG_FILE,
     CheckpointWriter,
     LoopRecord,
-    checkpoint_file,
     drop_partial_writes,
-    has_checkpoint,
     load_checkpoint,
     take_checkpoint,
 )
@@ -276,11 +274,7 @@ class RoundLoop:
             storage.make_dirs(storage.join(checkpoint_dir, STATES_DIR))
             check_workers_see(self.pool.placed(), checkpoint_dir)
             self.pool.on_placed = lambda worker: check_workers_see([worker], checkpoint_dir)
-            # what a resumed run's interrupted one left that nothing needs, once the checkpoint it
-            # resumes from is on the disk (its writer may have been killed before its last flush)
-            if has_checkpoint(checkpoint_dir):
-                storage.flush_to_disk([checkpoint_file(checkpoint_dir)])
-            self.store.sweep()
+            self.store.sweep()  # what a resumed run's interrupted one left that nothing needs
         try:
             summary = self.run_rounds(stop_after_round)
         except BaseException:

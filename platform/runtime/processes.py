@@ -46,15 +46,15 @@ class Runtime:
         # the Coordinator kills the workers it started as replacements (a dead one took them with
         # it), and counts its pool's workers: not a dead one it replaced. Without its count, every
         # worker the run started with counts
-        placed = None
+        pooled = None
         with contextlib.suppress(ray.exceptions.RayError):
-            placed = ray.get(self.coordinator.shutdown.remote(), timeout=10)
+            pooled = ray.get(self.coordinator.shutdown.remote(), timeout=10)
         for actor in [self.coordinator, *self.workers]:
             with contextlib.suppress(Exception):  # a handle of a Ray since shut down
                 ray.kill(actor)
         if before is not None:
             with contextlib.suppress(Exception):  # a Ray Client connection lost meanwhile: stop never raises
-                StoppedProcesses.expect(before, self.held(placed))
+                StoppedProcesses.expect(before, self.held(pooled))
 
 
 class KeptRuntime:

@@ -66,22 +66,25 @@ def write_bytes(uri: str, data: bytes | memoryview, parents: bool = True, durabl
     """Write atomically: to a temporary name first, then renamed over ``uri`` (object stores write
     whole objects, so the rename there is a copy of a complete file). ``durable``: on the disk, not
     only in the page cache, when this returns (:func:`flush_to_disk`), the file before its rename."""
+    from pyarrow import fs
+
     filesystem, path = _filesystem(uri)
     if parents:
         filesystem.create_dir(posixpath.dirname(path) or ".", recursive=True)
     tmp = f"{path}.{uuid.uuid4().hex[:8]}{PARTIAL}"  # its own: two writers of one file never share a name
+    flush = durable and isinstance(filesystem, fs.LocalFileSystem)  # an upload is durable as it returns
     try:
         with filesystem.open_output_stream(tmp) as out:
             out.write(data)
-        if durable:
-            flush_to_disk([tmp], folders=False)
+        if flush:
+            _fsync(tmp)
         filesystem.move(tmp, path)
     except BaseException:  # a full disk, a refused upload: no half-written file left behind
         with contextlib.suppress(Exception):
             filesystem.delete_file(tmp)
         raise
-    if durable:
-        flush_to_disk([uri], files=False)
+    if flush:
+        _fsync(os.path.dirname(path))  # the rename
 
 
 def flush_to_disk(uris: Iterable[str], files: bool = True, folders: bool = True) -> None:
