@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
-from conftest import store_in, tiny_overrides
+from conftest import run_fresh_python, store_in, tiny_overrides
 from mlflow.tracking import MlflowClient
 
 from fedray.platform.apps.cli import main
@@ -86,6 +84,34 @@ def test_a_trial_reserves_a_gpu_slice_per_client_actor_and_runs_that_many():
     assert factory.required_resources == {"CPU": 2.0, "GPU": 0.5}
 
 
+def test_a_worker_placed_during_the_rounds_counts_in_the_runs_device_and_workers_tags():
+    from fedray.platform.runtime.events import WorkerJoined
+    from fedray.platform.runtime.session import RunSession
+    from fedray.platform.tracking.names import Tags
+
+    class Tracker:
+        def __init__(self) -> None:
+            self.tags: list[dict[str, str]] = []
+
+        def set_tags(self, tags: dict[str, str]) -> None:
+            self.tags.append(tags)
+
+        def system_metrics(self, every_s: float) -> None:
+            return None
+
+    session = RunSession(config(), None, None)
+    session.tracker = tracker = Tracker()  # type: ignore[assignment]
+    session.watch(["cpu (GPU 0)", "cpu (GPU 0)"])
+    session.worker_joined(WorkerJoined("cpu (GPU 1)", added=True))  # one that waited for room
+    session.worker_joined(WorkerJoined("cpu (GPU 1)", added=False))  # a replacement: nothing new to say
+    session.worker_joined(WorkerJoined("cpu", added=False))  # one placed where another device was
+    assert tracker.tags == [
+        {Tags.DEVICE: "cpu (GPU 0)", Tags.WORKERS: "2"},
+        {Tags.DEVICE: "cpu (GPU 0); cpu (GPU 1)", Tags.WORKERS: "3"},
+        {Tags.DEVICE: "cpu; cpu (GPU 0); cpu (GPU 1)", Tags.WORKERS: "3"},
+    ]
+
+
 def test_gpus_asked_for_where_the_cluster_has_none_fail_in_one_line(
     ray_session, mlflow_store, monkeypatch, capsys
 ):
@@ -127,6 +153,7 @@ def test_gpus_this_machine_lacks_fail_before_a_local_ray_and_a_cluster_is_asked_
 PLACEMENT = textwrap.dedent(
     """
     import json, os, sys, time
+    import gate_algorithm  # registers fedavg_gate (tests/ is on PYTHONPATH)
     import ray
     from mlflow.tracking import MlflowClient
     from fedray.platform.catalog import load_config
@@ -140,6 +167,7 @@ PLACEMENT = textwrap.dedent(
     # fedray's local Ray (its workers at nice 0, not Ray's 15, which starves them on a loaded machine)
     start_local_ray(2, num_gpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     cfg = load_config(None, json.loads(sys.argv[1]))
+    gate = cfg.algo.gate
     # other work holds 0.6 of each GPU: Ray says 0.8 GPU is free, three quarters by the sum, but each
     # GPU has room for one
     held = [placement_group([{"GPU": 0.6}]) for _ in range(2)]
@@ -157,11 +185,26 @@ PLACEMENT = textwrap.dedent(
     def started_by(coordinator):
         return os.environ.get("CUDA_VISIBLE_DEVICES"), ray.get(Replacement.remote().gpu_ids.remote())
 
+    def pending():
+        return [a for a in state.actors().values() if a["State"] not in ("ALIVE", "DEAD")]
+
+    def on_round(rnd, metrics):
+        free_gpu.append(round(ray.available_resources().get("GPU", 0.0), 6))
+        if rnd == 1:  # the Coordinator waits at round 2's gate: the other work frees one GPU now
+            while not os.path.exists(f"{gate}.reached"):
+                time.sleep(0.05)
+            remove_placement_group(held.pop(0))
+            for _ in range(1500):  # the third worker, placed there
+                if not pending():
+                    break
+                time.sleep(0.2)
+            open(f"{gate}.open", "w").close()
+
     with sharing_processes():  # the run's Coordinator kept, for the check after it
-        result = run_experiment(cfg, on_round=lambda rnd, m: free_gpu.append(round(ray.available_resources().get("GPU", 0.0), 6)))
-        for _ in range(150):  # the unplaced worker, killed as the run ends (ray.kill does not wait)
-            pending = [a for a in state.actors().values() if a["State"] not in ("ALIVE", "DEAD")]
-            if not pending:
+        result = run_experiment(cfg, on_round=on_round)
+        for _ in range(150):  # an unplaced worker is killed as the run ends (ray.kill does not wait)
+            left = pending()
+            if not left:
                 break
             time.sleep(0.2)
         for pg in held:  # room for the replacement
@@ -173,7 +216,7 @@ PLACEMENT = textwrap.dedent(
         "coordinator_sees": coordinator_sees,
         "replacement_gpus": replacement_gpus,
         "pool": pool,
-        "pending_after_the_run": len(pending),
+        "pending_after_the_run": len(left),
         "workers": tags[Tags.WORKERS],
         "device": tags[Tags.DEVICE],
         "free_gpu_during_rounds": free_gpu,
@@ -225,27 +268,24 @@ def test_the_pool_is_as_many_workers_as_the_scarcer_of_cpus_and_gpu_slices():
     )  # no GPU
 
 
-def test_quarter_gpu_slices_go_where_a_gpu_has_room_and_the_run_goes_on_without_one_none_has(tmp_path):
-    overrides = [o for o in tiny_overrides(rounds=2) if not o.startswith("ray.max_actors")]
+def test_quarter_gpu_slices_go_where_a_gpu_has_room_and_one_none_has_joins_when_a_gpu_frees(tmp_path):
+    gated = {"algorithm": "fedavg_gate", "fedavg_gate.round": 1, "fedavg_gate.gate": str(tmp_path / "gate")}
+    overrides = [o for o in tiny_overrides(rounds=4, **gated) if not o.startswith("ray.max_actors")]
     overrides += ["ray.num_gpus_per_client=0.25", "ray.num_cpus_per_client=0.5", "ray.pool_wait_s=5"]
     overrides += [f"storage_path={tmp_path / 'store'}"]
-    done = subprocess.run(
-        [sys.executable, "-c", PLACEMENT, json.dumps(overrides)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env={**os.environ, "MLFLOW_TRACKING_URI": store_in(tmp_path)},
+    done = run_fresh_python(
+        PLACEMENT, json.dumps(overrides), cwd=tmp_path, env={"MLFLOW_TRACKING_URI": store_in(tmp_path)}
     )
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     # Ray's free GPUs are a sum (0.8), so the pool is sized at three quarters; two GPUs have room for
-    # one each: the run trains on those two (rather than waiting forever for the third, which is
-    # dropped at the end), holding their two slices while rounds run. Four quarters filling one GPU
-    # are left to the pool_size test above and to make gpu-check: here they would cost two more
-    # processes importing torch
-    assert seen["pool"] == 3 and seen["workers"] == "2", seen
-    assert seen["free_gpu_during_rounds"] == [0.3, 0.3], seen
+    # one each: the run starts on those two (rather than waiting forever for the third), holding
+    # their two slices in round 1. The other work then frees one GPU, while the Coordinator waits at
+    # round 2's gate: the third worker is placed there, joins the run and holds its slice in rounds
+    # 2-4, and the run's tags count it. Four quarters filling one GPU are left to the pool_size test
+    # above and to make gpu-check: here they would cost two more processes importing torch
+    assert seen["pool"] == 3 and seen["workers"] == "3", seen
+    assert seen["free_gpu_during_rounds"] == [0.3, 0.65, 0.65, 0.65], seen
     assert seen["pending_after_the_run"] == 0
     # each worker was assigned its GPU by Ray, cannot use it here, trained on the CPU and said so
     assert seen["device"] == "; ".join(

@@ -96,18 +96,23 @@ def test_a_run_starts_with_the_first_workers_ray_placed_and_says_so_in_one_line_
     assert "\n" not in message
 
 
-def test_a_worker_placed_late_is_checked_before_it_takes_a_job(monkeypatch):
+def test_a_worker_placed_late_is_checked_and_counted_before_it_takes_a_job(monkeypatch):
     # the first workers are checked as the run starts (the run's folder seen from their node); one
-    # placed later, or a replacement, is checked when it is placed, and a failed check stops the run
+    # placed later, or a replacement, is checked when it is placed, and a failed check stops the run.
+    # The hook hears what the worker trains on, and whether it adds to the run's workers
     monkeypatch.setattr(pool_module.ray, "wait", lambda refs, timeout: (refs, []))
-    monkeypatch.setattr(pool_module.ray, "get", lambda ref: {"device": "cpu"})
-    pool = WorkerPool(["w0", "w1"], spawn=lambda: ("new", None), pinned=False, placing={1: "set-up of w1"})
+    monkeypatch.setattr(pool_module.ray, "get", lambda ref: {"device": f"cpu ({ref})"})
+    monkeypatch.setattr(pool_module.ray, "kill", lambda worker, no_restart: None)
+    spawned = iter([("w1 again", "set-up of w1 again")])
+    pool = WorkerPool(["w0", "w1"], spawn=lambda: next(spawned), pinned=False, placing={1: "set-up of w1"})
     checked = []
-    pool.on_placed = checked.append
+    pool.on_placed = lambda worker, info, added: checked.append((worker, info["device"], added))
     assert pool.ready(0) and checked == []
-    assert pool.ready(1) and checked == ["w1"] and pool.placing == {}
+    assert pool.ready(1) and checked == [("w1", "cpu (set-up of w1)", True)] and pool.placing == {}
+    pool.replace(1)  # w1 died
+    assert pool.ready(1) and checked[1:] == [("w1 again", "cpu (set-up of w1 again)", False)]
 
-    def refuse(worker):
+    def refuse(worker, info, added):
         raise ConfigError("storage_path: the run's folder is not there on node 10.0.0.2")
 
     pool.placing[0], pool.on_placed = "set-up of a replacement", refuse

@@ -7,7 +7,14 @@ import io
 
 from rich.console import Console
 
-from fedray.platform.runtime.events import CheckpointSaved, ClientFailed, JobRetried, RoundEnded, RoundStarted
+from fedray.platform.runtime.events import (
+    CheckpointSaved,
+    ClientFailed,
+    JobRetried,
+    RoundEnded,
+    RoundStarted,
+    WorkerJoined,
+)
 from fedray.platform.runtime.failures import Failure
 from fedray.platform.runtime.progress import Progress
 from fedray.platform.tracking.names import Metrics
@@ -34,6 +41,8 @@ def test_each_event_is_a_line_and_the_accuracy_is_carried_to_rounds_without_eval
         RoundStarted(1, [0, 1, 2, 3]),
         ClientFailed(1, "client 2", Failure("ValueError: bad batch")),
         JobRetried(1, "clients 0, 1", "worker died"),
+        WorkerJoined("cpu", added=False),
+        WorkerJoined("cuda (Fake GPU, Ray GPU [1])", added=True),  # not read as markup
         RoundEnded(1, {**ROUND, Metrics.LOSS_TRAIN: 0.5, Metrics.ACC_PERSONAL_MEAN: 0.8125}),
         CheckpointSaved(1, "/tmp/x/checkpoint.pt"),
         RoundEnded(2, ROUND),  # no training loss (a warm-up round), no evaluation
@@ -42,6 +51,8 @@ def test_each_event_is_a_line_and_the_accuracy_is_carried_to_rounds_without_eval
     assert lines == [
         "round 1: client 2 failed: ValueError: bad batch",
         "round 1: worker lost running clients 0, 1, re-running from the committed state (worker died)",
+        "a replacement worker joins, on cpu",
+        "a worker Ray placed late joins the run, on cuda (Fake GPU, Ray GPU [1])",
         "round    1/10  clients 3/4  acc personal 81.25  global -  up 3.00 MB  down 0.50 MB  loss 0.500  1.2s",
         "round    2/10  clients 3/4  acc personal 81.25  global -  up 3.00 MB  down 0.50 MB  loss -  1.2s",
     ]

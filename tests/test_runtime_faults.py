@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from fedray.platform.catalog import load_config
 from fedray.platform.runtime.driver import run_experiment
-from fedray.platform.tracking.names import Metrics
+from fedray.platform.tracking.names import Metrics, Tags
 
 
 def comparable(history):
@@ -55,6 +55,9 @@ def test_a_lost_worker_mid_round_changes_no_number(undisturbed, mlflow_store, tm
     assert all(h[Metrics.CLIENTS_FAILED] == 0 for h in disturbed.history)
     logged = MlflowClient(mlflow_store).get_metric_history(disturbed.run_id, Metrics.CLIENTS_RETRIED)
     assert sum(m.value for m in logged) == retried
+    # the replacement takes its predecessor's place in the run's record
+    tags = MlflowClient(mlflow_store).get_run(disturbed.run_id).data.tags
+    assert (tags[Tags.WORKERS], tags[Tags.DEVICE]) == ("2", "cpu")
 
 
 def test_out_of_memory_is_retried_in_place(undisturbed, mlflow_store, tmp_path):

@@ -51,6 +51,7 @@ from fedray.platform.runtime.events import (
     EventQueue,
     RoundEnded,
     RoundStarted,
+    WorkerJoined,
 )
 from fedray.platform.runtime.pool import WorkerPool, unplaced
 from fedray.platform.runtime.process_roles import set_up_coordinator
@@ -254,12 +255,21 @@ class RoundLoop:
         check_evaluable(cfg.algorithm, self.spec.client_cls, self.commits, self.server)
         self.store = StateStore()
         self.pool, devices = start_pool(cfg, meta, workers, options, self.commits)
+        self.pool.on_placed = self.worker_placed
         self.training = TrainingDispatch(self.pool, self.store, shard_refs, meta["train_sizes"], self.commits)
         chunks = global_test_chunks(global_test)
         self.evaluation = Evaluation(cfg, self.pool, self.store, shard_refs, chunks, self.training.affinity)
         self.start_round, self.record = 0, LoopRecord()
         self.halting = False
         return {"devices": devices}
+
+    def worker_placed(self, worker, info: dict[str, Any], added: bool) -> None:
+        """A worker Ray placed once the rounds had started (one of the first that waited for room, or
+        a replacement): checked as the first were when clients keep state (the run's folder seen
+        from its node; a failure stops the run), then counted in the run's record."""
+        if self.commits:
+            check_workers_see([worker], self.checkpoint_dir)
+        self.events.emit(WorkerJoined(info["device"], added))
 
     def poll(self, timeout: float = 0.5) -> list[Event]:
         """The driver's call, from its thread while ``run`` goes on in the other: the events since its last."""
@@ -272,8 +282,7 @@ class RoundLoop:
         drop_partial_writes(checkpoint_dir)  # what an interrupted run's killed checkpoint writer left
         if self.commits:  # the workers write states into this folder, and never make it
             storage.make_dirs(storage.join(checkpoint_dir, STATES_DIR))
-            check_workers_see(self.pool.placed(), checkpoint_dir)
-            self.pool.on_placed = lambda worker: check_workers_see([worker], checkpoint_dir)
+            check_workers_see(self.pool.placed(), checkpoint_dir)  # those placed later: worker_placed
             self.store.sweep()  # what a resumed run's interrupted one left that nothing needs
         try:
             summary = self.run_rounds(stop_after_round)

@@ -48,7 +48,7 @@ from fedray.platform.runtime.checkpoint import (
     saved_config_text,
 )
 from fedray.platform.runtime.devices import missing_gpus, require_visible_gpus
-from fedray.platform.runtime.events import ClientFailed, RoundEnded
+from fedray.platform.runtime.events import ClientFailed, RoundEnded, WorkerJoined
 from fedray.platform.runtime.process_roles import set_up_driver
 from fedray.platform.runtime.processes import KeptRuntime, Runtime, start_runtime
 from fedray.platform.runtime.progress import Progress, mb
@@ -250,10 +250,12 @@ def stream_rounds(
     tracker: RunTracker,
     on_round,
     logged: list[int],
+    on_joined: Callable[[WorkerJoined], None],
 ) -> dict:
     """Show and log the Coordinator's events until its ``run`` returns; returns its summary.
     ``logged[0]`` is the last round logged: a restarted Coordinator's recomputed rounds are shown
-    again but logged (and reported to ``on_round``) once."""
+    again but logged (and reported to ``on_round``) once. ``on_joined``: a worker placed during the
+    rounds (:meth:`RunSession.worker_joined`)."""
     done = False
     while not done:
         done = bool(ray.wait([run_ref], timeout=0)[0])
@@ -263,6 +265,8 @@ def stream_rounds(
                 log_round(tracker, event.round, event.metrics, on_round, logged)
             elif isinstance(event, ClientFailed):
                 log_failure(tracker, event)
+            elif isinstance(event, WorkerJoined):
+                on_joined(event)
     return ray.get(run_ref)
 
 
@@ -450,6 +454,7 @@ def drive(
     ckpt_dir: str,
     stop_after_round: int | None,
     on_round: Callable[[int, dict[str, float]], None] | None,
+    on_joined: Callable[[WorkerJoined], None],
 ) -> tuple[dict, Any]:
     """Show and log the rounds until the Coordinator's ``run`` returns, restarting a Coordinator that
     died (``ray.max_coordinator_restarts`` times). Returns its summary and, for a finished run, the
@@ -471,7 +476,9 @@ def drive(
                     tracker.set_tags({Tags.COORDINATOR_RESTARTS: str(restarts)})
                     tracker.log_metrics({Metrics.RUN_COORDINATOR_RESTARTS: restarts}, step=logged[0])
                     handle.start(ckpt_dir, stop_after_round)
-                summary = stream_rounds(handle.runtime, handle.run_ref, progress, tracker, on_round, logged)
+                summary = stream_rounds(
+                    handle.runtime, handle.run_ref, progress, tracker, on_round, logged, on_joined
+                )
                 # the personalised models, fetched before the loop ends: a Coordinator that dies now
                 # restarts at the last round's checkpoint and hands them over
                 return summary, handle.client_models() if summary["finished"] else None
@@ -518,7 +525,7 @@ def run_experiment(
             session.open({Tags.CHECKPOINT_DIR: ckpt_dir}), cfg, fed, baseline
         )
         session.watch(devices)
-        summary, finals = drive(handle, tracker, ckpt_dir, stop_after_round, on_round)
+        summary, finals = drive(handle, tracker, ckpt_dir, stop_after_round, on_round, session.worker_joined)
         result = Result(
             tracker.run_id, tracker.experiment_id, cfg, summary["history"], summary["client_acc"],
             summary["finished"], 0.0, extra=baseline,

@@ -57,7 +57,17 @@ class CheckpointSaved:
     path: str
 
 
-Event = RoundStarted | RoundEnded | ClientFailed | JobRetried | CheckpointSaved
+@dataclass(frozen=True)
+class WorkerJoined:
+    """A worker Ray placed after the run's set-up: one of the first that waited for room
+    (``added``: the run now has one more), or a dead worker's replacement. The run's ``device`` and
+    ``fedray.workers`` tags count it."""
+
+    device: str  # as the worker describes it, e.g. "cuda (NVIDIA H200, Ray GPU 0)"
+    added: bool
+
+
+Event = RoundStarted | RoundEnded | ClientFailed | JobRetried | CheckpointSaved | WorkerJoined
 
 
 def job_label(key: Any) -> str:

@@ -83,8 +83,9 @@ class WorkerPool:
         # slot -> set-up ref of a worker not placed yet (a replacement, or one of the first: unplaced())
         self.placing: dict[int, Any] = dict(placing or {})
         self.pinned = pinned
-        # what a worker placed late must pass before it takes a job (the run's folder seen from its node)
-        self.on_placed: Callable[[Any], None] | None = None
+        # told of a worker placed late, before it takes a job: (worker, its set-up's description, whether
+        # it adds to the workers rather than replacing one); it may raise to stop the run
+        self.on_placed: Callable[[Any, dict, bool], None] | None = None
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -105,9 +106,9 @@ class WorkerPool:
         if not ray.wait([self.placing[slot]], timeout=0)[0]:
             return False
         with contextlib.suppress(ray.exceptions.RayError):  # a failed set-up fails its first job instead
-            ray.get(self.placing.pop(slot))
+            info = ray.get(self.placing.pop(slot))
             if self.on_placed is not None:
-                self.on_placed(self.workers[slot])
+                self.on_placed(self.workers[slot], info, self.generation[slot] == 0)
         return True
 
     def wait_for_placement(self, queue: list[Job]) -> None:
@@ -248,9 +249,8 @@ def unplaced(set_ups: list, asks: str, wait_s: float) -> dict[int, Any]:
     sums over GPUs and nodes, so a pool sized from them may hold a worker that no GPU or node has
     room for while other work holds its share: the run goes on without it rather than waiting for
     it. The others started with the first, so one not up by then is most likely that one (a kept
-    worker is up at once, a new one may take half a minute on a loaded machine; one that joins late
-    is left out of the run's workers tag). None up in :data:`PLACEMENT_WAIT_S`: one line. ``asks``:
-    what each worker asks for, for that line."""
+    worker is up at once, a new one may take half a minute on a loaded machine). None up in
+    :data:`PLACEMENT_WAIT_S`: one line. ``asks``: what each worker asks for, for that line."""
     started = time.monotonic()
     if not ray.wait(set_ups, num_returns=1, timeout=PLACEMENT_WAIT_S)[0]:
         raise ConfigError(

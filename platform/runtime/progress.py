@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from fedray.platform.runtime.events import ClientFailed, Event, JobRetried, RoundEnded
+from fedray.platform.runtime.events import ClientFailed, Event, JobRetried, RoundEnded, WorkerJoined
 from fedray.platform.tracking.names import Metrics
 
 
@@ -86,6 +86,9 @@ class Progress:
                 f"from the committed state ({escape(event.error)})",
                 soft_wrap=True,
             )
+        elif isinstance(event, WorkerJoined):
+            what = "a worker Ray placed late joins the run" if event.added else "a replacement worker joins"
+            self.console.print(f"[dim]{what}, on {escape(event.device)}", soft_wrap=True)
         elif isinstance(event, RoundEnded):
             self._round_end(event.round, event.metrics)
 

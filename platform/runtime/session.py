@@ -19,6 +19,7 @@ import ray
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.errors import ALGORITHM_ERRORS, ConfigError, Diverged, RoundFailed, first_line
 from fedray.platform.interrupts import deferred, stops_as_interrupt
+from fedray.platform.runtime.events import WorkerJoined
 from fedray.platform.tracking.mlflow_run import RunTracker
 from fedray.platform.tracking.names import Metrics, Tags
 from fedray.platform.tracking.outage import TrackingUnavailable
@@ -53,9 +54,9 @@ def restarted(cfg: ExperimentConfig) -> str:
     return f" after {limit} restart{'s' * (limit != 1)}" if limit else ""
 
 
-def device_tags(devices: list[str]) -> dict[str, str]:
+def device_tags(devices: list[str], workers: int) -> dict[str, str]:
     """What the run's clients trained on (tag ``device``) and how many workers trained them."""
-    return {Tags.DEVICE: "; ".join(sorted(set(devices))), Tags.WORKERS: str(len(devices))}
+    return {Tags.DEVICE: "; ".join(sorted(set(devices))), Tags.WORKERS: str(workers)}
 
 
 class RunSession:
@@ -70,6 +71,8 @@ class RunSession:
         self.earlier_s = 0.0  # wall time of the segments before a resume
         self.wall_s: float | None = None  # set when the run is done; None: it failed or was stopped
         self.outage = False  # the tracking server stayed down past tracking.max_outage_s
+        self.devices: list[str] = []  # what each worker that joined the run trains on
+        self.workers = 0  # the pool's workers that joined it (a replacement takes its predecessor's place)
 
     def open(self, tags: dict[str, str]) -> RunTracker:
         """A new MLflow run, created with ``tags`` (the checkpoint folder: a run interrupted from
@@ -96,8 +99,20 @@ class RunSession:
     def watch(self, devices: list[str]) -> None:
         """Tag where the clients train (again on a resume: it may run elsewhere) and start the monitor."""
         assert self.tracker is not None
-        self.tracker.set_tags(device_tags(devices))
+        self.devices, self.workers = list(devices), len(devices)
+        self.tracker.set_tags(device_tags(self.devices, self.workers))
         self.monitor = self.tracker.system_metrics(self.cfg.tracking.system_metrics_s)
+
+    def worker_joined(self, event: WorkerJoined) -> None:
+        """A worker Ray placed during the rounds: its device is one more the clients may train on,
+        and one that did not replace another is one more worker."""
+        assert self.tracker is not None
+        before = device_tags(self.devices, self.workers)
+        self.devices.append(event.device)
+        self.workers += event.added
+        after = device_tags(self.devices, self.workers)
+        if after != before:
+            self.tracker.set_tags(after)
 
     def elapsed(self) -> float:
         return self.earlier_s + time.time() - self.started
