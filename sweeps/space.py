@@ -3,7 +3,7 @@
 A space file::
 
     search: grid            # grid | random | optuna
-    samples: 1              # grid: repeats of the grid; random/optuna: number of trials
+    samples: 1              # grid: repeats of the grid; random: trials per grid point; optuna: trials
     metric: acc/global      # what the sweep maximises (or minimises, with mode: min)
     mode: max
     scheduler: asha         # asha | none: ASHA stops weak trials early on the round axis
