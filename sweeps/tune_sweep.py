@@ -129,13 +129,16 @@ def run_trial(
     sweep_id: str,
     diverged: dict[str, str] | None = None,
     resumed: bool = False,
+    restart_errored: bool = False,
 ) -> None:
     """The Tune trainable: one federated run with the sampled values, reporting every round.
     ``diverged`` (the sweep's state, :func:`remember_divergences`) names the trials whose run
     diverged before a resume: when Tune resumes them (with a trial that failed otherwise,
     :func:`failed_otherwise`), one of these ends as soon as it is scheduled, before a run starts,
     with its line: the same settings would diverge again. In a ``resumed`` sweep, a trial that ran
-    before goes on from its run's last checkpoint, in that run (:func:`earlier_run`)."""
+    before goes on from its run's last checkpoint, in that run (:func:`earlier_run`); with
+    ``restart_errored`` one whose run failed starts again from round 0 under a new run (the failed
+    one stays, FAILED)."""
     import ray
     from ray import tune
 
@@ -154,8 +157,13 @@ def run_trial(
         # step, as MLflow keeps it), and nothing run again
         tune.report(tune_result(cfg.rounds, dict(earlier.data.metrics)))
         return
-    # one cut short before its first checkpoint starts again, under a new run
-    cut_short = earlier.info.run_id if earlier is not None and recorded_checkpoint(earlier) else None
+    # one cut short before its first checkpoint starts again, under a new run; so does one that
+    # failed, when asked (its checkpoints are its failing code's; Tune gives a trial it restarts a
+    # new id, so its failed run is not found, but that is Tune's choice, not a promise)
+    restart = earlier is not None and restart_errored and earlier.info.status == "FAILED"
+    cut_short = (
+        earlier.info.run_id if earlier is not None and not restart and recorded_checkpoint(earlier) else None
+    )
     pg = ray.util.get_current_placement_group()
     actors = trial_actors(cfg) if pg is not None else None  # as many as trial_resources reserved
     KeptRuntime.keep_between_trials()  # Tune hands this process the next trial (reuse_actors)
@@ -273,14 +281,18 @@ def failed_otherwise(results, diverged: Collection[str]) -> bool:
     return any(r.error and Path(r.path).name not in diverged for r in results)
 
 
-def restored_tuner(path: Path, trainable, previous, diverged: Collection[str]):
+def restored_tuner(path: Path, trainable, previous, diverged: Collection[str], restart: bool = False):
     """Tune's sweep at ``path``, to resume: a trial that failed runs again (fixed code, a node back)
-    when one failed otherwise than diverging (``previous``: Tune's results before the resume); a
-    diverged one is left as it ended, or, when Tune resumes every failed trial, ends at once in
+    when one failed otherwise than diverging (``previous``: Tune's results before the resume),
+    from its last checkpoint, or with ``restart`` (``--restart-errored``) from round 0; a diverged
+    one is left as it ended, or, when Tune runs every failed trial again, ends at once in
     :func:`run_trial`."""
     from ray import tune
 
-    return tune.Tuner.restore(str(path), trainable, resume_errored=failed_otherwise(previous, diverged))
+    again = failed_otherwise(previous, diverged)
+    return tune.Tuner.restore(
+        str(path), trainable, resume_errored=again and not restart, restart_errored=again and restart
+    )
 
 
 def save_state(state_file: Path, state: dict[str, Any]) -> None:
@@ -361,12 +373,17 @@ def run_sweep(
     name: str | None = None,
     max_concurrent: int | None = None,
     stop_after_trials: int | None = None,
+    restart_errored: bool = False,
 ) -> SweepResult:
     """Run (or ``resume``) a sweep of ``algorithm`` and return its trial table and best config.
 
     ``stop_after_trials`` stops the sweep as Ctrl-C would once that many trials have ended in this
-    call (a job with a time budget), a resumed one too; ``--resume`` continues it."""
+    call (a job with a time budget), a resumed one too; ``--resume`` continues it.
+    ``restart_errored`` (with ``resume``): trials that failed start again from round 0."""
     from ray import tune
+
+    if restart_errored and not resume:
+        raise ConfigError("--restart-errored: only with --resume (a new sweep has no failed trials)")
 
     base = prepare_base(config_path, algorithm, overrides or [])
     space = load_space(space_path(algorithm, space_file))
@@ -444,6 +461,7 @@ def run_sweep(
             sweep_id=name,
             diverged=state["diverged"],
             resumed=resume,
+            restart_errored=restart_errored,
         ),
         resources=trial_resources(base_cfg),
     )
@@ -457,7 +475,7 @@ def run_sweep(
         InterruptAfterTrials(),
     ]
     if resume:
-        tuner = restored_tuner(path, trainable, previous, state["diverged"])
+        tuner = restored_tuner(path, trainable, previous, state["diverged"], restart=restart_errored)
     else:
         param_space = {p.key: p.tune_domain(space.search) for p in space.params}
         tuner = tune.Tuner(

@@ -505,9 +505,19 @@ def test_a_resume_asks_tune_to_run_failed_trials_again_only_when_one_failed_othe
         return SimpleNamespace(path=f"/s/{folder}", error=None if error is None else RuntimeError(error))
 
     diverged = {"t0": "round 1: training diverged, ..."}
-    restored_tuner(Path("/s"), run_trial, [result("t0", "Diverged: ..."), result("t1", None)], diverged)
-    restored_tuner(Path("/s"), run_trial, [result("t0", "Diverged: ..."), result("t2", "OSError")], diverged)
-    assert asked == [{"resume_errored": False}, {"resume_errored": True}]
+    diverged_only = [result("t0", "Diverged: ..."), result("t1", None)]
+    failed = [result("t0", "Diverged: ..."), result("t2", "OSError")]
+    restored_tuner(Path("/s"), run_trial, diverged_only, diverged)
+    restored_tuner(Path("/s"), run_trial, failed, diverged)
+    # --restart-errored: from round 0, and still only when a trial failed otherwise than diverging
+    restored_tuner(Path("/s"), run_trial, diverged_only, diverged, restart=True)
+    restored_tuner(Path("/s"), run_trial, failed, diverged, restart=True)
+    assert asked == [
+        {"resume_errored": False, "restart_errored": False},
+        {"resume_errored": True, "restart_errored": False},
+        {"resume_errored": False, "restart_errored": False},
+        {"resume_errored": False, "restart_errored": True},
+    ]
 
 
 def test_a_trial_that_diverged_before_ends_before_its_run_when_tune_resumes_it(monkeypatch):
@@ -568,9 +578,16 @@ def trial_without_ray(monkeypatch, tmp_path):
         )
         monkeypatch.setattr(tune_sweep, "earlier_run", lambda cfg, parent, trial: found)
 
-    def trial(resumed=True):
+    def trial(resumed=True, restart_errored=False):
         reported.clear(), ran.clear()
-        run_trial({"train.lr": 0.1}, base=base, parent_run_id="p", sweep_id="s", resumed=resumed)
+        run_trial(
+            {"train.lr": 0.1},
+            base=base,
+            parent_run_id="p",
+            sweep_id="s",
+            resumed=resumed,
+            restart_errored=restart_errored,
+        )
         return ran, [r["round"] for r in reported], reported[-1][tune_key(Metrics.ACC_GLOBAL)]
 
     return earlier, trial
@@ -593,6 +610,34 @@ def test_a_resumed_trial_tells_tune_its_last_round_whenever_its_run_logged_it(tr
     # cut short before its first checkpoint: it starts again
     earlier("KILLED", checkpoint=False)
     assert trial() == (["fresh"], [1, 2, 3], pytest.approx(0.3))
+
+
+def test_a_failed_trial_continues_from_its_checkpoint_or_with_restart_errored_starts_again(
+    trial_without_ray,
+):
+    earlier, trial = trial_without_ray
+    earlier("FAILED")  # its code raised after its last checkpoint (then fixed, or a node came back)
+    assert trial() == (["r-FAILED"], [3], pytest.approx(0.3))  # as `fedray run --resume` of a failed run
+    # --restart-errored: its checkpoints are the failing code's, so it runs from round 0, in a new run
+    assert trial(restart_errored=True) == (["fresh"], [1, 2, 3], pytest.approx(0.3))
+    # a trial the interruption cut short, or one that finished, is not a failed one
+    earlier("KILLED")
+    assert trial(restart_errored=True) == (["r-KILLED"], [3], pytest.approx(0.3))
+    earlier("FINISHED")
+    assert trial(restart_errored=True) == ([], [3], pytest.approx(0.3))
+
+
+def test_a_failed_trial_says_to_resume_its_sweep_and_a_failed_run_itself():
+    from fedray.platform.runtime.session import RunSession
+
+    cfg = load_config(None, tiny_overrides())
+    trial, run = RunSession(cfg, None, parent_run_id="p"), RunSession(cfg, None, parent_run_id=None)
+    run.tracker = trial.tracker = SimpleNamespace(run_id="r1")  # type: ignore[assignment]
+    assert trial.resume_advice() == (
+        "resume the sweep with its command and --resume (add --restart-errored to start its failed "
+        "trials again from round 0)"
+    )
+    assert run.resume_advice() == "resume with  fedray run --resume r1"
 
 
 def test_a_stop_after_trials_limit_is_the_fits_own_and_holds_for_a_restored_callback(monkeypatch):
@@ -632,6 +677,8 @@ def test_a_resume_refuses_what_it_cannot_do_before_ray_starts(tmp_path, monkeypa
     args = {"space_file": _tiny_space(tmp_path), "overrides": tiny_overrides(), "name": "old"}
     with pytest.raises(ConfigError, match=r"^--stop-after-trials: this sweep was started by an older fedray"):
         run_sweep("fedprox", resume=True, stop_after_trials=2, **args)
+    with pytest.raises(ConfigError, match=r"^--restart-errored: only with --resume"):
+        run_sweep("fedprox", restart_errored=True, **args)
     errors = []
 
     def in_a_thread():
@@ -724,9 +771,13 @@ def test_the_sweep_command_names_the_best_trial_by_every_swept_key(tmp_path, mon
     )
     best = {"rounds": 4, "train": {"lr": 0.1}}
     done = SweepResult("parent", table, best, tmp_path / "sweep-x", ["rounds", "train.lr"])
-    monkeypatch.setattr("fedray.sweeps.tune_sweep.run_sweep", lambda *a, **k: done)
+    asked = []
+    monkeypatch.setattr("fedray.sweeps.tune_sweep.run_sweep", lambda *a, **k: asked.append(k) or done)
     assert main(["sweep", "--algo", "fedavg"]) == 0
     assert "best trial: rounds=4, train.lr=0.1\n" in capsys.readouterr().out
+    assert main(["sweep", "--algo", "fedavg", "--resume", "--restart-errored"]) == 0
+    assert [(k["resume"], k["restart_errored"]) for k in asked] == [(False, False), (True, True)]
+    capsys.readouterr()
     # the table shows the swept values to six digits, however small or large; the results rounded;
     # the best trial's line gives its values whole
     table.loc[0, "train.lr"] = 0.073482917

@@ -95,6 +95,7 @@ def _sweep(args: argparse.Namespace) -> int:
         resume=args.resume,
         name=args.name,
         stop_after_trials=args.stop_after_trials,
+        restart_errored=args.restart_errored,
     )
     records = result.trials.to_dict("records")
     rows = [
@@ -161,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--config", help="experiment YAML (default: configs/quickstart.yaml)")
     sweep.add_argument("--name", help="sweep name (default: sweep-<algo>-<config name>)")
     sweep.add_argument("--resume", action="store_true", help="continue an interrupted sweep")
+    sweep.add_argument(
+        "--restart-errored",
+        action="store_true",
+        help="with --resume: trials that failed start again from round 0 in a new MLflow run "
+        "(by default they continue from their last checkpoint)",
+    )
     sweep.add_argument(
         "--stop-after-trials",
         type=int,

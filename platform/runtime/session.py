@@ -146,7 +146,7 @@ class RunSession:
                     resume = (  # a diverged run would diverge again: a new run with other settings
                         ""
                         if self.tracker is None or isinstance(err.cause, Diverged)
-                        else f"; once fixed, resume with  {self.resume_command()}"
+                        else f"; once fixed, {self.resume_advice()}"
                     )
                     raise RunAborted(f"{err.cause}{resume}") from None
                 raise
@@ -185,6 +185,15 @@ class RunSession:
         """The command that resumes this run (it has an MLflow run: the id names it)."""
         assert self.tracker is not None
         return f"fedray run --resume {self.tracker.run_id}"
+
+    def resume_advice(self) -> str:
+        """How to go on once a failed run's cause is fixed: a sweep's trial goes on with its sweep."""
+        if self.parent_run_id is None:
+            return f"resume with  {self.resume_command()}"
+        return (
+            "resume the sweep with its command and --resume (add --restart-errored to start its "
+            "failed trials again from round 0)"
+        )
 
     def close(self) -> None:
         if self.monitor is not None:  # a failed or stopped run: its last sample is best effort
