@@ -130,6 +130,7 @@ def run_trial(
     diverged: dict[str, str] | None = None,
     resumed: bool = False,
     restart_errored: bool = False,
+    diverged_points: dict[str, str] | None = None,
 ) -> None:
     """The Tune trainable: one federated run with the sampled values, reporting every round.
     ``diverged`` (the sweep's state, :func:`remember_divergences`) names the trials whose run
@@ -138,11 +139,13 @@ def run_trial(
     with its line: the same settings would diverge again. In a ``resumed`` sweep, a trial that ran
     before goes on from its run's last checkpoint, in that run (:func:`earlier_run`); with
     ``restart_errored`` one whose run failed starts again from round 0 under a new run (the failed
-    one stays, FAILED)."""
+    one stays, FAILED). Tune's restart gives every failed trial a new folder, a diverged one too:
+    ``diverged_points`` (by :func:`point_key`) knows those by their values."""
     import ray
     from ray import tune
 
     line = (diverged or {}).get(Path(tune.get_context().get_trial_dir()).name)
+    line = line or (diverged_points or {}).get(point_key(point))
     if line is not None:
         raise Diverged(line + NOT_RUN_AGAIN)
     cfg = trial_config(base, point)
@@ -286,7 +289,8 @@ def restored_tuner(path: Path, trainable, previous, diverged: Collection[str], r
     when one failed otherwise than diverging (``previous``: Tune's results before the resume),
     from its last checkpoint, or with ``restart`` (``--restart-errored``) from round 0; a diverged
     one is left as it ended, or, when Tune runs every failed trial again, ends at once in
-    :func:`run_trial`."""
+    :func:`run_trial` (known by its folder, or after a restart, which gives it a new one, by its
+    values)."""
     from ray import tune
 
     again = failed_otherwise(previous, diverged)
@@ -300,6 +304,12 @@ def save_state(state_file: Path, state: dict[str, Any]) -> None:
     partial = state_file.with_name(state_file.name + ".partial")
     partial.write_text(json.dumps(state))
     os.replace(partial, state_file)
+
+
+def point_key(point: dict[str, Any]) -> str:
+    """A trial's values as one string: how a trial that diverged is known once Tune's restart
+    (``--restart-errored``) has given it a new folder; the same values diverge again."""
+    return json.dumps(point, sort_keys=True, default=str)
 
 
 def record_divergence(trial_path: str, line: str) -> None:
@@ -453,6 +463,12 @@ def run_sweep(
         }
         own_loggers = True
 
+    restarted_points: dict[str, str] = {}
+    if resume and restart_errored and state["diverged"]:
+        configs = trial_configs(str(path))  # the diverged trials' values, before Tune gives them new folders
+        restarted_points = {
+            point_key(configs[f]): line for f, line in state["diverged"].items() if f in configs
+        }
     trainable = tune.with_resources(
         tune.with_parameters(
             run_trial,
@@ -462,6 +478,7 @@ def run_sweep(
             diverged=state["diverged"],
             resumed=resume,
             restart_errored=restart_errored,
+            diverged_points=restarted_points,
         ),
         resources=trial_resources(base_cfg),
     )
@@ -504,7 +521,7 @@ def run_sweep(
             # trial of this call's
             with (
                 tune_settings(own_loggers),
-                InterruptAfterTrials.limited(stop_after_trials, state["diverged"]),
+                InterruptAfterTrials.limited(stop_after_trials, state["diverged"], restarted_points),
             ):
                 grid = tuner.fit()
         except (ValueError, TuneError) as err:  # Tune's check of the first result that lacks the metric
@@ -622,12 +639,15 @@ class InterruptAfterTrials(Callback):
 
     limit: ClassVar[int | None] = None
     skip: ClassVar[Collection[str]] = ()  # trial folders not counted
+    skip_points: ClassVar[Collection[str]] = ()  # nor trials of these values (point_key): restarted, diverged
 
     def setup(self, stop=None, num_samples=None, total_num_samples=None, **info) -> None:
         self.ended = 0  # this fit's count, not the one Tune restored with the callback
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
         if Path(trial.path or "").name in self.skip:
+            return
+        if self.skip_points and point_key(trial.config or {}) in self.skip_points:
             return
         self.ended += 1
         if self.limit is not None and self.ended == self.limit:
@@ -638,13 +658,15 @@ class InterruptAfterTrials(Callback):
 
     @classmethod
     @contextlib.contextmanager
-    def limited(cls, n: int | None, skip: Collection[str] = ()) -> Iterator[None]:
-        before = cls.limit, cls.skip
-        cls.limit, cls.skip = n, frozenset(skip)
+    def limited(
+        cls, n: int | None, skip: Collection[str] = (), skip_points: Collection[str] = ()
+    ) -> Iterator[None]:
+        before = cls.limit, cls.skip, cls.skip_points
+        cls.limit, cls.skip, cls.skip_points = n, frozenset(skip), frozenset(skip_points)
         try:
             yield
         finally:
-            cls.limit, cls.skip = before
+            cls.limit, cls.skip, cls.skip_points = before
 
 
 def trial_table(

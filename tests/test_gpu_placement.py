@@ -101,14 +101,19 @@ def test_a_worker_placed_during_the_rounds_counts_in_the_runs_device_and_workers
 
     session = RunSession(config(), None, None)
     session.tracker = tracker = Tracker()  # type: ignore[assignment]
-    session.watch(["cpu (GPU 0)", "cpu (GPU 0)"])
-    session.worker_joined(WorkerJoined("cpu (GPU 1)", added=True))  # one that waited for room
-    session.worker_joined(WorkerJoined("cpu (GPU 1)", added=False))  # a replacement: nothing new to say
-    session.worker_joined(WorkerJoined("cpu", added=False))  # one placed where another device was
+    session.watch({0: "cpu (GPU 0)", 2: "cpu (GPU 0)"})  # slot 1's worker waits for room
+    session.worker_joined(WorkerJoined(1, "cpu (GPU 1)", replacement=False))  # placed: one more
+    session.worker_joined(WorkerJoined(1, "cpu (GPU 1)", replacement=True))  # replaced: nothing new to say
+    session.worker_joined(WorkerJoined(0, "cpu", replacement=True))  # placed where another device was
+    # a slot whose first worker's set-up failed joins with its replacement; a restarted Coordinator's
+    # workers take the slots the run had
+    session.worker_joined(WorkerJoined(3, "cpu", replacement=True))
+    session.worker_joined(WorkerJoined(0, "cpu", replacement=True))
     assert tracker.tags == [
         {Tags.DEVICE: "cpu (GPU 0)", Tags.WORKERS: "2"},
         {Tags.DEVICE: "cpu (GPU 0); cpu (GPU 1)", Tags.WORKERS: "3"},
         {Tags.DEVICE: "cpu; cpu (GPU 0); cpu (GPU 1)", Tags.WORKERS: "3"},
+        {Tags.DEVICE: "cpu; cpu (GPU 0); cpu (GPU 1)", Tags.WORKERS: "4"},
     ]
 
 

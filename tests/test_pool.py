@@ -99,20 +99,34 @@ def test_a_run_starts_with_the_first_workers_ray_placed_and_says_so_in_one_line_
 def test_a_worker_placed_late_is_checked_and_counted_before_it_takes_a_job(monkeypatch):
     # the first workers are checked as the run starts (the run's folder seen from their node); one
     # placed later, or a replacement, is checked when it is placed, and a failed check stops the run.
-    # The hook hears what the worker trains on, and whether it adds to the run's workers
+    # The hook hears the worker's slot and what it trains on; one whose set-up failed is not placed
+    # (its first job fails and replaces it), and one that died since is left to its first job
+    def get(ref):
+        if ref == "set-up that failed":
+            raise pool_module.ray.exceptions.RayTaskError("setup", "Traceback", RuntimeError("x"))
+        return {"device": f"cpu ({ref})"}
+
     monkeypatch.setattr(pool_module.ray, "wait", lambda refs, timeout: (refs, []))
-    monkeypatch.setattr(pool_module.ray, "get", lambda ref: {"device": f"cpu ({ref})"})
+    monkeypatch.setattr(pool_module.ray, "get", get)
     monkeypatch.setattr(pool_module.ray, "kill", lambda worker, no_restart: None)
     spawned = iter([("w1 again", "set-up of w1 again")])
     pool = WorkerPool(["w0", "w1"], spawn=lambda: next(spawned), pinned=False, placing={1: "set-up of w1"})
     checked = []
-    pool.on_placed = lambda worker, info, added: checked.append((worker, info["device"], added))
+    pool.on_placed = lambda slot, worker, info: checked.append((slot, worker, info["device"]))
     assert pool.ready(0) and checked == []
-    assert pool.ready(1) and checked == [("w1", "cpu (set-up of w1)", True)] and pool.placing == {}
+    assert pool.ready(1) and checked == [(1, "w1", "cpu (set-up of w1)")] and pool.placing == {}
     pool.replace(1)  # w1 died
-    assert pool.ready(1) and checked[1:] == [("w1 again", "cpu (set-up of w1 again)", False)]
+    assert pool.ready(1) and checked[1:] == [(1, "w1 again", "cpu (set-up of w1 again)")]
+    pool.placing[0] = "set-up that failed"
+    assert pool.ready(0) and len(checked) == 2 and pool.placing == {}
 
-    def refuse(worker, info, added):
+    def died(slot, worker, info):
+        raise pool_module.ray.exceptions.RayActorError()
+
+    pool.placing[0], pool.on_placed = "set-up of a replacement", died
+    assert pool.ready(0)
+
+    def refuse(slot, worker, info):
         raise ConfigError("storage_path: the run's folder is not there on node 10.0.0.2")
 
     pool.placing[0], pool.on_placed = "set-up of a replacement", refuse

@@ -41,8 +41,8 @@ def test_each_event_is_a_line_and_the_accuracy_is_carried_to_rounds_without_eval
         RoundStarted(1, [0, 1, 2, 3]),
         ClientFailed(1, "client 2", Failure("ValueError: bad batch")),
         JobRetried(1, "clients 0, 1", "worker died"),
-        WorkerJoined("cpu", added=False),
-        WorkerJoined("cuda (Fake GPU, Ray GPU [1])", added=True),  # not read as markup
+        WorkerJoined(1, "cpu", replacement=True),
+        WorkerJoined(2, "cuda (Fake GPU, Ray GPU [1])", replacement=False),  # not read as markup
         RoundEnded(1, {**ROUND, Metrics.LOSS_TRAIN: 0.5, Metrics.ACC_PERSONAL_MEAN: 0.8125}),
         CheckpointSaved(1, "/tmp/x/checkpoint.pt"),
         RoundEnded(2, ROUND),  # no training loss (a warm-up round), no evaluation

@@ -35,6 +35,7 @@ from fedray.sweeps.tune_sweep import (
     best_row,
     failed_otherwise,
     is_divergence,
+    point_key,
     prepare_base,
     remember_divergences,
     restored_tuner,
@@ -532,6 +533,13 @@ def test_a_trial_that_diverged_before_ends_before_its_run_when_tune_resumes_it(m
     with pytest.raises(Diverged) as raised:
         run_trial({"train.lr": 1e30}, base={}, parent_run_id="p", sweep_id="s", diverged={folder: line})
     assert str(raised.value) == line + NOT_RUN_AGAIN and is_divergence(str(raised.value))
+    # --restart-errored: Tune restarts it too, under a new folder; its values name it
+    restarted = SimpleNamespace(get_trial_dir=lambda: "/s/sweep/run_trial_b_0_train_lr=1e30")
+    monkeypatch.setattr(tune, "get_context", lambda: restarted)
+    points = {point_key({"train.lr": 1e30}): line}
+    with pytest.raises(Diverged) as raised:
+        run_trial({"train.lr": 1e30}, base={}, parent_run_id="p", sweep_id="s", diverged_points=points)
+    assert str(raised.value) == line + NOT_RUN_AGAIN
 
 
 @pytest.fixture
@@ -638,6 +646,11 @@ def test_a_failed_trial_says_to_resume_its_sweep_and_a_failed_run_itself():
         "trials again from round 0)"
     )
     assert run.resume_advice() == "resume with  fedray run --resume r1"
+    # a trial stopped by a tracking outage is continued by the resume, not restarted
+    assert trial.resume_advice(failed=False) == "resume the sweep with its command and --resume"
+    assert run.resume_advice(how="resume from the last checkpoint with").endswith(
+        "with  fedray run --resume r1"
+    )
 
 
 def test_a_stop_after_trials_limit_is_the_fits_own_and_holds_for_a_restored_callback(monkeypatch):
@@ -647,7 +660,7 @@ def test_a_stop_after_trials_limit_is_the_fits_own_and_holds_for_a_restored_call
     kills = []
     monkeypatch.setattr(os, "kill", lambda pid, sig: kills.append(sig))
     restored = pickle.loads(pickle.dumps(InterruptAfterTrials()))
-    trial = SimpleNamespace(path="/s/sweep/run_trial_a_1")
+    trial = SimpleNamespace(path="/s/sweep/run_trial_a_1", config={"train.lr": 0.1})
     restored.setup()
     for _ in range(3):  # a fit without the option: no interrupt
         restored.on_trial_complete(0, [], trial)
@@ -661,6 +674,14 @@ def test_a_stop_after_trials_limit_is_the_fits_own_and_holds_for_a_restored_call
         assert kills == [signal.SIGUSR1]  # Tune's stop, whether or not it took over SIGINT
         restored.on_trial_complete(0, [], trial)  # once only
     assert kills == [signal.SIGUSR1] and InterruptAfterTrials.limit is None
+    # after --restart-errored a diverged trial has a new folder: its values are skipped instead
+    restarted = SimpleNamespace(path="/s/sweep/run_trial_b_0", config={"train.lr": 1e30})
+    with InterruptAfterTrials.limited(1, skip_points={point_key({"train.lr": 1e30})}):
+        restored.setup()
+        restored.on_trial_error(0, [], restarted)
+        assert kills == [signal.SIGUSR1]
+        restored.on_trial_complete(0, [], trial)
+        assert kills == [signal.SIGUSR1, signal.SIGUSR1]
 
 
 def test_a_resume_refuses_what_it_cannot_do_before_ray_starts(tmp_path, monkeypatch):

@@ -206,9 +206,9 @@ def check_evaluable(name: str, client_cls: type[ClientModule], commits: bool, se
 
 def start_pool(
     cfg: ExperimentConfig, meta: dict[str, Any], workers: list, options: dict[str, Any], commits: bool
-) -> tuple[WorkerPool, list]:
+) -> tuple[WorkerPool, dict[int, str]]:
     """The worker pool over the driver's workers, each set up for this run (a replacement is started
-    and set up the same way), and the device each one trains on."""
+    and set up the same way), and the device each placed one trains on, by slot."""
 
     meta_ref = ray.put(meta)  # one object-store copy for every worker, not one per call
 
@@ -218,11 +218,12 @@ def start_pool(
 
     set_ups = [w.setup.remote(meta_ref, cfg) for w in workers]
     placing = unplaced(set_ups, worker_asks(cfg.ray), cfg.ray.pool_wait_s)
-    infos = ray.get([ref for slot, ref in enumerate(set_ups) if slot not in placing])
+    placed = [slot for slot in range(len(set_ups)) if slot not in placing]
+    infos = ray.get([set_ups[slot] for slot in placed])
     # a worker per client keeps each client's module for the run, when clients keep state
     pinned = commits and len(workers) >= cfg.data.num_clients
     pool = WorkerPool(workers, spawn, pinned=pinned, placing=placing)
-    return pool, [info["device"] for info in infos]
+    return pool, {slot: info["device"] for slot, info in zip(placed, infos, strict=True)}
 
 
 def worker_asks(r: RayConfig) -> str:
@@ -246,7 +247,7 @@ class RoundLoop:
         workers: list, options: dict[str, Any],
     ) -> dict[str, Any]:  # fmt: skip
         """Build the server half, the state store, the worker pool and what dispatches over it; returns
-        what the workers train on (``devices``: one description per worker)."""
+        what the workers train on (``devices``: a description per placed worker, by pool slot)."""
         self.cfg = cfg
         self.events = EventQueue()  # a Coordinator kept from the driver's last run starts empty
         self.spec = get_algorithm(cfg.algorithm)
@@ -263,13 +264,13 @@ class RoundLoop:
         self.halting = False
         return {"devices": devices}
 
-    def worker_placed(self, worker, info: dict[str, Any], added: bool) -> None:
+    def worker_placed(self, slot: int, worker, info: dict[str, Any]) -> None:
         """A worker Ray placed once the rounds had started (one of the first that waited for room, or
         a replacement): checked as the first were when clients keep state (the run's folder seen
         from its node; a failure stops the run), then counted in the run's record."""
         if self.commits:
             check_workers_see([worker], self.checkpoint_dir)
-        self.events.emit(WorkerJoined(info["device"], added))
+        self.events.emit(WorkerJoined(slot, info["device"], replacement=self.pool.generation[slot] > 0))
 
     def poll(self, timeout: float = 0.5) -> list[Event]:
         """The driver's call, from its thread while ``run`` goes on in the other: the events since its last."""

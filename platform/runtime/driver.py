@@ -345,8 +345,9 @@ class CoordinatorHandle:
         )  # fmt: skip
         return runtime, ready
 
-    def devices(self) -> list[str]:
-        """What each worker trains on, once the Coordinator is set up (its errors surface here)."""
+    def devices(self) -> dict[int, str]:
+        """What each placed worker trains on, by pool slot, once the Coordinator is set up (its
+        errors surface here)."""
         return ray.get(self.ready)["devices"]
 
     def load_checkpoint(self, ckpt_dir: str) -> list[dict[str, float]]:
@@ -473,6 +474,8 @@ def drive(
                     )
                     # rounds the dead Coordinator checkpointed before the driver fetched their events
                     log_unlogged_rounds(tracker, history, logged, on_round)
+                    for slot, device in handle.devices().items():  # its workers are new processes
+                        on_joined(WorkerJoined(slot, device, replacement=True))
                     tracker.set_tags({Tags.COORDINATOR_RESTARTS: str(restarts)})
                     tracker.log_metrics({Metrics.RUN_COORDINATOR_RESTARTS: restarts}, step=logged[0])
                     handle.start(ckpt_dir, stop_after_round)

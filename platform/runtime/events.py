@@ -59,12 +59,13 @@ class CheckpointSaved:
 
 @dataclass(frozen=True)
 class WorkerJoined:
-    """A worker Ray placed after the run's set-up: one of the first that waited for room
-    (``added``: the run now has one more), or a dead worker's replacement. The run's ``device`` and
-    ``fedray.workers`` tags count it."""
+    """A worker Ray placed after the run's set-up: one of the first that waited for room, or a dead
+    worker's replacement (``replacement``), in the pool's ``slot``. The run's ``device`` tag counts
+    its device, and ``fedray.workers`` its slot, once."""
 
+    slot: int
     device: str  # as the worker describes it, e.g. "cuda (NVIDIA H200, Ray GPU 0)"
-    added: bool
+    replacement: bool
 
 
 Event = RoundStarted | RoundEnded | ClientFailed | JobRetried | CheckpointSaved | WorkerJoined

@@ -83,9 +83,9 @@ class WorkerPool:
         # slot -> set-up ref of a worker not placed yet (a replacement, or one of the first: unplaced())
         self.placing: dict[int, Any] = dict(placing or {})
         self.pinned = pinned
-        # told of a worker placed late, before it takes a job: (worker, its set-up's description, whether
-        # it adds to the workers rather than replacing one); it may raise to stop the run
-        self.on_placed: Callable[[Any, dict, bool], None] | None = None
+        # told of a worker placed late, before it takes a job: (its slot, the worker, its set-up's
+        # description); it may raise to stop the run
+        self.on_placed: Callable[[int, Any, dict], None] | None = None
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -105,10 +105,13 @@ class WorkerPool:
             return True
         if not ray.wait([self.placing[slot]], timeout=0)[0]:
             return False
-        with contextlib.suppress(ray.exceptions.RayError):  # a failed set-up fails its first job instead
+        try:
             info = ray.get(self.placing.pop(slot))
-            if self.on_placed is not None:
-                self.on_placed(self.workers[slot], info, self.generation[slot] == 0)
+        except ray.exceptions.RayError:  # a failed set-up fails its first job instead
+            return True
+        if self.on_placed is not None:
+            with contextlib.suppress(*LOST):  # it died since: its first job finds out and replaces it
+                self.on_placed(slot, self.workers[slot], info)
         return True
 
     def wait_for_placement(self, queue: list[Job]) -> None:

@@ -87,7 +87,11 @@ class Progress:
                 soft_wrap=True,
             )
         elif isinstance(event, WorkerJoined):
-            what = "a worker Ray placed late joins the run" if event.added else "a replacement worker joins"
+            what = (
+                "a replacement worker joins"
+                if event.replacement
+                else "a worker Ray placed late joins the run"
+            )
             self.console.print(f"[dim]{what}, on {escape(event.device)}", soft_wrap=True)
         elif isinstance(event, RoundEnded):
             self._round_end(event.round, event.metrics)

@@ -72,7 +72,7 @@ class RunSession:
         self.wall_s: float | None = None  # set when the run is done; None: it failed or was stopped
         self.outage = False  # the tracking server stayed down past tracking.max_outage_s
         self.devices: list[str] = []  # what each worker that joined the run trains on
-        self.workers = 0  # the pool's workers that joined it (a replacement takes its predecessor's place)
+        self.slots: set[int] = set()  # the pool's slots a worker joined (a replacement takes its slot)
 
     def open(self, tags: dict[str, str]) -> RunTracker:
         """A new MLflow run, created with ``tags`` (the checkpoint folder: a run interrupted from
@@ -96,21 +96,22 @@ class RunSession:
             self.tracker = tracker
         return tracker
 
-    def watch(self, devices: list[str]) -> None:
-        """Tag where the clients train (again on a resume: it may run elsewhere) and start the monitor."""
+    def watch(self, devices: dict[int, str]) -> None:
+        """Tag where the clients train (``devices``: the placed workers' descriptions, by pool slot;
+        again on a resume: it may run elsewhere) and start the monitor."""
         assert self.tracker is not None
-        self.devices, self.workers = list(devices), len(devices)
-        self.tracker.set_tags(device_tags(self.devices, self.workers))
+        self.devices, self.slots = list(devices.values()), set(devices)
+        self.tracker.set_tags(device_tags(self.devices, len(self.slots)))
         self.monitor = self.tracker.system_metrics(self.cfg.tracking.system_metrics_s)
 
     def worker_joined(self, event: WorkerJoined) -> None:
-        """A worker Ray placed during the rounds: its device is one more the clients may train on,
-        and one that did not replace another is one more worker."""
+        """A worker Ray placed during the rounds (or a restarted Coordinator's): its device is one
+        more the clients may train on, and a slot no worker held before is one more worker."""
         assert self.tracker is not None
-        before = device_tags(self.devices, self.workers)
+        before = device_tags(self.devices, len(self.slots))
         self.devices.append(event.device)
-        self.workers += event.added
-        after = device_tags(self.devices, self.workers)
+        self.slots.add(event.slot)
+        after = device_tags(self.devices, len(self.slots))
         if after != before:
             self.tracker.set_tags(after)
 
@@ -156,14 +157,14 @@ class RunSession:
                     raise
                 raise RunAborted(
                     f"the Coordinator process died ({first_line(err)}){restarted(self.cfg)}; "
-                    f"resume from the last checkpoint with  {self.resume_command()}"
+                    + self.resume_advice(how="resume from the last checkpoint with")
                 ) from None
             except TrackingUnavailable as err:
                 self.status, self.outage = "KILLED", True
                 if self.tracker is None:  # only the tracker's writes wait out an outage: it exists
                     raise
                 raise RunAborted(
-                    f"{err}: the run stopped as Ctrl-C stops it; resume with  {self.resume_command()}"
+                    f"{err}: the run stopped as Ctrl-C stops it; {self.resume_advice(failed=False)}"
                 ) from None
             except StoppedEarly:
                 self.status, ending = "KILLED", Ending.STOPPED_EARLY
@@ -186,14 +187,13 @@ class RunSession:
         assert self.tracker is not None
         return f"fedray run --resume {self.tracker.run_id}"
 
-    def resume_advice(self) -> str:
-        """How to go on once a failed run's cause is fixed: a sweep's trial goes on with its sweep."""
+    def resume_advice(self, failed: bool = True, how: str = "resume with") -> str:
+        """How to go on from where the run stopped: ``how`` and its command, or for a sweep's trial
+        (``failed``: it ended in error), its sweep's resume."""
         if self.parent_run_id is None:
-            return f"resume with  {self.resume_command()}"
-        return (
-            "resume the sweep with its command and --resume (add --restart-errored to start its "
-            "failed trials again from round 0)"
-        )
+            return f"{how}  {self.resume_command()}"
+        restart = " (add --restart-errored to start its failed trials again from round 0)" if failed else ""
+        return f"resume the sweep with its command and --resume{restart}"
 
     def close(self) -> None:
         if self.monitor is not None:  # a failed or stopped run: its last sample is best effort
