@@ -177,6 +177,10 @@ PLACEMENT = textwrap.dedent(
     # GPU has room for one
     held = [placement_group([{"GPU": 0.6}]) for _ in range(2)]
     assert all(pg.wait(60) for pg in held)
+    for _ in range(300):  # Ray's view of what is free catches up with the groups a moment later
+        if round(ray.available_resources().get("GPU", 0.0), 6) == 0.8:
+            break
+        time.sleep(0.2)
     pool = pool_size(cfg, ray.available_resources(), node_resources())
     free_gpu = []
 
