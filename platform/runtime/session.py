@@ -108,12 +108,11 @@ class RunSession:
         """A worker Ray placed during the rounds (or a restarted Coordinator's): its device is one
         more the clients may train on, and a slot no worker held before is one more worker."""
         assert self.tracker is not None
-        before = device_tags(self.devices, len(self.slots))
+        if event.device in self.devices and event.slot in self.slots:
+            return  # nothing new to say
         self.devices.append(event.device)
         self.slots.add(event.slot)
-        after = device_tags(self.devices, len(self.slots))
-        if after != before:
-            self.tracker.set_tags(after)
+        self.tracker.set_tags(device_tags(self.devices, len(self.slots)))
 
     def elapsed(self) -> float:
         return self.earlier_s + time.time() - self.started
