@@ -117,6 +117,33 @@ def test_a_worker_placed_during_the_rounds_counts_in_the_runs_device_and_workers
     ]
 
 
+def test_a_resumed_runs_tags_name_every_segments_device_and_the_most_workers_one_had(mlflow_store):
+    from fedray.platform.runtime.events import WorkerJoined
+    from fedray.platform.runtime.session import RunSession
+    from fedray.platform.tracking.names import Tags
+
+    cfg = config("tracking.system_metrics_s=0")  # no monitor thread to close
+    first = RunSession(cfg, None, None)
+    first.open({})
+    first.watch({i: "cuda (NVIDIA H200, Ray GPU 0)" for i in range(4)})  # four workers on a GPU node
+    first.tracker.end("KILLED")  # type: ignore[union-attr]
+
+    resumed = RunSession(cfg, None, None)  # resumed on a CPU node with two workers
+    resumed.reopen(first.tracker.run_id)  # type: ignore[union-attr]
+    resumed.watch({0: "cpu", 1: "cpu"})
+    resumed.worker_joined(WorkerJoined(2, "cpu", replacement=False))
+    tags = MlflowClient(mlflow_store).get_run(resumed.tracker.run_id).data.tags  # type: ignore[union-attr]
+    assert (tags[Tags.DEVICE], tags[Tags.WORKERS]) == ("cpu; cuda (NVIDIA H200, Ray GPU 0)", "4")
+    resumed.tracker.end("FINISHED")  # type: ignore[union-attr]
+
+    again = RunSession(cfg, None, None)  # and once more, with more workers than ever
+    again.reopen(first.tracker.run_id)  # type: ignore[union-attr]
+    again.watch({i: "cpu" for i in range(5)})
+    tags = MlflowClient(mlflow_store).get_run(again.tracker.run_id).data.tags  # type: ignore[union-attr]
+    assert (tags[Tags.DEVICE], tags[Tags.WORKERS]) == ("cpu; cuda (NVIDIA H200, Ray GPU 0)", "5")
+    again.tracker.end("FINISHED")  # type: ignore[union-attr]
+
+
 def test_gpus_asked_for_where_the_cluster_has_none_fail_in_one_line(
     ray_session, mlflow_store, monkeypatch, capsys
 ):

@@ -59,6 +59,13 @@ def device_tags(devices: list[str], workers: int) -> dict[str, str]:
     return {Tags.DEVICE: "; ".join(sorted(set(devices))), Tags.WORKERS: str(workers)}
 
 
+def earlier_segments(tags: dict[str, str]) -> tuple[list[str], int]:
+    """The devices and the worker count a resumed run's earlier segments tagged (none: nothing)."""
+    devices = [d for d in tags.get(Tags.DEVICE, "").split("; ") if d]
+    workers = tags.get(Tags.WORKERS, "")
+    return devices, int(workers) if workers.isdigit() else 0
+
+
 class RunSession:
     """The MLflow side of one run: opened late (a new run while the first round trains), closed once."""
 
@@ -73,6 +80,9 @@ class RunSession:
         self.outage = False  # the tracking server stayed down past tracking.max_outage_s
         self.devices: list[str] = []  # what each worker that joined the run trains on
         self.slots: set[int] = set()  # the pool's slots a worker joined (a replacement takes its slot)
+        # a resumed run's tags cover every segment: the devices of all, the most workers one had
+        self.earlier_devices: list[str] = []
+        self.earlier_workers = 0
 
     def open(self, tags: dict[str, str]) -> RunTracker:
         """A new MLflow run, created with ``tags`` (the checkpoint folder: a run interrupted from
@@ -93,6 +103,7 @@ class RunSession:
                 self.cfg, run_id=run_id, parent_run_id=self.parent_run_id, extra_tags=self.tags
             )
             self.earlier_s = tracker.latest(Metrics.TIME_WALL_S) or 0.0
+            self.earlier_devices, self.earlier_workers = earlier_segments(tracker.reopened_tags)
             self.tracker = tracker
         return tracker
 
@@ -101,7 +112,7 @@ class RunSession:
         again on a resume: it may run elsewhere) and start the monitor."""
         assert self.tracker is not None
         self.devices, self.slots = list(devices.values()), set(devices)
-        self.tracker.set_tags(device_tags(self.devices, len(self.slots)))
+        self.tag_devices()
         self.monitor = self.tracker.system_metrics(self.cfg.tracking.system_metrics_s)
 
     def worker_joined(self, event: WorkerJoined) -> None:
@@ -112,7 +123,12 @@ class RunSession:
             return  # nothing new to say
         self.devices.append(event.device)
         self.slots.add(event.slot)
-        self.tracker.set_tags(device_tags(self.devices, len(self.slots)))
+        self.tag_devices()
+
+    def tag_devices(self) -> None:
+        assert self.tracker is not None
+        workers = max(len(self.slots), self.earlier_workers)
+        self.tracker.set_tags(device_tags(self.earlier_devices + self.devices, workers))
 
     def elapsed(self) -> float:
         return self.earlier_s + time.time() - self.started

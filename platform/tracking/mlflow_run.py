@@ -95,6 +95,7 @@ class RunTracker:
         shorten_http_retries(self.uri)
         # every write once the run exists waits out an outage of the tracking server (bounded)
         self.patient = PatientCalls(self.uri, cfg.tracking.max_outage_s)
+        self.reopened_tags: dict[str, str] = {}  # a resumed run's tags as its last segment left them
         with deferred():  # not retried (a store down at the start fails the run), but never cut short
             self.client = MlflowClient(tracking_uri=self.uri)  # a new SQLite store creates its tables
             self.run_id, self.experiment_id = self._open(cfg, run_id, parent_run_id, extra_tags, start_time)
@@ -104,6 +105,7 @@ class RunTracker:
         if run_id is not None:
             self.client.update_run(run_id, status="RUNNING")
             run = self.client.get_run(run_id)
+            self.reopened_tags = dict(run.data.tags)
             if Tags.STOPPED_EARLY in run.data.tags:  # a sweep's trial cut short, continued: no longer so
                 self.client.delete_tag(run_id, Tags.STOPPED_EARLY)
             return run_id, run.info.experiment_id

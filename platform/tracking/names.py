@@ -102,7 +102,7 @@ class Tags:
 
     # where and how it ran
     DEVICE: Final = "device"  # what the clients trained on, e.g. cpu
-    WORKERS: Final = "fedray.workers"  # how many ClientActors trained them (a replacement not counted)
+    WORKERS: Final = "fedray.workers"  # how many ClientActors trained them (a replacement not counted; resumed: the most a segment had)
     CHECKPOINT_DIR: Final = "fedray.checkpoint_dir"  # the folder (path or storage URI) a resume reads
     COORDINATOR_RESTARTS: Final = "fedray.coordinator_restarts"  # Coordinators restarted so far
     CLIENT_MODELS: Final = "fedray.client_models"  # which client models were not logged, and why
