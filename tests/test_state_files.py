@@ -287,3 +287,72 @@ def test_a_state_its_worker_cannot_write_fails_its_client_and_a_folder_the_node_
     missing = client_task(0, fed.shards[0], str(tmp_path / "not-on-this-node"), make_folder=False)
     with pytest.raises(ConfigError, match=r"^storage_path: client 0's state .* is not reachable from node"):
         host.train(0, [missing], [[{}]])
+
+
+def resident_pages(path: str) -> int:
+    """How many of the file's pages the kernel holds in memory (``mincore`` of a mapping of it)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    int_, size_t = ctypes.c_int, ctypes.c_size_t
+    libc.mmap.argtypes = [ctypes.c_void_p, size_t, int_, int_, int_, ctypes.c_long]
+    size, page = os.path.getsize(path), mmap.PAGESIZE
+    vector = (ctypes.c_ubyte * ((size + page - 1) // page))()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vector) == 0
+        finally:
+            libc.munmap(ctypes.c_void_p(address), ctypes.c_size_t(size))
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vector)
+
+
+# posix_fadvise and mincore: Linux (and the BSDs); elsewhere the files stay in the page cache
+needs_fadvise = pytest.mark.skipif(not hasattr(os, "POSIX_FADV_DONTNEED"), reason="no posix_fadvise here")
+
+
+@needs_fadvise
+def test_a_state_file_leaves_the_page_cache_once_the_worker_has_flushed_it_and_reads_back_whole(tmp_path):
+    from in_process import client_task
+
+    from fedray.platform.runtime.driver import federation_meta, prepare_federation
+    from fedray.platform.runtime.state_store import state_file
+    from fedray.platform.runtime.worker import ClientHost
+
+    cfg = load_config(None, tiny_overrides(algorithm="local"))  # its clients keep their models
+    fed = prepare_federation(cfg)
+    host = ClientHost(cfg, num_threads=1)
+    host.setup(federation_meta(fed))
+    (result,) = host.train(0, [client_task(0, fed.shards[0], str(tmp_path))], [[{}]])
+    assert result.error is None
+    assert host.pages.done(timeout=60)
+    written = state_file(str(tmp_path), 0, 1)
+    assert resident_pages(written) == 0  # on the disk only: written, flushed, dropped
+    version, cached = host.modules.take(0)  # the worker's own copy of the state: its cached module
+    assert version == 1
+    state = storage.load_torch(written)["module"]
+    assert state.keys() == cached.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in cached.state_dict().items())
+    assert resident_pages(written) > 0  # read back: the check itself sees pages again
+
+
+@needs_fadvise
+def test_a_file_deleted_before_its_turn_is_passed_over_and_an_object_stores_is_never_queued(tmp_path):
+    from fedray.platform.runtime.page_cache import PageReleaser
+
+    releaser = PageReleaser()
+    kept = tmp_path / "kept.pt"
+    kept.write_bytes(os.urandom(1 << 20))
+    releaser.release(str(tmp_path / "superseded.pt"))  # a version deleted before its turn
+    releaser.release(str(kept))  # the thread goes on past it
+    assert releaser.done(timeout=60)
+    assert resident_pages(str(kept)) == 0
+    remote = PageReleaser()
+    remote.release("s3://bucket/fedray/states/1-v1.pt")  # not in this machine's memory
+    assert remote.thread is None

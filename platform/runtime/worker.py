@@ -55,6 +55,7 @@ from fedray.platform.runtime.devices import (
 )
 from fedray.platform.runtime.failures import ClientCodeError, Failure, algorithm_files, failure_of
 from fedray.platform.runtime.local_training import LocalTraining
+from fedray.platform.runtime.page_cache import PageReleaser
 from fedray.platform.runtime.process_roles import set_up_worker, set_worker_threads
 from fedray.platform.runtime.state_store import ClientTask
 from fedray.platform.seeds import seed_of, torch_generator
@@ -234,6 +235,7 @@ class ClientHost:
 
     def __init__(self, cfg: ExperimentConfig, num_threads: int) -> None:
         set_worker_threads(num_threads)
+        self.pages = PageReleaser()  # the state files it writes leave memory once on the disk
         self.configure(cfg)
 
     def configure(self, cfg: ExperimentConfig) -> None:
@@ -488,7 +490,7 @@ class ClientHost:
             self.checked_downlinks.add(keys)
         stats[Metrics.TIME_CLIENT_S] = time.perf_counter() - start
         if self.keeps_state:  # on disk first: a module cached as a version no file holds could be used later
-            write_state(task, module)
+            self.pages.release(write_state(task, module))
             self.cache(task.client, task.version + 1, module)
         return uplink, stats
 
@@ -587,9 +589,9 @@ def client_state(module: ClientModule) -> dict[str, Any]:
     return {"module": to_cpu(module.state_dict()), "optimizer": to_cpu(module._optimizer_state)}
 
 
-def write_state(task: ClientTask, module: ClientModule) -> None:
+def write_state(task: ClientTask, module: ClientModule) -> str:
     """The client's new state to the file its task names, before its call returns: on disk before it
-    is committed, so a worker that dies after it loses nothing (write-through)."""
+    is committed, so a worker that dies after it loses nothing (write-through). Returns the file."""
     if task.commit_file is None:
         raise RuntimeError(f"client {task.client} keeps state but its task names no file for it")
     try:  # into the folder the Coordinator made: a node that does not see it writes nowhere else
@@ -598,6 +600,7 @@ def write_state(task: ClientTask, module: ClientModule) -> None:
         )
     except FileNotFoundError:
         raise ConfigError(not_shared(task.client, task.commit_file)) from None
+    return task.commit_file
 
 
 def read_state(client: int, path: str) -> dict[str, Any]:
