@@ -70,7 +70,10 @@ def make_report(
     ex = load.load_runs(experiment, tracking_uri)
     out = Path(out_dir) if out_dir is not None else default_out_dir(experiment)
     fig_dir = out / "figures"
-    fig_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        fig_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--out {out}: cannot make the report's folder there ({err.strerror})") from None
     for stale in fig_dir.glob("*.png"):  # figures of an earlier report that this one may not redraw
         stale.unlink()
 

@@ -16,7 +16,13 @@ from typing import Any
 import pandas as pd
 
 from fedray.platform.errors import ConfigError
-from fedray.platform.tracking.mlflow_run import existing_experiment, quiet_mlflow, tracking_uri
+from fedray.platform.tracking.mlflow_run import (
+    existing_experiment,
+    quiet_mlflow,
+    require_tracking_store,
+    tracking_uri,
+    tracking_uri_source,
+)
 from fedray.platform.tracking.names import Metrics, Params, RunKind, Tags, metric_column, param_column
 
 # Per-round metrics the report draws; other keys stay in the store.
@@ -56,6 +62,7 @@ class ExperimentRuns:
 def resolve_tracking_uri(uri: str | None) -> str:
     """The project's store unless told otherwise; a missing sqlite file is an error, not a new store."""
 
+    require_tracking_store(uri or tracking_uri(), "--tracking-uri" if uri else tracking_uri_source())
     uri = uri or tracking_uri()
     if uri.startswith("sqlite:///"):
         path = Path(uri.removeprefix("sqlite:///"))

@@ -19,6 +19,7 @@ from fedray.platform.models import (
     DESCRIBE,
     InputShape,
     is_known_model,
+    min_image_size,
     model_group,
     model_modality,
     models_reading,
@@ -61,6 +62,24 @@ def check_pretrained_embeddings(cfg: ExperimentConfig) -> None:
             raise ConfigError(f"data.leaf.glove={cfg.data.leaf.glove!r}: {err}") from None
 
 
+def check_model_fits_the_images(cfg: ExperimentConfig) -> None:
+    """Each model of the group takes the data's image size (``data.image_size`` included)."""
+    if source_of(cfg.data).modality != "image":
+        return
+    try:
+        size = dataset_info(cfg.data).image_size
+    except ConfigError:  # data not there yet: the data section's own check names what is missing
+        return
+    for arch in dict.fromkeys(model_group(cfg.model.group)):
+        need = min_image_size(arch, size)
+        if size < need:
+            fits = [m for m in models_reading("image") if min_image_size(m, size) <= size]
+            hint = f"models for {size}x{size}: {', '.join(fits)}" if fits else "raise data.image_size"
+            raise ConfigError(
+                f"model {arch!r} needs images of at least {need}x{need} pixels, the data has {size}x{size}; {hint}"
+            )
+
+
 def model_inputs(info: SourceInfo) -> InputShape:
     """What the zoo's models read on a dataset of this shape."""
     if info.modality == "text":
@@ -93,6 +112,7 @@ CATALOG = Catalog(
         check_model_reads_the_data,
         check_pretrained_embeddings,
         check_model_needs,
+        check_model_fits_the_images,
     ),
 )
 

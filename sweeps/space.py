@@ -20,7 +20,9 @@ Distributions: ``grid`` (every value, with grid search), ``choice``, ``uniform``
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,8 +51,6 @@ class Param:
         if self.kind == "uniform":
             return rng.uniform(low, high)
         if self.kind == "loguniform":
-            import math
-
             return math.exp(rng.uniform(math.log(low), math.log(high)))
         if self.kind == "randint":
             return rng.randint(low, high)
@@ -123,13 +123,34 @@ def _parse_param(path: str, key: str, spec: Any) -> Param:
         raise ConfigError(f"{where}: unknown distribution {kind!r}; kinds: {', '.join(KINDS)}")
     if not isinstance(values, list) or not values:
         raise ConfigError(f"{where}: {kind} needs a non-empty list of values")
-    if kind in ("uniform", "loguniform", "randint") and (len(values) != 2 or values[0] > values[1]):
-        raise ConfigError(f"{where}: {kind} needs [low, high] with low <= high, got {values}")
-    if kind == "quniform" and len(values) != 3:
-        raise ConfigError(f"{where}: quniform needs [low, high, step], got {values}")
+    if kind in RANGES:
+        size, bounds = (3, "[low, high, step]") if kind == "quniform" else (2, "[low, high]")
+        if len(values) != size or not all(is_number(v) for v in values):
+            raise ConfigError(f"{where}: {kind} needs {bounds} as numbers, got {values}")
+        if kind == "randint" and not all(isinstance(v, int) for v in values):
+            raise ConfigError(f"{where}: randint needs [low, high] as integers, got {values}")
+        if values[0] > values[1]:
+            raise ConfigError(f"{where}: {kind} needs low <= high, got {values}")
+        if kind == "quniform" and values[2] <= 0:
+            raise ConfigError(f"{where}: quniform needs a step > 0, got {values}")
     if kind == "loguniform" and values[0] <= 0:
         raise ConfigError(f"{where}: loguniform needs low > 0, got {values}")
     return Param(key, kind, list(values))
+
+
+RANGES = ("uniform", "loguniform", "randint", "quniform")
+
+
+def is_number(value: Any) -> bool:
+    """A finite int or float from YAML (true and false are no numbers here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def whole(path: str | Path, key: str, value: Any) -> int:
+    """An integer setting of the space file, or one line naming it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{path}: {key}={value!r}: expected an integer")
+    return value
 
 
 def space_path(algorithm: str, path: str | Path | None = None) -> Path:
@@ -155,11 +176,11 @@ def load_space(path: str | Path) -> SearchSpace:
         path=str(path),
         params=[_parse_param(str(path), key, spec) for key, spec in params_raw.items()],
         search=raw.get("search", "grid"),
-        samples=int(raw.get("samples", 1)),
+        samples=whole(path, "samples", raw.get("samples", 1)),
         metric=raw.get("metric", Metrics.ACC_PERSONAL_MEAN),
         mode=raw.get("mode", "max"),
         scheduler=raw.get("scheduler", "asha"),
-        grace_rounds=int(raw.get("grace_rounds", 3)),
+        grace_rounds=whole(path, "grace_rounds", raw.get("grace_rounds", 3)),
     )
     checks = [
         (
@@ -174,6 +195,10 @@ def load_space(path: str | Path) -> SearchSpace:
     for ok, message in checks:
         if not ok:
             raise ConfigError(f"{path}: {message}")
+    if space.search == "optuna" and importlib.util.find_spec("optuna") is None:
+        raise ConfigError(
+            f"{path}: search=optuna needs the optuna package, which fedray does not install (pip install optuna)"
+        )
     return space
 
 

@@ -36,6 +36,8 @@ from fedray.platform.runtime.checkpoint import recorded_checkpoint
 from fedray.platform.runtime.driver import (
     Trial,
     ensure_ray,
+    require_before_ray,
+    require_cpus,
     require_gpus,
     resume_experiment,
     run_experiment,
@@ -427,8 +429,12 @@ def run_sweep(
                 "--stop-after-trials: this sweep was started by an older fedray, whose resume cannot "
                 "stop after N trials; resume it without the option"
             )
+        if not restart_errored:
+            require_unfinished(base_cfg, state["parent_run_id"], name)
 
+    require_before_ray(base_cfg, new_run=not resume)
     ensure_ray(base_cfg)
+    require_cpus(base_cfg)  # a trial's workers need that many CPUs on one node
     KeptRuntime.release()  # a caller's last run's processes would hold the CPUs the trials reserve
     require_gpus(base_cfg)  # a trial asking for GPUs the cluster lacks would wait forever to be placed
     if resume:
@@ -463,59 +469,61 @@ def run_sweep(
         }
         own_loggers = True
 
-    restarted_points: dict[str, str] = {}
-    if resume and restart_errored and state["diverged"]:
-        configs = trial_configs(str(path))  # the diverged trials' values, before Tune gives them new folders
-        restarted_points = {
-            point_key(configs[f]): line for f, line in state["diverged"].items() if f in configs
-        }
-    trainable = tune.with_resources(
-        tune.with_parameters(
-            run_trial,
-            base=base,
-            parent_run_id=parent.run_id,
-            sweep_id=name,
-            diverged=state["diverged"],
-            resumed=resume,
-            restart_errored=restart_errored,
-            diverged_points=restarted_points,
-        ),
-        resources=trial_resources(base_cfg),
-    )
-    # Tune's own result files (what its ResultGrid reads back), without its TensorBoard files: every
-    # round is in MLflow, and Tune would print a TensorBoard command for files nobody needs. A
-    # resumed sweep runs the callbacks it was started with (Tune restores them), not these
-    callbacks: list[Callback] = [
-        _TrialLines(space.metric, base_cfg.rounds),
-        CSVLoggerCallback(),
-        JsonLoggerCallback(),
-        InterruptAfterTrials(),
-    ]
-    if resume:
-        tuner = restored_tuner(path, trainable, previous, state["diverged"], restart=restart_errored)
-    else:
-        param_space = {p.key: p.tune_domain(space.search) for p in space.params}
-        tuner = tune.Tuner(
-            trainable,
-            param_space=param_space,
-            tune_config=tune.TuneConfig(
-                metric=metric,
-                mode=space.mode,
-                num_samples=space.samples,
-                scheduler=_scheduler(space, base_cfg.rounds),
-                search_alg=_search_alg(space, base_cfg.seed),
-                max_concurrent_trials=max_concurrent,
-                # a finished trial's process, its placement group and its Coordinator and
-                # ClientActors (KeptRuntime) run the next trial: no process imports torch again
-                reuse_actors=True,
-            ),
-            run_config=tune.RunConfig(
-                name=name, storage_path=str(sweeps_dir), callbacks=callbacks, verbose=0
-            ),
-        )
-        save_state(state_file, state)
     status = "FAILED"
-    try:
+    try:  # whatever fails from here (Tune's set-up included), the parent run does not stay RUNNING
+        restarted_points: dict[str, str] = {}
+        if resume and restart_errored and state["diverged"]:
+            configs = trial_configs(
+                str(path)
+            )  # the diverged trials' values, before Tune gives them new folders
+            restarted_points = {
+                point_key(configs[f]): line for f, line in state["diverged"].items() if f in configs
+            }
+        trainable = tune.with_resources(
+            tune.with_parameters(
+                run_trial,
+                base=base,
+                parent_run_id=parent.run_id,
+                sweep_id=name,
+                diverged=state["diverged"],
+                resumed=resume,
+                restart_errored=restart_errored,
+                diverged_points=restarted_points,
+            ),
+            resources=trial_resources(base_cfg),
+        )
+        # Tune's own result files (what its ResultGrid reads back), without its TensorBoard files: every
+        # round is in MLflow, and Tune would print a TensorBoard command for files nobody needs. A
+        # resumed sweep runs the callbacks it was started with (Tune restores them), not these
+        callbacks: list[Callback] = [
+            _TrialLines(space.metric, base_cfg.rounds),
+            CSVLoggerCallback(),
+            JsonLoggerCallback(),
+            InterruptAfterTrials(),
+        ]
+        if resume:
+            tuner = restored_tuner(path, trainable, previous, state["diverged"], restart=restart_errored)
+        else:
+            param_space = {p.key: p.tune_domain(space.search) for p in space.params}
+            tuner = tune.Tuner(
+                trainable,
+                param_space=param_space,
+                tune_config=tune.TuneConfig(
+                    metric=metric,
+                    mode=space.mode,
+                    num_samples=space.samples,
+                    scheduler=_scheduler(space, base_cfg.rounds),
+                    search_alg=_search_alg(space, base_cfg.seed),
+                    max_concurrent_trials=max_concurrent,
+                    # a finished trial's process, its placement group and its Coordinator and
+                    # ClientActors (KeptRuntime) run the next trial: no process imports torch again
+                    reuse_actors=True,
+                ),
+                run_config=tune.RunConfig(
+                    name=name, storage_path=str(sweeps_dir), callbacks=callbacks, verbose=0
+                ),
+            )
+            save_state(state_file, state)
         try:
             # a trial that diverged before, which a resume leaves as it ended or ends at once, is no
             # trial of this call's
@@ -546,6 +554,27 @@ def run_sweep(
     finally:
         parent.end(status)
     return summarize(grid, space, parent, path, base, state["diverged"])
+
+
+def require_unfinished(cfg: ExperimentConfig, parent_run_id: str, name: str) -> None:
+    """A sweep whose trials have all ended has nothing to resume: one line, and its parent run stays
+    FINISHED (``--restart-errored`` may still start its failed trials again)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    uri = tracking_uri(cfg)
+    try:
+        status = MlflowClient(uri).get_run(parent_run_id).info.status
+    except MlflowException:
+        raise ConfigError(
+            f"--resume: the sweep {name}'s parent run {parent_run_id} is not in the tracking store {uri}; "
+            "resume with the MLFLOW_TRACKING_URI the sweep was started with"
+        ) from None
+    if status == "FINISHED":
+        raise ConfigError(
+            f"--resume: the sweep {name} finished, every trial ended; nothing is left to resume "
+            "(--restart-errored starts its failed trials again; --name <new name> starts another sweep)"
+        )
 
 
 def _not_said_better(record: logging.LogRecord) -> bool:

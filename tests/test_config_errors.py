@@ -32,6 +32,17 @@ from fedray.platform.errors import ConfigError, ContractError
         (["data.split.test=0.5"], "data.split: train+val+test"),
         (["ray.object_store_mb=50"], "ray.object_store_mb=50: must be >= 75 (Ray's smallest store)"),
         (["ray.pool_wait_s=-1"], "ray.pool_wait_s=-1.0: must be >= 0"),
+        (["seed=1.5"], "seed=1.5: expected an integer"),  # not seed 1
+        (["seed=-1"], "seed=-1: must be >= 0"),
+        (["train.lr=inf"], "train.lr='inf': expected a finite number"),  # inf > 0 would pass
+        (["data.partition.alpha=nan"], "data.partition.alpha='nan': expected a finite number"),
+        (["name="], "name: must not be empty"),
+        (["storage_path="], "storage_path: must not be empty"),
+        (["ray.num_cpus=0"], "ray.num_cpus=0: must be >= 1 or null"),  # not "all of them"
+        (["ray.address=garbage"], "ray.address='garbage': not a Ray address"),
+        (["ray.address=10.0.0.1:99999"], "not a Ray address"),
+        (["tracking.system_metrics_s=-1"], "tracking.system_metrics_s=-1.0: must be >= 0"),
+        (["data.image_size=1"], "model 'cnn_small' needs images of at least 2x2 pixels, the data has 1x1"),
     ],
 )
 def test_bad_config_value_is_one_line_error(overrides, needle):
@@ -50,6 +61,8 @@ CLI_CASES = [
     (["train.fraction=2"], "train.fraction=2"),
     (["--stop-after", "1", "train.fraction=2"], "train.fraction=2"),  # an override after an option
     (["ray.num_gpus_per_client=0.25"], "ray.num_gpus_per_client=0.25: "),  # no GPU here
+    (["data.train_subset=100000"], "data.train_subset=100000: more than the 1438 training samples"),
+    (["storage_path=/proc/fedray"], "storage_path=/proc/fedray: cannot make the folder"),
 ]
 
 
@@ -83,6 +96,13 @@ def test_a_run_that_cannot_go_on_is_one_line_and_exit_status_1(capsys, monkeypat
 # checked in a fresh process only: in the tests' own process a Ray may already be up, and a run joins it
 FRESH_CLI_CASES = [
     (["ray.address=127.0.0.1:1"], "ray.address=127.0.0.1:1: nothing answers there"),  # no cluster there
+    # more than this machine's Ray has: the set-up would wait for room that never comes
+    (["ray.num_cpus_per_client=64"], "ray.num_cpus_per_client=64: a ClientActor needs that many CPUs"),
+    (["ray.num_cpus=2", "ray.num_cpus_per_client=3"], "ray.num_cpus is 2"),
+    (
+        ["ray.object_store_mb=100000000"],
+        "ray.object_store_mb=100000000: more than this machine's free memory",
+    ),
 ]
 
 # answered from the platform's own sections, before the registries load torch and Lightning
@@ -211,3 +231,73 @@ def test_an_algorithm_config_must_derive_from_the_typed_base():
         @dataclass
         class Untyped:
             lr: float = 0.1
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["run", "--resume", ""], "--resume: give the id of the run to resume"),  # not a new run
+        (
+            ["run", "--resume", "abc", "--scale", "0.1"],
+            "--resume RUN_ID takes no config, overrides or --scale",
+        ),
+        (["sweep", "--algo", "fedavg", "--samples", "0"], "--samples 0: must be >= 1"),
+        (["sweep", "--algo", "fedavg", "--stop-after-trials", "-1"], "--stop-after-trials -1: must be >= 1"),
+        (["sweep", "--algo", "fedavg", "--name", ""], "--name: must not be empty"),
+        (["ui", "--port", "99999"], "--port 99999: a TCP port is 1-65535"),
+        (["report", "quickstart", "--tracking-uri", "foo://bar"], "--tracking-uri=foo://bar: MLflow has no"),
+        (
+            ["run", "tracking.uri=foo://bar", "rounds=1"],
+            "tracking.uri=foo://bar: MLflow has no tracking store",
+        ),
+    ],
+)
+def test_a_bad_command_line_is_one_line_and_starts_nothing(args, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # tracking.uri is read only without it
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no store, no storage folder, no report
+
+
+def test_the_tracking_uri_from_the_environment_is_named_as_such(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "foo://bar")
+    assert main(["run", "rounds=1"]) == 2
+    assert "MLFLOW_TRACKING_URI=foo://bar: MLflow has no tracking store" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ("runs: fedavg\n", "'runs' must list at least one algorithm, e.g. runs: [fedavg, fedprox]"),
+        ("runs: [fedavg]\nseeds: abc\n", "'seeds' must be a list"),
+        # every entry's data is checked before the first one runs, not once it has finished
+        (
+            "runs: [fedavg, {algorithm: fedprox, data.num_clients: 5000}]\n",
+            "fedprox (seed 0): data.num_clients=5000: more clients than the 1438 training samples",
+        ),
+    ],
+)
+def test_a_compare_file_is_checked_whole_before_its_first_run(body, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_text(body)
+    assert main(["compare", "c.yaml"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_resuming_a_sweeps_or_a_reports_run_says_what_it_is(capsys, mlflow_store):
+    from mlflow.tracking import MlflowClient
+
+    from fedray.platform.tracking.names import RunKind, Tags
+
+    client = MlflowClient(mlflow_store)
+    experiment = client.create_experiment("sweeps")
+    for kind, needle in ((RunKind.SWEEP, "that is a sweep's parent run"), (RunKind.REPORT, "a report's run")):
+        run = client.create_run(experiment, tags={Tags.KIND: kind}).info.run_id
+        assert main(["run", "--resume", run]) == 2
+        assert needle in capsys.readouterr().err
+        assert client.get_run(run).info.status == "RUNNING"  # as it was

@@ -1,5 +1,6 @@
 """Ray Tune sweeps: space files checked without Ray; a real 4-trial sweep; interrupt and resume."""
 
+import importlib.util
 import json
 import logging
 import os
@@ -82,6 +83,10 @@ BAD_SPACES = [
     ({"fedprox.mu": {"grid": [-1.0]}}, "fedprox.mu=-1.0"),
     ({"fedprox.mu": {"gaussian": [0, 1]}}, "unknown distribution 'gaussian'"),
     ({"train.lr": {"loguniform": [0.1, 0.01]}}, "low <= high"),
+    ({"train.lr": {"randint": [1.5, "abc"]}}, "randint needs [low, high] as numbers, got [1.5, 'abc']"),
+    ({"train.local_epochs": {"randint": [1, 2.5]}}, "randint needs [low, high] as integers"),
+    ({"train.lr": {"quniform": [0.01, 0.1, 0]}}, "quniform needs a step > 0"),
+    ({"train.lr": {"uniform": [0.01, True]}}, "uniform needs [low, high] as numbers"),
 ]
 
 
@@ -105,6 +110,48 @@ BAD_METRICS = [
     ("acc/personal_mean", ["eval.clients=selected"], "acc/personal_mean_selected"),  # renamed by eval.clients
     ("time/wall_s", [], "they report acc/personal_mean, "),  # once per run, not per round
 ]
+
+
+@pytest.mark.parametrize(
+    ("settings", "needle"),
+    [
+        ({"samples": "abc"}, "samples='abc': expected an integer"),
+        ({"grace_rounds": 1.5}, "grace_rounds=1.5: expected an integer"),
+        ({"samples": 0}, "samples=0: must be >= 1"),
+    ],
+)
+def test_a_space_files_settings_fail_in_one_line(tmp_path, settings, needle):
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump({**settings, "params": {"fedprox.mu": [0.1]}}))
+    with pytest.raises(ConfigError) as err:
+        load_space(path)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("optuna") is not None, reason="optuna is installed here")
+def test_an_optuna_search_without_optuna_fails_in_one_line_before_any_run_is_made(tmp_path, mlflow_store):
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump({"search": "optuna", "params": {"fedprox.mu": [0.1]}}))
+    with pytest.raises(ConfigError, match=r"search=optuna needs the optuna package"):
+        run_sweep("fedprox", space_file=str(path), overrides=tiny_overrides())
+    assert MlflowClient(mlflow_store).search_experiments(filter_string="name != 'Default'") == []
+
+
+def test_resuming_a_finished_sweep_is_one_line_and_leaves_its_parent_run_finished(tmp_path, mlflow_store):
+    from fedray.sweeps.tune_sweep import require_unfinished
+
+    cfg = load_config(None, tiny_overrides())
+    client = MlflowClient(mlflow_store)
+    parent = client.create_run(client.create_experiment("sweeps")).info.run_id
+    require_unfinished(cfg, parent, "sweep-x")  # running (an interrupted sweep's): resumable
+    client.set_terminated(parent, "KILLED")
+    require_unfinished(cfg, parent, "sweep-x")
+    client.set_terminated(parent, "FINISHED")
+    with pytest.raises(ConfigError, match=r"^--resume: the sweep sweep-x finished, every trial ended"):
+        require_unfinished(cfg, parent, "sweep-x")
+    assert client.get_run(parent).info.status == "FINISHED"
+    with pytest.raises(ConfigError, match=r"^--resume: the sweep sweep-x's parent run nope is not in the"):
+        require_unfinished(cfg, "nope", "sweep-x")  # another store than the sweep's
 
 
 @pytest.mark.parametrize(("metric", "overrides", "needle"), BAD_METRICS)

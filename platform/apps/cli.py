@@ -32,9 +32,15 @@ def require_gpus_here(raw: dict) -> None:
 def _run(args: argparse.Namespace) -> int:
     if args.stop_after is not None and args.stop_after < 1:
         raise ConfigError(f"--stop-after {args.stop_after}: must be >= 1 round")
-    if args.resume:
-        if args.config or args.overrides:
-            raise ConfigError("--resume RUN_ID takes no config or overrides: the run's own config is used")
+    if args.resume is not None:
+        if not args.resume.strip():
+            raise ConfigError(
+                "--resume: give the id of the run to resume (fedray printed it; make ui lists them)"
+            )
+        if args.config or args.overrides or args.scale is not None:
+            raise ConfigError(
+                "--resume RUN_ID takes no config, overrides or --scale: the run's own config is used"
+            )
         from fedray.platform.runtime.driver import resume_experiment
 
         result = resume_experiment(args.resume, stop_after_round=args.stop_after)
@@ -81,6 +87,12 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    if args.samples is not None and args.samples < 1:
+        raise ConfigError(f"--samples {args.samples}: must be >= 1")
+    if args.stop_after_trials is not None and args.stop_after_trials < 1:
+        raise ConfigError(f"--stop-after-trials {args.stop_after_trials}: must be >= 1 trial")
+    if args.name is not None and not args.name.strip():
+        raise ConfigError("--name: must not be empty (default: sweep-<algo>-<config name>)")
     config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
     read_config(config, [f"algorithm={args.algo}", *args.overrides])  # a typo's line before torch loads
     from fedray.platform.apps.tables import print_table, summary_table

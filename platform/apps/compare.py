@@ -27,6 +27,8 @@ import numpy as np
 from fedray.platform.catalog import build_config
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.config.comparison import comparison_raws
+from fedray.platform.data import check_data
+from fedray.platform.errors import ConfigError
 from fedray.platform.runtime.driver import run_experiment
 from fedray.platform.runtime.processes import sharing_processes
 from fedray.platform.runtime.progress import mb
@@ -56,6 +58,11 @@ def run_comparison(path: str | Path, overrides: list[str] | None = None) -> list
     """Run every entry and return one summary row per label (mean ± std over seeds). Every entry's
     config is validated before the first run starts."""
     entries = load_comparison(path, overrides)
+    for entry in entries:  # an entry whose data cannot be split fails now, not after the others ran
+        try:
+            check_data(entry.config.data)
+        except ConfigError as err:
+            raise ConfigError(f"{entry.label} (seed {entry.config.seed}): {err}") from None
     results: dict[str, list] = {}
     with sharing_processes():  # each entry starts on the last one's Coordinator and ClientActors
         for entry in entries:

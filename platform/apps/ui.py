@@ -43,6 +43,8 @@ def ui_command(args: argparse.Namespace) -> int:
 
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"--workers {args.workers}: must be >= 1")
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port {args.port}: a TCP port is 1-65535")
 
     uri = tracking_uri()
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():

@@ -38,14 +38,16 @@ def comparison_raws(
             f"{path}: unknown compare keys {sorted(unknown)}; allowed: {', '.join(COMPARE_KEYS)}"
         )
     runs = spec.get("runs") or []
-    if not runs:
-        raise ConfigError(f"{path}: 'runs' must list at least one algorithm")
+    if not isinstance(runs, list) or not runs:
+        raise ConfigError(f"{path}: 'runs' must list at least one algorithm, e.g. runs: [fedavg, fedprox]")
     base = load_yaml(path.parent / spec["base"]) if spec.get("base") else {}
     common = merge(
         parse_overrides(dotted_overrides(spec.get("overrides") or {})), parse_overrides(overrides or [])
     )
     name = name or spec.get("name") or path.stem
     seeds = seeds or spec.get("seeds") or [base.get("seed", 0)]
+    if not isinstance(seeds, list):
+        raise ConfigError(f"{path}: 'seeds' must be a list, e.g. seeds: [0, 1, 2]")
     raws = []
     for i, run in enumerate(runs):
         run = {"algorithm": run} if isinstance(run, str) else dict(run)

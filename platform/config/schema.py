@@ -12,6 +12,7 @@ and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -253,8 +254,10 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is int:
         if isinstance(value, bool):
             raise ConfigError(f"{key}={value!r}: expected an integer")
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
+        if isinstance(value, float):  # 2.0 is 2; 1.5 is no integer, not 1
+            if value.is_integer():
+                return int(value)
+            raise ConfigError(f"{key}={value!r}: expected an integer")
         try:
             return int(value)
         except (TypeError, ValueError):
@@ -263,9 +266,12 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if isinstance(value, bool):
             raise ConfigError(f"{key}={value!r}: expected a number")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{key}={value!r}: expected a number") from None
+        if not math.isfinite(number):  # inf passes every "> 0" check and then breaks the run
+            raise ConfigError(f"{key}={value!r}: expected a finite number")
+        return number
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key}={value!r}: expected a string")
@@ -317,6 +323,9 @@ def validate(cfg: ExperimentConfig, checks: Sequence[Callable[[ExperimentConfig]
 def check_fields(cfg: ExperimentConfig) -> None:
     """The platform sections' values: cheap checks that need no registry, no data and no Ray."""
     d, p, s, t = cfg.data, cfg.data.partition, cfg.data.split, cfg.train
+    _check(bool(cfg.name.strip()), "name: must not be empty (it names the MLflow experiment and the run)")
+    _check(cfg.seed >= 0, f"seed={cfg.seed}: must be >= 0")
+    _check(bool(cfg.storage_path.strip()), "storage_path: must not be empty (default .fedray)")
     _check(cfg.rounds >= 1, f"rounds={cfg.rounds}: must be >= 1")
     _check(cfg.eval_every >= 1, f"eval_every={cfg.eval_every}: must be >= 1")
     _check(cfg.checkpoint_every >= 0, f"checkpoint_every={cfg.checkpoint_every}: must be >= 0 (0 = never)")
@@ -379,6 +388,8 @@ def check_fields(cfg: ExperimentConfig) -> None:
     _check(r.num_cpus_per_client > 0, f"ray.num_cpus_per_client={r.num_cpus_per_client}: must be > 0")
     _check(r.num_gpus_per_client >= 0, f"ray.num_gpus_per_client={r.num_gpus_per_client}: must be >= 0")
     _check(r.max_actors is None or r.max_actors >= 1, f"ray.max_actors={r.max_actors}: must be >= 1")
+    _check(r.num_cpus is None or r.num_cpus >= 1, f"ray.num_cpus={r.num_cpus}: must be >= 1 or null (all)")
+    _check(r.address is None or address_ok(r.address), bad_address("ray.address", r.address or ""))
     _check(r.cache_clients >= 1, f"ray.cache_clients={r.cache_clients}: must be >= 1")
     _check(r.pool_wait_s >= 0, f"ray.pool_wait_s={r.pool_wait_s}: must be >= 0")
     _check(
@@ -391,12 +402,32 @@ def check_fields(cfg: ExperimentConfig) -> None:
     )
     _check(cfg.eval.sample_size >= 1, f"eval.sample_size={cfg.eval.sample_size}: must be >= 1")
     _check(
+        cfg.tracking.system_metrics_s >= 0,
+        f"tracking.system_metrics_s={cfg.tracking.system_metrics_s}: must be >= 0 (seconds; 0 = off)",
+    )
+    _check(
         cfg.tracking.max_outage_s >= 0,
         f"tracking.max_outage_s={cfg.tracking.max_outage_s}: must be >= 0 (seconds)",
     )
     _check(
         cfg.tracking.log_client_models >= 0,
         f"tracking.log_client_models={cfg.tracking.log_client_models}: must be >= 0 (0 = never)",
+    )
+
+
+def address_ok(address: str) -> bool:
+    """A Ray cluster address as ``ray.init`` takes it: ``auto``, ``local``, ``ray://...`` or
+    ``host:port`` (an IPv6 host in brackets)."""
+    if address in ("auto", "local") or address.startswith("ray://"):
+        return len(address) > len("ray://") or not address.startswith("ray://")
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536 and "/" not in host
+
+
+def bad_address(source: str, address: str) -> str:
+    return (
+        f"{source}={address!r}: not a Ray address; give host:port (the head's, e.g. 10.0.0.1:6379), "
+        "auto, or ray://host:port (Ray Client)"
     )
 
 

@@ -199,6 +199,11 @@ def check_data(cfg: DataConfig) -> None:
         raise ConfigError(
             f"data.num_clients={cfg.num_clients}: more clients than the {n_pool} {pool} of {cfg.dataset}"
         )
+    if cfg.train_subset is not None and cfg.train_subset > n_pool:  # it would keep the whole pool
+        raise ConfigError(
+            f"data.train_subset={cfg.train_subset}: more than the {n_pool} {pool} of {cfg.dataset}; "
+            "leave it null for all of them"
+        )
     if p.kind == "dirichlet" and p.min_samples * cfg.num_clients > n_pool:
         raise ConfigError(
             f"data.partition.min_samples={p.min_samples}: {cfg.num_clients} clients x {p.min_samples} "

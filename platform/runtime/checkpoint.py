@@ -11,6 +11,7 @@ it: :mod:`.state_store`).
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -25,7 +26,7 @@ from fedray.platform.errors import ConfigError, first_line
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.state_store import StateStore
 from fedray.platform.tracking.mlflow_run import run_name, run_to_resume
-from fedray.platform.tracking.names import Metrics, Tags
+from fedray.platform.tracking.names import Metrics, RunKind, Tags
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,22 @@ def drop_partial_writes(directory: str) -> None:
 
 def has_checkpoint(directory: str) -> bool:
     return storage.exists(checkpoint_file(directory))
+
+
+def require_storage(cfg: ExperimentConfig) -> None:
+    """A local storage path that cannot hold the run's folder fails in one line before Ray starts,
+    not at the folder's making once the workers are up; an object store's is left to its first write."""
+    path = storage.resolve(cfg.storage_path)
+    if "://" in path:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(
+            f"storage_path={cfg.storage_path}: cannot make the folder {path} ({err.strerror})"
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"storage_path={cfg.storage_path}: the folder {path} cannot be written to")
 
 
 def new_checkpoint_dir(cfg: ExperimentConfig) -> str:
@@ -75,6 +92,14 @@ def recorded_checkpoint(run) -> str | None:
 def checkpoint_dir_of(run_id: str, uri: str | None = None) -> str:
     """The checkpoint folder a run recorded, for ``fedray run --resume RUN_ID``; one line if none."""
     run = run_to_resume(run_id, uri)
+    kind = run.data.tags.get(Tags.KIND)
+    if kind == RunKind.SWEEP:
+        raise ConfigError(
+            f"--resume {run_id}: that is a sweep's parent run; resume the sweep with its command and "
+            "--resume (fedray sweep --algo ... --resume), or a trial with its own run id"
+        )
+    if kind == RunKind.REPORT:
+        raise ConfigError(f"--resume {run_id}: that is a report's run (fedray report), not a training run")
     if run.info.status == "FINISHED":
         raise ConfigError(f"--resume {run_id}: the run finished; there is nothing left to resume")
     path = recorded_checkpoint(run)

@@ -26,7 +26,7 @@ import yaml
 
 from fedray.platform.api.registry import get as get_algorithm
 from fedray.platform.catalog import build_config, model_inputs
-from fedray.platform.config import ExperimentConfig
+from fedray.platform.config import ExperimentConfig, address_ok, bad_address
 from fedray.platform.data import (
     Federation,
     build_federation,
@@ -45,18 +45,24 @@ from fedray.platform.runtime.checkpoint import (
     checkpoint_file,
     has_checkpoint,
     new_checkpoint_dir,
+    require_storage,
     saved_config_text,
 )
 from fedray.platform.runtime.devices import missing_gpus, require_visible_gpus
 from fedray.platform.runtime.events import ClientFailed, RoundEnded, WorkerJoined
 from fedray.platform.runtime.process_roles import set_up_driver
-from fedray.platform.runtime.processes import KeptRuntime, Runtime, start_runtime
+from fedray.platform.runtime.processes import KeptRuntime, Runtime, node_resources, start_runtime
 from fedray.platform.runtime.progress import Progress, mb
 from fedray.platform.runtime.session import Ending, RunSession
 from fedray.platform.runtime.worker import model_of_arch
 from fedray.platform.tracking.dataset import federation_dataset
 from fedray.platform.tracking.descriptions import run_description
-from fedray.platform.tracking.mlflow_run import RunTracker
+from fedray.platform.tracking.mlflow_run import (
+    RunTracker,
+    require_tracking_store,
+    tracking_uri,
+    tracking_uri_source,
+)
 from fedray.platform.tracking.names import Metrics, Tags, best_of, best_round_of, final_of
 
 logger = logging.getLogger(__name__)
@@ -422,15 +428,79 @@ def wait_until_dead(actor: Any, timeout_s: float = DEATH_WAIT_MAX_S) -> bool:
         time.sleep(0.2)
 
 
-def preflight(cfg: ExperimentConfig) -> tuple[Federation, dict[str, float]]:
-    """What can fail without Ray fails before it starts (GPUs this machine lacks, the config, the
-    data: the partition is built here); then Ray is started or joined, and asked for the GPUs."""
-    require_gpus(cfg, before_ray=True)
+def preflight(cfg: ExperimentConfig, new_run: bool = True) -> tuple[Federation, dict[str, float]]:
+    """What can fail without Ray fails before it starts (the cluster's address, what this machine's
+    Ray would lack, the tracking store, a new run's storage path, the data: the partition is built
+    here); then Ray is started or joined, and asked for the CPUs and GPUs one worker needs."""
+    require_before_ray(cfg, new_run)
     fed = prepare_federation(cfg)
     baseline = baseline_metrics(fed)
     ensure_ray(cfg)
     require_gpus(cfg)  # GPUs asked for that the cluster lacks: one line now, not a wait forever
+    require_cpus(cfg)
     return fed, baseline
+
+
+def require_before_ray(cfg: ExperimentConfig, new_run: bool = True) -> None:
+    """What the run's settings ask of this machine, its cluster address, its tracking store and (a new
+    run's) storage path, each one line before Ray starts (a sweep checks these too)."""
+    require_address_form(cfg)
+    require_gpus(cfg, before_ray=True)
+    require_cpus(cfg, before_ray=True)
+    require_object_store_room(cfg)
+    require_tracking_store(tracking_uri(cfg), tracking_uri_source())
+    if new_run:
+        require_storage(cfg)
+
+
+def local_ray(cfg: ExperimentConfig) -> bool:
+    """Whether the run will start a Ray of its own on this machine (no cluster, none joined yet)."""
+    return not cfg.ray.cluster_address() and not ray.is_initialized()
+
+
+def require_address_form(cfg: ExperimentConfig) -> None:
+    """``RAY_ADDRESS`` (``ray.address`` is checked with the config) in a form Ray takes: one line, not
+    Ray's traceback."""
+    address = cfg.ray.cluster_address()
+    if address and not address_ok(address):
+        raise ConfigError(bad_address(cfg.ray.cluster_address_source(), address))
+
+
+def require_cpus(cfg: ExperimentConfig, before_ray: bool = False) -> None:
+    """A ClientActor needs ``ray.num_cpus_per_client`` CPUs on one node: where no node has them, one
+    line now, not a set-up that waits for room that never comes. ``before_ray``: this machine's, for
+    a local Ray; a cluster is asked once joined."""
+    need = cfg.ray.num_cpus_per_client
+    if before_ray:
+        if not local_ray(cfg):
+            return
+        have: float = cfg.ray.num_cpus or os.cpu_count() or 1
+        where = "ray.num_cpus is" if cfg.ray.num_cpus else "this machine has"
+    else:
+        have = max((node.get("CPU", 0.0) for node in node_resources()), default=0.0)
+        where = "the Ray cluster's largest node has"
+    if need > have:
+        raise ConfigError(
+            f"ray.num_cpus_per_client={need:g}: a ClientActor needs that many CPUs on one node, {where} "
+            f"{have:g}; lower it"
+        )
+
+
+def require_object_store_room(cfg: ExperimentConfig) -> None:
+    """A local Ray's ``ray.object_store_mb`` leaves Ray memory for its tasks (Ray's own rule: at least
+    100 MB or 5 % of the total), or one line before Ray refuses it with a traceback."""
+    store_mb = cfg.ray.object_store_mb
+    if store_mb is None or not local_ray(cfg):
+        return
+    import psutil
+
+    memory = psutil.virtual_memory()
+    room = memory.available - min(100e6, 0.05 * memory.total)
+    if store_mb * 2**20 > room:
+        raise ConfigError(
+            f"ray.object_store_mb={store_mb}: more than this machine's free memory allows "
+            f"({room / 2**20:,.0f} MB); lower it, or leave it unset (Ray's default: 30 % of the memory)"
+        )
 
 
 def reopen_run(
@@ -513,7 +583,7 @@ def run_experiment(
     """
     trial = trial or Trial()
     session = RunSession(cfg, tags, trial.parent_run_id)  # its clock starts: the MLflow run's Duration
-    fed, baseline = preflight(cfg)
+    fed, baseline = preflight(cfg, new_run=resume_run_id is None)
     handle = CoordinatorHandle(cfg, fed, trial)
     with session.guard(handle.release):
         devices = handle.devices()  # algorithm and client set-up errors surface here

@@ -49,6 +49,27 @@ def tracking_uri(cfg: ExperimentConfig | None = None) -> str:
     return uri
 
 
+def tracking_uri_source() -> str:
+    """Where :func:`tracking_uri` comes from, named as a user sets it."""
+    return "MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "tracking.uri"
+
+
+def require_tracking_store(uri: str, source: str) -> None:
+    """A tracking URI MLflow has no store for fails in one line before anything starts; MLflow itself
+    raises a long traceback when the run is first opened, after Ray and the rounds have started."""
+    try:
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+    except ImportError:  # a later MLflow keeps its registry elsewhere: the URI is left to it
+        return
+    try:
+        _tracking_store_registry.get_store_builder(uri)
+    except Exception:  # MLflow's "unsupported URI" exceptions have no common public base
+        raise ConfigError(
+            f"{source}={uri}: MLflow has no tracking store for that scheme; give sqlite:///<file>, "
+            "http(s)://<server>, a local folder, or a database URI (postgresql://, mysql://)"
+        ) from None
+
+
 def _artifact_root(uri: str) -> str | None:
     """Local stores keep artifacts beside the database; a tracking server decides for itself."""
     if uri.startswith("sqlite:///") or uri.startswith("file:") or "://" not in uri:

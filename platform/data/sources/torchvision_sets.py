@@ -84,9 +84,13 @@ class TorchvisionSet(Source):
                 ds = cls(root=str(data_root(cfg)), train=train, download=cfg.download)
             except (RuntimeError, OSError) as err:  # corrupt files, or a failed download
                 message = str(err).splitlines()[0] if str(err) else type(err).__name__
+                advice = (
+                    "the download failed: check the network, or put the files there yourself"
+                    if cfg.download
+                    else "fix the files or set data.download=true"
+                )
                 raise ConfigError(
-                    f"data.root={cfg.root!r}: torchvision could not read {cfg.dataset} ({message}); "
-                    "fix the files or set data.download=true"
+                    f"data.root={cfg.root!r}: torchvision could not read {cfg.dataset} ({message}); {advice}"
                 ) from err
             x = torch.as_tensor(np.asarray(ds.data))
             x = x.unsqueeze(1) if x.dim() == 3 else x.permute(0, 3, 1, 2)  # MNIST [N,H,W]; CIFAR [N,H,W,C]
