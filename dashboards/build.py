@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import re
 import tempfile
 from dataclasses import dataclass
@@ -74,6 +75,8 @@ def make_report(
         fig_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ConfigError(f"--out {out}: cannot make the report's folder there ({err.strerror})") from None
+    if not os.access(fig_dir, os.W_OK | os.X_OK) or not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: the report's folder cannot be written to")
     for stale in fig_dir.glob("*.png"):  # figures of an earlier report that this one may not redraw
         stale.unlink()
 

@@ -47,7 +47,7 @@ from fedray.platform.runtime.session import StoppedEarly
 from fedray.platform.tracking.descriptions import sweep_description
 from fedray.platform.tracking.mlflow_run import RunTracker, tracking_uri
 from fedray.platform.tracking.names import RunKind, Tags, tag_filter
-from fedray.platform.tracking.outage import PatientCalls
+from fedray.platform.tracking.outage import PatientCalls, shorten_http_retries
 from fedray.platform.tracking.views import DEFAULT_SERVER, runs_table_url, save_sweep_view
 from fedray.sweeps.space import (
     SearchSpace,
@@ -420,6 +420,7 @@ def run_sweep(
             f"--stop-after-trials: not through Ray Client ({address}); run the sweep on a node of the "
             "cluster (RAY_ADDRESS=auto) or without the option"
         )
+    require_before_ray(base_cfg, new_run=not resume)  # the tracking store among them: read just below
     if resume:
         if not tune.Tuner.can_restore(str(path)) or not state_file.is_file():
             raise ConfigError(f"--resume: no sweep to resume at {path}")
@@ -432,7 +433,6 @@ def run_sweep(
         if not restart_errored:
             require_unfinished(base_cfg, state["parent_run_id"], name)
 
-    require_before_ray(base_cfg, new_run=not resume)
     ensure_ray(base_cfg)
     require_cpus(base_cfg)  # a trial's workers need that many CPUs on one node
     KeptRuntime.release()  # a caller's last run's processes would hold the CPUs the trials reserve
@@ -451,14 +451,18 @@ def run_sweep(
     else:
         parent_cfg = build_config(merge(base, {"name": base_cfg.tracking.experiment or base_cfg.name}))
         parent = RunTracker(parent_cfg, extra_tags={Tags.KIND: RunKind.SWEEP, Tags.SWEEP_ID: name})
-        parent.client.set_tag(parent.run_id, Tags.RUN_NAME, name)
-        parent.describe(sweep_description(algorithm, space, base_cfg))
-        params = [p.key for p in space.params]
-        view = save_sweep_view(parent.client, parent.experiment_id, name, parent.run_id, params)
-        parent.set_tags({Tags.UI_VIEW: view})
-        parent.log_text(Path(space.path).read_text(), "search_space.yaml")
-        parent.log_text(yaml.safe_dump(base, sort_keys=False), "base_config.yaml")
-        path.mkdir(parents=True, exist_ok=True)
+        try:  # a parent run whose set-up failed is closed FAILED, not left RUNNING
+            parent.client.set_tag(parent.run_id, Tags.RUN_NAME, name)
+            parent.describe(sweep_description(algorithm, space, base_cfg))
+            params = [p.key for p in space.params]
+            view = save_sweep_view(parent.client, parent.experiment_id, name, parent.run_id, params)
+            parent.set_tags({Tags.UI_VIEW: view})
+            parent.log_text(Path(space.path).read_text(), "search_space.yaml")
+            parent.log_text(yaml.safe_dump(base, sort_keys=False), "base_config.yaml")
+            path.mkdir(parents=True, exist_ok=True)
+        except BaseException:
+            parent.end("FAILED")
+            raise
         # what --resume reads back: the parent run, Tune's settings, the trials that diverged
         state = {
             "parent_run_id": parent.run_id,
@@ -563,9 +567,12 @@ def require_unfinished(cfg: ExperimentConfig, parent_run_id: str, name: str) -> 
     from mlflow.tracking import MlflowClient
 
     uri = tracking_uri(cfg)
+    shorten_http_retries(uri)
     try:
         status = MlflowClient(uri).get_run(parent_run_id).info.status
-    except MlflowException:
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST":  # the store's own trouble: said as MLflow says it
+            raise
         raise ConfigError(
             f"--resume: the sweep {name}'s parent run {parent_run_id} is not in the tracking store {uri}; "
             "resume with the MLFLOW_TRACKING_URI the sweep was started with"

@@ -301,3 +301,31 @@ def test_resuming_a_sweeps_or_a_reports_run_says_what_it_is(capsys, mlflow_store
         assert main(["run", "--resume", run]) == 2
         assert needle in capsys.readouterr().err
         assert client.get_run(run).info.status == "RUNNING"  # as it was
+
+
+def test_valid_cluster_addresses_pass_and_a_cluster_is_not_asked_for_cpus_it_may_get_later():
+    from fedray.platform.runtime.driver import require_cpus
+
+    for address in ("", "auto", "local", "ray://head:10001", "anyscale://cluster", "head:6379"):
+        load_config(None, [f"ray.address={address}"])  # "": a local Ray, as before
+    load_config(None, ['ray.address="[::1]:6379"'])  # quoted: a bare [ starts a YAML list
+    cfg = load_config(None, ["ray.address=10.0.0.1:6379", "ray.num_cpus_per_client=64"])
+    require_cpus(cfg, before_ray=True)  # a cluster's nodes may join later (an autoscaler)
+    require_cpus(cfg)
+
+
+def test_a_run_saved_with_values_refused_since_resumes_as_it_meant_them():
+    """Values an older fedray accepted keep their meaning on --resume: the run's config cannot be
+    changed there, so refusing them would strand the run."""
+    import yaml
+
+    from fedray.platform.runtime.driver import saved_config
+
+    raw = load_config(None, ["algorithm=fedprox", "fedprox.mu=0.5"]).to_dict()
+    raw["ray"]["num_cpus"], raw["storage_path"], raw["tracking"]["system_metrics_s"] = 0, "", -1
+    raw["data"]["train_subset"] = 100000  # more than digits' 1438: it kept all of them
+    cfg = saved_config(yaml.safe_load(yaml.safe_dump(raw)))
+    assert (cfg.ray.num_cpus, cfg.storage_path, cfg.tracking.system_metrics_s) == (None, ".", 0)
+    assert cfg.data.train_subset is None and cfg.algo.mu == 0.5
+    raw["data"]["train_subset"] = 500  # a real subset stays
+    assert saved_config(yaml.safe_load(yaml.safe_dump(raw))).data.train_subset == 500

@@ -356,3 +356,23 @@ def test_a_file_deleted_before_its_turn_is_passed_over_and_an_object_stores_is_n
     remote = PageReleaser()
     remote.release("s3://bucket/fedray/states/1-v1.pt")  # not in this machine's memory
     assert remote.thread is None
+
+
+@needs_fadvise
+def test_a_file_whose_pages_cannot_be_dropped_leaves_the_thread_going(tmp_path, monkeypatch):
+    from fedray.platform.runtime import page_cache
+
+    real, kept = page_cache.drop_pages, tmp_path / "kept.pt"
+    kept.write_bytes(os.urandom(1 << 20))
+
+    def drop(path: str) -> None:
+        if path.endswith("broken.pt"):
+            raise OSError(5, "Input/output error")
+        real(path)
+
+    monkeypatch.setattr(page_cache, "drop_pages", drop)
+    releaser = page_cache.PageReleaser()
+    releaser.release(str(tmp_path / "broken.pt"))
+    releaser.release(str(kept))
+    assert releaser.done(timeout=60)
+    assert resident_pages(str(kept)) == 0

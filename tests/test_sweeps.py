@@ -137,6 +137,19 @@ def test_an_optuna_search_without_optuna_fails_in_one_line_before_any_run_is_mad
     assert MlflowClient(mlflow_store).search_experiments(filter_string="name != 'Default'") == []
 
 
+@pytest.mark.usefixtures("ray_session")
+def test_a_sweep_whose_set_up_fails_closes_its_parent_run_failed(tmp_path, mlflow_store, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the view could not be saved")
+
+    monkeypatch.setattr("fedray.sweeps.tune_sweep.save_sweep_view", broken)
+    with pytest.raises(RuntimeError, match="the view could not be saved"):
+        run_sweep("fedprox", space_file=_tiny_space(tmp_path), overrides=tiny_overrides(), name="broken")
+    client = MlflowClient(mlflow_store)
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    assert [(r.data.tags.get(Tags.KIND), r.info.status) for r in runs] == [(RunKind.SWEEP, "FAILED")]
+
+
 def test_resuming_a_finished_sweep_is_one_line_and_leaves_its_parent_run_finished(tmp_path, mlflow_store):
     from fedray.sweeps.tune_sweep import require_unfinished
 

@@ -389,7 +389,7 @@ def check_fields(cfg: ExperimentConfig) -> None:
     _check(r.num_gpus_per_client >= 0, f"ray.num_gpus_per_client={r.num_gpus_per_client}: must be >= 0")
     _check(r.max_actors is None or r.max_actors >= 1, f"ray.max_actors={r.max_actors}: must be >= 1")
     _check(r.num_cpus is None or r.num_cpus >= 1, f"ray.num_cpus={r.num_cpus}: must be >= 1 or null (all)")
-    _check(r.address is None or address_ok(r.address), bad_address("ray.address", r.address or ""))
+    _check(not r.address or address_ok(r.address), bad_address("ray.address", r.address or ""))
     _check(r.cache_clients >= 1, f"ray.cache_clients={r.cache_clients}: must be >= 1")
     _check(r.pool_wait_s >= 0, f"ray.pool_wait_s={r.pool_wait_s}: must be >= 0")
     _check(
@@ -416,10 +416,13 @@ def check_fields(cfg: ExperimentConfig) -> None:
 
 
 def address_ok(address: str) -> bool:
-    """A Ray cluster address as ``ray.init`` takes it: ``auto``, ``local``, ``ray://...`` or
-    ``host:port`` (an IPv6 host in brackets)."""
-    if address in ("auto", "local") or address.startswith("ray://"):
-        return len(address) > len("ray://") or not address.startswith("ray://")
+    """A Ray cluster address as ``ray.init`` takes it: ``auto``, ``local``, ``<scheme>://...``
+    (``ray://`` for Ray Client) or ``host:port`` (an IPv6 host in brackets)."""
+    if address in ("auto", "local"):
+        return True
+    scheme, sep, rest = address.partition("://")
+    if sep:  # ray:// (Ray Client) or a module's own scheme, which ray.init looks up
+        return bool(scheme) and bool(rest)
     host, _, port = address.rpartition(":")
     return bool(host) and port.isdigit() and 0 < int(port) < 65536 and "/" not in host
 

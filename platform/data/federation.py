@@ -158,6 +158,14 @@ class Federation:
         return pd.concat([table, counts], axis=1)
 
 
+def sample_pool(cfg: DataConfig) -> tuple[int, str]:
+    """How many samples a split partition draws its clients from, and what they are, in words."""
+    n_train, n_test = official_sizes(cfg)
+    if cfg.split.convention == "merged":
+        return n_train + n_test, "train + test samples"
+    return n_train, "training samples"
+
+
 def check_data(cfg: DataConfig) -> None:
     """Cheap pre-flight of the data section (no sample is decoded); raises a one-line ConfigError.
 
@@ -192,9 +200,7 @@ def check_data(cfg: DataConfig) -> None:
             f"classes_per_client * data.num_clients >= {num_classes} classes (got "
             f"{p.classes_per_client * cfg.num_clients}); use kind=shamsian to leave classes out"
         )
-    n_train, n_test = official_sizes(cfg)
-    n_pool = n_train + n_test if cfg.split.convention == "merged" else n_train
-    pool = "train + test samples" if cfg.split.convention == "merged" else "training samples"
+    n_pool, pool = sample_pool(cfg)
     if cfg.num_clients > n_pool:
         raise ConfigError(
             f"data.num_clients={cfg.num_clients}: more clients than the {n_pool} {pool} of {cfg.dataset}"

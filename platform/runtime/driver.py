@@ -8,6 +8,7 @@ last checkpoint, logging into the same MLflow run.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -36,6 +37,7 @@ from fedray.platform.data import (
     majority_baseline,
     normalize,
 )
+from fedray.platform.data.federation import sample_pool
 from fedray.platform.data.split_file import dumps_split, federation_to_split
 from fedray.platform.errors import ALGORITHM_ERRORS, ConfigError, first_line
 from fedray.platform.models import arch_for_client
@@ -467,18 +469,21 @@ def require_address_form(cfg: ExperimentConfig) -> None:
 
 
 def require_cpus(cfg: ExperimentConfig, before_ray: bool = False) -> None:
-    """A ClientActor needs ``ray.num_cpus_per_client`` CPUs on one node: where no node has them, one
-    line now, not a set-up that waits for room that never comes. ``before_ray``: this machine's, for
-    a local Ray; a cluster is asked once joined."""
+    """A ClientActor needs ``ray.num_cpus_per_client`` CPUs on one node: where a local Ray has fewer,
+    one line now, not a set-up that waits for room that never comes. ``before_ray``: this machine's
+    CPUs, for a Ray the run will start; else the local Ray the process runs. A cluster is not asked:
+    its nodes may join later (an autoscaler, a head without CPUs), and the set-up waits for room."""
     need = cfg.ray.num_cpus_per_client
     if before_ray:
         if not local_ray(cfg):
             return
         have: float = cfg.ray.num_cpus or os.cpu_count() or 1
         where = "ray.num_cpus is" if cfg.ray.num_cpus else "this machine has"
-    else:
+    else:  # a local Ray this process started (an earlier run's, say); a cluster's nodes may join later
+        if cfg.ray.cluster_address():
+            return
         have = max((node.get("CPU", 0.0) for node in node_resources()), default=0.0)
-        where = "the Ray cluster's largest node has"
+        where = "the local Ray has"
     if need > have:
         raise ConfigError(
             f"ray.num_cpus_per_client={need:g}: a ClientActor needs that many CPUs on one node, {where} "
@@ -656,13 +661,30 @@ def log_final(
     tracker.log_metrics({k: v for k, v in final.items() if v is not None}, step=step)
 
 
+def saved_config(raw: dict[str, Any]) -> ExperimentConfig:
+    """A run's saved config as the fedray that saved it read it: what it took then and a later check
+    refuses becomes what it meant, so the run resumes to the same numbers."""
+    # a run saved before model.init existed gave every client its own initial draw
+    raw.setdefault("model", {}).setdefault("init", "per_client")
+    ray_section, tracking = raw.get("ray") or {}, raw.get("tracking") or {}
+    if ray_section.get("num_cpus") == 0:  # before 2026-11-30: all the machine's CPUs
+        ray_section["num_cpus"] = None
+    if raw.get("storage_path") == "":  # the working directory
+        raw["storage_path"] = "."
+    if (tracking.get("system_metrics_s") or 0) < 0:  # off
+        tracking["system_metrics_s"] = 0
+    cfg = build_config(raw)
+    subset, kind = cfg.data.train_subset, cfg.data.partition.kind
+    # larger than the pool (accepted then), it kept the whole pool, as no subset does
+    if subset is not None and kind not in ("file", "natural") and subset > sample_pool(cfg.data)[0]:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_subset=None))
+    return cfg
+
+
 def resume_experiment(run_id: str, **kwargs: Any) -> Result:
     """Continue an interrupted run from its last checkpoint, to the same final numbers."""
     directory = checkpoint_dir_of(run_id)
     saved = storage.load_torch(checkpoint_file(directory))  # an altered checkpoint stops here, before Ray
-    raw = yaml.safe_load(saved_config_text(directory))
-    # a run saved before model.init existed gave every client its own initial draw
-    raw.setdefault("model", {}).setdefault("init", "per_client")
-    cfg = build_config(raw)
+    cfg = saved_config(yaml.safe_load(saved_config_text(directory)))
     get_algorithm(cfg.algorithm).server_cls.check_saved(saved["server"])  # before Ray and the MLflow run
     return run_experiment(cfg, resume_run_id=run_id, **kwargs)

@@ -13,9 +13,13 @@ superseded) is skipped; a filesystem that cannot flush keeps its pages, as it di
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import queue
 import threading
+
+logger = logging.getLogger(__name__)
 
 RELEASES = hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_DONTNEED")
 
@@ -32,7 +36,8 @@ def drop_pages(path: str) -> None:
     except OSError:
         pass
     finally:
-        os.close(fd)
+        with contextlib.suppress(OSError):  # a write-back error reported at close: the pages stay
+            os.close(fd)
 
 
 class PageReleaser:
@@ -56,8 +61,11 @@ class PageReleaser:
             item = self.pending.get()
             if isinstance(item, threading.Event):
                 item.set()
-            else:
+                continue
+            try:
                 drop_pages(item)
+            except Exception:  # whatever one file does, the thread goes on with the next
+                logger.debug("could not drop the pages of %s", item, exc_info=True)
 
     def done(self, timeout: float) -> bool:
         """Whether every file released so far has been dealt with within ``timeout`` seconds."""
