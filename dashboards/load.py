@@ -62,8 +62,9 @@ class ExperimentRuns:
 def resolve_tracking_uri(uri: str | None) -> str:
     """The project's store unless told otherwise; a missing sqlite file is an error, not a new store."""
 
-    require_tracking_store(uri or tracking_uri(), "--tracking-uri" if uri else tracking_uri_source())
+    source = "--tracking-uri" if uri else tracking_uri_source()
     uri = uri or tracking_uri()
+    require_tracking_store(uri, source)
     if uri.startswith("sqlite:///"):
         path = Path(uri.removeprefix("sqlite:///"))
         if not path.is_file():

@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from fedray.platform.catalog import build_config
 from fedray.platform.config import dotted_overrides, load_yaml, merge, parse_overrides
+from fedray.platform.config.schema import _coerce as coerce
 from fedray.platform.errors import ConfigError
 from fedray.platform.tracking.names import Metrics, personal_on
 
@@ -147,10 +148,11 @@ def is_number(value: Any) -> bool:
 
 
 def whole(path: str | Path, key: str, value: Any) -> int:
-    """An integer setting of the space file, or one line naming it."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{path}: {key}={value!r}: expected an integer")
-    return value
+    """An integer setting of the space file, converted as the config's are, or one line naming it."""
+    try:
+        return coerce(key, value, int)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
 
 
 def space_path(algorithm: str, path: str | Path | None = None) -> Path:
