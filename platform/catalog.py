@@ -19,11 +19,11 @@ from fedray.platform.models import (
     DESCRIBE,
     InputShape,
     is_known_model,
-    min_image_size,
     model_group,
     model_modality,
     models_reading,
     require_embeddings,
+    require_image_size,
 )
 from fedray.platform.models.checks import require_homogeneous, shared_feature_dim
 
@@ -71,13 +71,7 @@ def check_model_fits_the_images(cfg: ExperimentConfig) -> None:
     except ConfigError:  # data not there yet: the data section's own check names what is missing
         return
     for arch in dict.fromkeys(model_group(cfg.model.group)):
-        need = min_image_size(arch, size)
-        if size < need:
-            fits = [m for m in models_reading("image") if min_image_size(m, size) <= size]
-            hint = f"models for {size}x{size}: {', '.join(fits)}" if fits else "raise data.image_size"
-            raise ConfigError(
-                f"model {arch!r} needs images of at least {need}x{need} pixels, the data has {size}x{size}; {hint}"
-            )
+        require_image_size(arch, size)  # what building the model would say, before Ray
 
 
 def model_inputs(info: SourceInfo) -> InputShape:

@@ -43,6 +43,7 @@ from fedray.platform.models.registry import (
     register_group,
     register_model,
     require_embeddings,
+    require_image_size,
 )
 
 register_group("fedssa_cnns", [f"fedssa_cnn{k}" for k in range(1, 6)])
@@ -84,4 +85,5 @@ __all__ = [
     "register_group",
     "register_model",
     "require_embeddings",
+    "require_image_size",
 ]

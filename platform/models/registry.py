@@ -268,14 +268,20 @@ def build_for(
     return model
 
 
-def _build_image(arch: str, parsed: ParsedName, spec: ArchSpec, shape: InputShape) -> tuple[nn.Module, int]:
-    style = resolve_style(spec, parsed.style, shape.size)
-    need = spec.style_min_size.get(style or "", spec.min_size)
-    if shape.size < need:
+def require_image_size(arch: str, size: int) -> None:
+    """One line naming the models that take ``size`` where ``arch`` needs larger images."""
+    need = min_image_size(arch, size)
+    if size < need:
+        fits = [m for m in models_reading("image") if min_image_size(m, size) <= size]
+        hint = f"models for {size}x{size}: {', '.join(fits)}" if fits else "raise data.image_size"
         raise ConfigError(
-            f"model {arch!r} needs images of at least {need}x{need} pixels, the data has "
-            f"{shape.size}x{shape.size}; pick a model for small images (e.g. cnn_small, small_hetero)"
+            f"model {arch!r} needs images of at least {need}x{need} pixels, the data has {size}x{size}; {hint}"
         )
+
+
+def _build_image(arch: str, parsed: ParsedName, spec: ArchSpec, shape: InputShape) -> tuple[nn.Module, int]:
+    require_image_size(arch, shape.size)
+    style = resolve_style(spec, parsed.style, shape.size)
     kwargs = {"style": style} if style is not None else {}
     return spec.builder(shape.channels, shape.size, **kwargs)
 
