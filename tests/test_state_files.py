@@ -240,7 +240,9 @@ def test_a_run_repeats_itself_with_or_without_checkpoints_and_resumed_and_leaves
             assert not list(directory.glob("*.tmp"))
 
 
-def test_a_worker_whose_node_does_not_see_the_runs_folder_stops_the_run_in_one_line(monkeypatch, tmp_path):
+def test_a_worker_whose_node_does_not_see_the_runs_folder_or_does_not_answer_stops_the_run_in_one_line(
+    monkeypatch, tmp_path
+):
     from fedray.platform.errors import ConfigError
     from fedray.platform.runtime import coordinator
 
@@ -252,7 +254,21 @@ def test_a_worker_whose_node_does_not_see_the_runs_folder_stops_the_run_in_one_l
         def remote(self, path: str):
             return (path.startswith(str(self.root)) and storage.exists(path), self.node)
 
-    monkeypatch.setattr(coordinator.ray, "get", lambda refs: refs)
+    class Hangs(Worker):  # a node whose mount hangs: its answer never comes
+        def remote(self, path: str):
+            return None
+
+    def get(refs, timeout=None):  # ray.get's shape: a hanging answer times out, or waits forever
+        if any(ref is None for ref in refs):
+            assert timeout is not None, "checked with no timeout: a hung mount hangs the run"
+            raise coordinator.ray.exceptions.GetTimeoutError("timed out")
+        return refs
+
+    monkeypatch.setattr(coordinator.ray, "get", get)
+    with pytest.raises(ConfigError, match=r"^storage_path: a ClientActor did not say in \d+ s whether"):
+        coordinator.check_workers_see(
+            [Worker("10.0.0.1", tmp_path), Hangs("10.0.0.3", tmp_path)], str(tmp_path)
+        )
     (tmp_path / "config.yaml").write_text("seed: 0")
     coordinator.check_workers_see([Worker("10.0.0.1", tmp_path)], str(tmp_path))  # it sees: nothing said
     with pytest.raises(ConfigError) as err:
@@ -343,7 +359,9 @@ def test_a_state_file_leaves_the_page_cache_once_the_worker_has_flushed_it_and_r
 
 
 @needs_fadvise
-def test_a_file_deleted_before_its_turn_is_passed_over_and_an_object_stores_is_never_queued(tmp_path):
+def test_a_file_deleted_before_its_turn_is_passed_over_a_file_uri_is_released_and_an_object_stores_is_never_queued(
+    tmp_path,
+):
     from fedray.platform.runtime.page_cache import PageReleaser
 
     releaser = PageReleaser()
@@ -351,8 +369,12 @@ def test_a_file_deleted_before_its_turn_is_passed_over_and_an_object_stores_is_n
     kept.write_bytes(os.urandom(1 << 20))
     releaser.release(str(tmp_path / "superseded.pt"))  # a version deleted before its turn
     releaser.release(str(kept))  # the thread goes on past it
+    by_uri = tmp_path / "by-uri.pt"  # a storage_path given as file:///... is local too
+    by_uri.write_bytes(os.urandom(1 << 20))
+    releaser.release(by_uri.as_uri())
     assert releaser.done(timeout=60)
     assert resident_pages(str(kept)) == 0
+    assert resident_pages(str(by_uri)) == 0
     remote = PageReleaser()
     remote.release("s3://bucket/fedray/states/1-v1.pt")  # not in this machine's memory
     assert remote.thread is None

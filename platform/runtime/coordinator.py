@@ -60,13 +60,22 @@ from fedray.platform.runtime.worker import ClientActor, make_client_model
 from fedray.platform.seeds import numpy_rng, seed_of
 from fedray.platform.tracking.names import Metrics
 
+SEES_TIMEOUT_S = 120.0  # a worker's answer is one look at a file: a mount that hangs must not hang the run
+
 
 def check_workers_see(workers: list, checkpoint_dir: str) -> None:
     """Every worker writes and reads client states under the run's folder: one on a node that does not
     see it (a local storage_path on a cluster) stops the run now, in one line, not when a client
     first moves between nodes."""
     config = storage.join(checkpoint_dir, CONFIG_FILE)  # the driver wrote it before the run started
-    for seen, node in ray.get([worker.sees.remote(config) for worker in workers]):
+    try:
+        answers = ray.get([worker.sees.remote(config) for worker in workers], timeout=SEES_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise ConfigError(
+            f"storage_path: a ClientActor did not say in {SEES_TIMEOUT_S:.0f} s whether its node sees the "
+            f"run's folder {checkpoint_dir}: is a network mount hanging there?"
+        ) from None
+    for seen, node in answers:
         if seen:
             continue
         raise ConfigError(

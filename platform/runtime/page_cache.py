@@ -7,8 +7,9 @@ Left in the page cache, every state written would add its size to the machine's 
 kernel reclaims it (a container's memory limit counts it: 5 GB over 150 rounds of ``make
 bench-scale`` at N = 10,000), and every write would take fresh pages, which on a VM whose host takes
 freed memory back cost about 8.5 ms for a 3.5 MB state, against 1.6 ms into pages a dropped file gave
-back. Only local files, where the OS has ``posix_fadvise``; a file deleted before its turn (a version
-superseded) is skipped; a filesystem that cannot flush keeps its pages, as it did before.
+back. Only local files (a plain path or ``file://``), where the OS has ``posix_fadvise``; a file
+deleted before its turn (a version superseded) is skipped; a filesystem that cannot flush keeps its
+pages, as it did before.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import logging
 import os
 import queue
 import threading
+
+from fedray.platform.runtime import storage
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +51,9 @@ class PageReleaser:
         self.pending: queue.SimpleQueue[str | threading.Event] = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
 
-    def release(self, path: str) -> None:
-        if not RELEASES or "://" in path:  # an object store's file is not in this machine's memory
+    def release(self, uri: str) -> None:
+        path = storage.local_path(uri)
+        if not RELEASES or path is None:  # an object store's file is not in this machine's memory
             return
         if self.thread is None:
             self.thread = threading.Thread(target=self.run, name="fedray-page-releaser", daemon=True)

@@ -43,6 +43,19 @@ def _filesystem(uri: str):
     return fs.FileSystem.from_uri(uri)
 
 
+def local_path(uri: str) -> str | None:
+    """The path on this machine's filesystem of a local ``uri`` (a plain path, ``file://`` or
+    ``local://``), or None for an object store's (without asking it: s3's may look up a region)."""
+    if "://" not in uri:
+        return uri
+    if not uri.startswith(("file://", "local://")):
+        return None
+    from pyarrow import fs
+
+    filesystem, path = _filesystem(uri)
+    return path if isinstance(filesystem, fs.LocalFileSystem) else None
+
+
 def join(base: str, *parts: str) -> str:
     return posixpath.join(base, *parts) if "://" in base else str(Path(base, *parts))
 
@@ -92,13 +105,7 @@ def flush_to_disk(uris: Iterable[str], files: bool = True, folders: bool = True)
     write atomic against a killed process, not against the host's crash, after which a file renamed
     but not yet flushed may be found empty, or missing. An object store's upload is durable once it
     returns: only a local filesystem's paths (``file://`` too) are flushed."""
-    from pyarrow import fs
-
-    local = []
-    for uri in uris:
-        filesystem, path = _filesystem(uri)
-        if isinstance(filesystem, fs.LocalFileSystem):
-            local.append(path)
+    local = [path for path in map(local_path, uris) if path is not None]
     for path in (local if files else []) + sorted({os.path.dirname(p) for p in local} if folders else []):
         _fsync(path)
 
