@@ -256,7 +256,24 @@ class Server:
                 setattr(self, k, v)
 
 
-class ClientModule(L.LightningModule):
+class FitProgress:
+    """``current_epoch`` and ``global_step`` of a module the worker's loop drives, counted as a fresh
+    ``Trainer`` per fit counts them: the epoch being trained (0-based; the number of epochs once the
+    fit is over) and the optimizer steps taken so far in this fit."""
+
+    _fit_epoch: int = 0
+    _fit_step: int = 0
+
+    @property
+    def current_epoch(self) -> int:
+        return self._fit_epoch
+
+    @property
+    def global_step(self) -> int:
+        return self._fit_step
+
+
+class ClientModule(FitProgress, L.LightningModule):
     """Client half: a LightningModule that lives in a ClientActor across rounds.
 
     Subclasses override ``receive``, ``training_step`` and ``upload``; the default is plain
@@ -265,8 +282,10 @@ class ClientModule(L.LightningModule):
 
     The worker drives the module with its own loop over Lightning's hooks
     (:mod:`fedray.platform.runtime.local_training`), not a ``Trainer``: ``self.trainer`` does not exist,
-    ``self.log`` records a statistic as :meth:`record` does, and hooks the loop does not call are
-    refused when the run is configured.
+    ``self.log`` records a statistic as :meth:`record` does, ``self.current_epoch`` and
+    ``self.global_step`` count within the round's fit (:class:`FitProgress`), each submodule trains in
+    the mode it is in (the platform's evaluation gives each its own back), and hooks the loop does not
+    call are refused when the run is configured.
     """
 
     hp: AlgorithmConfig  # the algorithm's own config section; a subclass names its own type
@@ -380,7 +399,21 @@ class ClientModule(L.LightningModule):
         """Add ``value`` to this round's statistic ``name`` (its mean over the calls is logged). A
         tensor is kept as it is, on its device, and read once when the client's work is done: no
         host-device synchronisation per training step."""
-        self._stats.setdefault(name, []).append(value.detach() if torch.is_tensor(value) else float(value))
+        if torch.is_tensor(value):
+            if value.numel() != 1:
+                raise ContractError(
+                    f"{type(self).__name__}: statistic {name!r} must be one number, got a tensor of shape "
+                    f"{tuple(value.shape)}"
+                )
+            self._stats.setdefault(name, []).append(value.detach())
+            return
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ContractError(
+                f"{type(self).__name__}: statistic {name!r} must be one number, got {value!r:.60}"
+            ) from None
+        self._stats.setdefault(name, []).append(number)
 
     def pop_stats(self) -> dict[str, float]:
         """Each statistic's mean over this client's calls, read from the device in one transfer."""

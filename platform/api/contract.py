@@ -34,7 +34,22 @@ UNSUPPORTED_HOOKS = {
     "validation_step": "evaluation is the platform's: override eval_logits",
     "test_step": "evaluation is the platform's: override eval_logits",
     "predict_step": "evaluation is the platform's: override eval_logits",
+    "configure_model": "the worker builds a client's module once and reuses it: build the model in __init__",
+    "prepare_data": "the platform prepares the data (the config's data section)",
+    "on_save_checkpoint": "a client's checkpointed state is its state_dict and, with "
+    "train.keep_optimizer_state, its optimizer's state",
+    "on_load_checkpoint": "a client's checkpointed state is its state_dict and, with "
+    "train.keep_optimizer_state, its optimizer's state",
 }
+# the evaluation loops' hooks and loaders: the platform evaluates (eval_logits, load_for_eval)
+UNSUPPORTED_HOOKS.update(
+    {
+        name: "evaluation is the platform's: override eval_logits"
+        for name in dir(L.LightningModule)
+        if name.startswith(("on_validation", "on_test", "on_predict"))
+        or name in ("val_dataloader", "test_dataloader", "predict_dataloader")
+    }
+)
 
 
 # methods of ClientModule the platform calls and an algorithm does not override

@@ -101,17 +101,22 @@ def evaluate_model(
 ):
     """(correct, total, summed CE loss) of ``model`` on a normalised tensor dataset; ``scores`` (a
     client's ``eval_logits``) replaces the plain forward pass. Sums stay on the device until the end."""
-    was_training = model.training
+    # the training loop leaves modes as it finds them (as Lightning does): each submodule gets its
+    # own back, so a part the algorithm keeps in eval mode stays there, whatever happens here
+    modes = [(m, m.training) for m in model.modules()]
     model.eval().to(device)
-    forward = scores or model
-    correct = torch.zeros((), dtype=torch.int64, device=device)
-    loss = torch.zeros((), dtype=torch.float64, device=device)
-    for i in range(0, len(y), batch):
-        xb, yb = x[i : i + batch].to(device), y[i : i + batch].to(device)
-        logits = forward(xb)
-        correct += (logits.argmax(1) == yb).sum()
-        loss += torch.nn.functional.cross_entropy(logits, yb, reduction="sum").double()
-    model.train(was_training)
+    try:
+        forward = scores or model
+        correct = torch.zeros((), dtype=torch.int64, device=device)
+        loss = torch.zeros((), dtype=torch.float64, device=device)
+        for i in range(0, len(y), batch):
+            xb, yb = x[i : i + batch].to(device), y[i : i + batch].to(device)
+            logits = forward(xb)
+            correct += (logits.argmax(1) == yb).sum()
+            loss += torch.nn.functional.cross_entropy(logits, yb, reduction="sum").double()
+    finally:
+        for submodule, mode in modes:
+            submodule.training = mode
     return int(correct), len(y), float(loss)
 
 
@@ -319,7 +324,7 @@ class ClientHost:
         ctx = ClientContext(task.client, self.cfg, self.meta["num_classes"], data.train, data.class_counts)
         if not self.keeps_state:
             model = self.arch_model(arch_for_client(self.cfg.model.group, task.client))
-            module = self.spec.client_cls(model, ctx)
+            module = self.spec.client_cls(model.train(), ctx)  # as a fresh build: the author sets modes
             # on a GPU with what its construction holds besides the model, as below (on the CPU it is
             # there already: 0.1 ms a client saved)
             return module.to(self.device) if self.device.type != "cpu" else module
@@ -329,7 +334,9 @@ class ClientHost:
         if cached is not None:  # a state committed since elsewhere: its model takes the new one in place
             self.drop(task.client)
         model = self.reused_model(task.client) if task.state_file else self.initial_model(task.client)
-        module = self.spec.client_cls(model, ctx).to(self.device)  # with what its construction holds
+        # in train mode as a fresh build (a reused model is as its last client left it), what its
+        # construction holds on the device
+        module = self.spec.client_cls(model.train(), ctx).to(self.device)
         if task.state_file:
             load_client_state(module, read_state(task.client, task.state_file))
         self.cache(task.client, task.version, module)
