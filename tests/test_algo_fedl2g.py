@@ -1,6 +1,8 @@
 """FedL2G math and halves, checked against hand computations and an independently written meta-gradient;
 no Ray, no Lightning trainer."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -222,6 +224,17 @@ def test_client_never_trains_on_the_quiz_samples():
     assert len(quiz_ids(client)) == 10
     seen = torch.cat([x[:, 0, 0, 0] for x, _ in client.train_dataloader()])
     assert sorted(seen.tolist() + quiz_ids(client)) == list(range(25))  # disjoint, together the shard
+
+
+def test_an_epoch_is_floor_n_over_b_steps_with_drop_last_as_the_paper_and_its_configs_train():
+    # 25 samples: a quiz of 10 and 15 to study, in batches of 10 (paper Sec. 4: floor(n_i / 10) steps)
+    kept = make_client("train.batch_size=10")
+    assert [len(y) for _, y in kept.train_dataloader()] == [10, 5]
+    dropped = make_client("train.batch_size=10", "train.drop_last=true")
+    assert [len(y) for _, y in dropped.train_dataloader()] == [10]
+    for name in ("fedl2g", "paper_fedl2g_cifar10", "paper_fedl2g_flowers102", "paper_fedl2g_tinyimagenet"):
+        path = Path(__file__).parents[1] / "configs" / f"{name}.yaml"
+        assert load_config(str(path), ["data.root=/nonexistent"]).train.drop_last, name
 
 
 def test_quiz_on_class_sorted_data_holds_several_classes():

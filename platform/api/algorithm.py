@@ -356,8 +356,9 @@ class ClientModule(FitProgress, L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
 
     def train_dataloader(self) -> ShuffledBatches:
+        t = self.ctx.cfg.train
         return batch_loader(
-            self.training_data(), self.ctx.cfg.train.batch_size, shuffle=True, seed=self.data_seed()
+            self.training_data(), t.batch_size, shuffle=True, seed=self.data_seed(), drop_last=t.drop_last
         )
 
     def training_data(self) -> ArrayDataset:

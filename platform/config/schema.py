@@ -107,6 +107,9 @@ class TrainConfig:
     fraction: float = 1.0  # participation C: share of clients selected each round
     local_epochs: int = 1
     batch_size: int = 32
+    # drop each epoch's last, partial batch: floor(n / batch_size) steps an epoch, as PFLlib and HtFLlib
+    # train (the FedL2G paper's setting); false trains on every sample
+    drop_last: bool = False
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 0.0
