@@ -34,16 +34,16 @@ docs/algorithms/fedcross.md that explains each one:
   (``same_init: true``); false = K independent inits.
 - [Shuffling models onto clients] the shuffle is a random permutation assigning the K models to the K
   sampled clients, drawn from (seed, round) so a resumed run shuffles identically.
-- [Propeller models] PM: P = ``propeller_num`` = 4 in-order propellers ``(i+o) mod K, o = 1..P``,
-  self weight 1/(P+1).
+- [Propeller models] PM: P = ``propeller_num`` = 4 in-order propellers ``(i+o) mod K, o = 1..P``
+  (not rotated with the round), self weight 1/(P+1).
 - [Dynamic alpha schedule] DA: linear ramp from 0.5 to ``alpha`` over ``dynamic_alpha_rounds`` rounds
   starting at ``dynamic_alpha_start_round`` (PM-DA as in Sec. IV-E3 / Fig. 9: PM for rounds 0..49, DA
   for 50..99).
 - [Local optimizer] local training is the base client's (fresh SGD from ``train.*`` each round, no
   momentum kept).
 
-Other choices: ``alpha = 1.0`` is accepted (the paper's range is [0.5, 1)), since it is the identity
-fusion tests rely on. A client that fails mid-round leaves its middleware model as it was dispatched
+Other choices: [The range of alpha] ``alpha = 1.0`` is accepted (the paper's range is [0.5, 1)), since
+it is the identity fusion tests rely on. A client that fails mid-round leaves its middleware model as it was dispatched
 (``v^i = w_r^i``), and the fusion still reads the full set V.
 """
 
