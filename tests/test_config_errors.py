@@ -308,7 +308,9 @@ def test_valid_cluster_addresses_pass_and_a_cluster_is_not_asked_for_cpus_it_may
 
     for address in ("", "auto", "local", "ray://head:10001", "anyscale://cluster", "head:6379"):
         load_config(None, [f"ray.address={address}"])  # "": a local Ray, as before
-    load_config(None, ['ray.address="[::1]:6379"'])  # quoted: a bare [ starts a YAML list
+    for ipv6 in ("[::1]:6379", '"[::1]:6379"', "'[::1]:6379'"):  # bare (not a YAML list) or quoted
+        assert load_config(None, [f"ray.address={ipv6}"]).ray.address == "[::1]:6379"
+    assert load_config(None, ["ray.address=null"]).ray.address is None
     cfg = load_config(None, ["ray.address=10.0.0.1:6379", "ray.num_cpus_per_client=64"])
     require_cpus(cfg, before_ray=True)  # a cluster's nodes may join later (an autoscaler)
     require_cpus(cfg)

@@ -35,15 +35,22 @@ class Catalog:
     checks: tuple[Callable[[ExperimentConfig], None], ...]  # dataset, model, what the algorithm requires
 
 
+# keys whose value is text, never YAML: an IPv6 address such as [::1]:6379 would read as a flow list
+VERBATIM_KEYS = {"ray.address"}
+
+
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``["a.b=1", "c=x"]`` -> nested dict with YAML-parsed values."""
+    """``["a.b=1", "c=x"]`` -> nested dict with YAML-parsed values (``VERBATIM_KEYS`` as written)."""
     tree: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. rounds=30")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            if key.strip() in VERBATIM_KEYS:
+                value = None if raw.strip() in ("null", "~") else unquoted(raw.strip())
+            else:
+                value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError as err:
             raise ConfigError(f"override {item!r}: {yaml_problem(err)}") from None
         node = tree
@@ -54,6 +61,11 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
         node[parts[-1]] = value
     return tree
+
+
+def unquoted(text: str) -> str:
+    """``text`` without one pair of surrounding quotes (the form YAML needed before)."""
+    return text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" else text
 
 
 def dotted_overrides(mapping: dict[str, Any]) -> list[str]:
