@@ -74,7 +74,9 @@ def test_the_platform_sets_the_round_and_seeds_every_call(epochs):
     assert not torch.equal(uplink(other, fed, 0, 6)["draw"], first["draw"])
 
 
-@pytest.mark.parametrize("algorithm", [a for a in available() if a not in ("drawing_probe", "fedavg_killer")])
+@pytest.mark.parametrize(
+    "algorithm", [a for a in available() if a not in ("drawing_probe", "mode_probe", "fedavg_killer")]
+)
 def test_every_algorithm_trains_at_the_round_it_is_given(algorithm):
     cfg, fed, host = host_for(algorithm=algorithm, **{"train.local_epochs": 1})
     meta = federation_meta(fed)
@@ -88,6 +90,76 @@ def test_every_algorithm_trains_at_the_round_it_is_given(algorithm):
         uplink(host, fed, cid, 7, payload[cid])
         if host.keeps_state:
             assert host.modules[cid][1].rnd == 7
+
+
+class ModeClient(ClientModule):
+    """Keeps a part of its own in eval mode from __init__ (a teacher, a frozen normalisation), puts
+    its whole model in eval mode in one round's receive (``mode_probe.eval_round``), and tells what
+    modes it trained in and what the fit counters read when its round began."""
+
+    def __init__(self, model, ctx) -> None:
+        super().__init__(model, ctx)
+        self.frozen = torch.nn.Dropout(0.5).eval()
+
+    def receive(self, rnd, payload) -> None:
+        self.began_at = (self.current_epoch, self.global_step)
+        if rnd == self.hp.eval_round:
+            self.model.eval()
+
+    def training_step(self, batch, batch_idx):
+        self.modes = (self.model.training, self.frozen.training)
+        return super().training_step(batch, batch_idx)
+
+    def upload(self):
+        return {
+            "modes": self.modes,
+            "began_at": self.began_at,
+            "ended_at": (self.current_epoch, self.global_step),
+        }
+
+
+@register("mode_probe", server=Server, client=ModeClient)
+@dataclass
+class ModeConfig(AlgorithmConfig):
+    eval_round: int = -1
+
+
+def test_every_round_starts_in_the_modes_the_module_was_built_with_and_its_counters_at_zero():
+    _, fed, host = host_for("mode_probe.eval_round=0", algorithm="mode_probe", **{"train.local_epochs": 2})
+    with tempfile.TemporaryDirectory() as states:
+        tasks = [client_task(0, fed.shards[0], states, version=v) for v in (0, 1)]
+        (first,) = host.train(0, tasks[:1], [[{}]])
+        assert first.uplink["modes"] == (
+            False,
+            False,
+        )  # round 0's receive put the model in eval: so it trains
+        assert first.uplink["began_at"] == (0, 0) and first.uplink["ended_at"][0] == 2
+        assert 0 in host.modules  # the module stays cached, as its last fit and receive left it
+        (second,) = host.train(1, tasks[1:], [[{}]])
+    assert second.uplink["modes"] == (True, False)  # as built: the model trains, the frozen part stays
+    assert second.uplink["began_at"] == (0, 0)  # not the last fit's counters
+
+
+def test_a_reused_model_reaches_a_new_clients_module_in_train_mode():
+    # clients that keep nothing share one model per architecture; the global model's evaluation or an
+    # algorithm may have left it in eval mode
+    _, fed, host = host_for(algorithm="fedavg")
+    host.arch_model("cnn_small").eval()
+    modes = []
+    real = host.training.fit
+    host.training.fit = lambda module, *args: (modes.append(module.model.training), real(module, *args))[1]
+    payload = {"model": {k: v.clone() for k, v in host.arch_model("cnn_small").state_dict().items()}}
+    uplink(host, fed, 0, 0, payload)
+    assert modes == [True]
+    # a client that keeps its state, built on an evicted client's model left in eval mode
+    _, fed, host = host_for(algorithm="mode_probe", **{"train.local_epochs": 1})
+    with tempfile.TemporaryDirectory() as states:
+        host.train(0, [client_task(0, fed.shards[0], states)], [[{}]])
+        host.drop(0)  # its model becomes the spare the next client of its architecture is loaded into
+        (spare,) = host.spare["cnn_small"]
+        spare.eval()
+        (result,) = host.train(0, [client_task(1, fed.shards[1], states)], [[{}]])
+    assert host.modules[1][1].model is spare and result.uplink["modes"] == (True, False)
 
 
 # ------------------------------------------------------------------------------------ the worker's rules

@@ -12,6 +12,7 @@ import logging
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,16 +33,20 @@ RECORDED = (
 
 
 class Batches:
-    """Eleven samples in batches of 3 (the last one short), the same every epoch."""
+    """Eleven samples in batches of 3 (the last one short), the same every epoch; ``empty``: none (a
+    client with fewer samples than a batch, whose last batch is dropped)."""
 
-    def __init__(self) -> None:
+    def __init__(self, empty: bool = False) -> None:
         g = torch.Generator().manual_seed(1)
         self.x, self.y = torch.randn(11, 4, generator=g), torch.randint(0, 3, (11,), generator=g)
+        self.empty = empty
 
     def __len__(self) -> int:
-        return 4
+        return 0 if self.empty else 4
 
     def __iter__(self):
+        if self.empty:
+            return iter([])
         return iter([(self.x[i : i + 3], self.y[i : i + 3]) for i in range(0, 11, 3)])
 
 
@@ -51,7 +56,7 @@ class Probe(L.LightningModule):
     ``variant`` picks what it does: ``schedulers`` (a step scheduler every 3 batches and an epoch
     one), ``skips`` (training_step returns None once and a dict with an extra key once), ``stops``
     (on_train_batch_start returns -1 in the second epoch), ``frozen`` (a BatchNorm its __init__ puts
-    in eval mode), ``plain``."""
+    in eval mode), ``empty`` (no batch at all), ``plain``."""
 
     def __init__(self, variant: str = "plain") -> None:
         super().__init__()
@@ -86,7 +91,7 @@ class Probe(L.LightningModule):
 
     def train_dataloader(self):
         self.note("train_dataloader")
-        return Batches()
+        return Batches(empty=self.variant == "empty")
 
     def training_step(self, batch, batch_idx):
         self.note("training_step", batch_idx, torch.is_grad_enabled())
@@ -151,7 +156,7 @@ def by_trainer(variant: str, epochs: int = 2, grad_clip: float | None = None) ->
     trainer = L.Trainer(
         max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        gradient_clip_val=grad_clip, deterministic=True,
+        gradient_clip_val=grad_clip,
     )  # fmt: skip
     trainer.fit(module)
     return module
@@ -174,13 +179,19 @@ def by_loop(
         ("stops", None),
         ("frozen", None),
         ("plain", 0.05),
+        ("empty", None),
     ],
 )
 def test_the_loop_calls_what_a_trainer_calls_in_its_order_and_ends_with_its_weights(variant, grad_clip):
     trainer, loop = by_trainer(variant, grad_clip=grad_clip), by_loop(variant, grad_clip=grad_clip)
     assert [c[0] for c in loop.calls] == [c[0] for c in trainer.calls]  # the order first: a clearer diff
     assert loop.calls == trainer.calls  # then what each hook saw: epoch, step, lr, modes, outputs
-    assert {c[0] for c in loop.calls} == set(RECORDED)  # the probe reached every hook it records
+    if variant == "empty":  # no batch: the Trainer skips its training loop, and its hooks
+        assert [c[0] for c in loop.calls] == [
+            "setup", "configure_optimizers", "on_fit_start", "train_dataloader", "on_fit_end", "teardown"
+        ]  # fmt: skip
+    else:
+        assert {c[0] for c in loop.calls} == set(RECORDED)  # the probe reached every hook it records
     for (name, mine), theirs in zip(loop.state_dict().items(), trainer.state_dict().values(), strict=True):
         assert torch.equal(mine, theirs), name
 
@@ -298,7 +309,12 @@ def test_a_hook_no_fit_of_the_loop_calls_is_refused_by_name(hook):
 
 
 @pytest.mark.parametrize(
-    "value,shown", [(torch.ones(3), "a tensor of shape (3,)"), ([1.0, 2.0], "[1.0, 2.0]")]
+    "value,shown",
+    [
+        (torch.ones(3), "a tensor of shape (3,)"),
+        ([1.0, 2.0], "[1.0, 2.0]"),
+        (np.ones((2, 2)), "array([[1., 1.], [1., 1.]])"),  # its repr spans two lines; the error one
+    ],
 )
 def test_a_statistic_that_is_not_one_number_is_refused_where_it_is_recorded(value, shown):
     from fedray.platform.api.algorithm import ClientModule

@@ -283,9 +283,9 @@ class ClientModule(FitProgress, L.LightningModule):
     The worker drives the module with its own loop over Lightning's hooks
     (:mod:`fedray.platform.runtime.local_training`), not a ``Trainer``: ``self.trainer`` does not exist,
     ``self.log`` records a statistic as :meth:`record` does, ``self.current_epoch`` and
-    ``self.global_step`` count within the round's fit (:class:`FitProgress`), each submodule trains in
-    the mode it is in (the platform's evaluation gives each its own back), and hooks the loop does not
-    call are refused when the run is configured.
+    ``self.global_step`` count within the round's fit (:class:`FitProgress`), every round starts with
+    each submodule in the mode the module was built with (``receive`` may change it for the round),
+    and hooks the loop does not call are refused when the run is configured.
     """
 
     hp: AlgorithmConfig  # the algorithm's own config section; a subclass names its own type
@@ -317,8 +317,18 @@ class ClientModule(FitProgress, L.LightningModule):
     # ---- the contract
     def begin_round(self, rnd: int, payload: Payload) -> None:
         """What the platform calls (not to override): sets ``self.rnd``, on which the client's data
-        order and seeded draws depend, then ``receive``."""
+        order and seeded draws depend, puts every submodule in the mode it was built with and the fit
+        counters at 0, then calls ``receive``. A module a worker cached and one built again elsewhere
+        (evicted, another worker, a resumed run) so start every round alike: modes and counters are
+        not part of a client's state."""
         self.rnd = rnd
+        modules, built = list(self.modules()), self.__dict__.get("_built_modes")
+        if built is None or len(built) != len(modules):  # its first round on this worker: as built
+            self.__dict__["_built_modes"] = [m.training for m in modules]
+        else:
+            for module, mode in zip(modules, built, strict=True):
+                module.training = mode
+        self.__dict__.update(_fit_epoch=0, _fit_step=0)  # past nn.Module.__setattr__
         self.receive(rnd, payload)
 
     def receive(self, rnd: int, payload: Payload) -> None:
@@ -411,8 +421,9 @@ class ClientModule(FitProgress, L.LightningModule):
         try:
             number = float(value)
         except (TypeError, ValueError):
+            shown = " ".join(repr(value).split())[:60]  # one line, whatever the value's repr spans
             raise ContractError(
-                f"{type(self).__name__}: statistic {name!r} must be one number, got {value!r:.60}"
+                f"{type(self).__name__}: statistic {name!r} must be one number, got {shown}"
             ) from None
         self._stats.setdefault(name, []).append(number)
 

@@ -35,6 +35,7 @@ UNSUPPORTED_HOOKS = {
     "test_step": "evaluation is the platform's: override eval_logits",
     "predict_step": "evaluation is the platform's: override eval_logits",
     "configure_model": "the worker builds a client's module once and reuses it: build the model in __init__",
+    "configure_sharded_model": "the worker builds a client's module once and reuses it: build the model in __init__",
     "prepare_data": "the platform prepares the data (the config's data section)",
     "on_save_checkpoint": "a client's checkpointed state is its state_dict and, with "
     "train.keep_optimizer_state, its optimizer's state",

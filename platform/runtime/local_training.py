@@ -24,7 +24,7 @@ so an algorithm never silently loses one.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 from typing import Any
 
 import torch
@@ -151,7 +151,10 @@ class LocalTraining:
                 f"{who}.automatic_optimization is False; fedray's worker loop runs automatic optimisation "
                 "only (return the loss from training_step)"
             )
-        module._fit_epoch = module._fit_step = 0  # current_epoch, global_step: a fresh Trainer's
+        # current_epoch and global_step as a fresh Trainer's, written past nn.Module.__setattr__
+        # (about 3 us a write, once a step)
+        progress = module.__dict__
+        progress.update(_fit_epoch=0, _fit_step=0)
         module.setup("fit")
         optimizer, schedulers = single_optimizer(module.configure_optimizers(), who)
         if self.cfg.keep_optimizer_state and module._optimizer_state is not None:
@@ -162,23 +165,25 @@ class LocalTraining:
         module.on_fit_start()
         module.zero_grad()  # as a Trainer's fit starts: no gradient left by the model's last client
         batches: Iterable = module.train_dataloader()
-        module.on_train_start()  # each submodule in the mode it is in, as Lightning leaves them
+        if isinstance(batches, Sized) and len(batches) == 0:
+            epochs = 0  # Lightning skips the training loop, its hooks with it: fewer samples than a batch
+        else:
+            module.on_train_start()  # each submodule in the mode it is in, as Lightning leaves them
         for epoch in range(epochs):
-            module._fit_epoch = epoch
+            progress["_fit_epoch"] = epoch
             module.on_train_epoch_start()
             for batch_idx, batch, last in with_last(batches):
                 batch = module.on_before_batch_transfer(batch, 0)
                 batch = module.transfer_batch_to_device(batch, self.device, 0)
                 batch = module.on_after_batch_transfer(batch, 0)
-                stop = (
-                    module.on_train_batch_start(batch, batch_idx) == -1
-                )  # Lightning's: skip the rest of the epoch
+                # -1: Lightning's "skip the rest of this epoch"
+                stop = module.on_train_batch_start(batch, batch_idx) == -1
                 if not stop:
                     if augment_gen is not None:
                         x, y = batch
                         batch = (crop_flip(x, augment_gen), y)
                     outputs = self.step(module, optimizer, scaler, params, batch, batch_idx, who)
-                    module._fit_step += 1
+                    progress["_fit_step"] += 1
                 # Lightning steps schedulers after each batch, the epoch's in its last (or a stopped) one
                 step_schedulers(schedulers, "step", batch_idx + 1)
                 if last or stop:
@@ -187,8 +192,9 @@ class LocalTraining:
                     break
                 module.on_train_batch_end(outputs, batch, batch_idx)
             module.on_train_epoch_end()
-        module._fit_epoch = epochs
-        module.on_train_end()
+        if epochs:
+            progress["_fit_epoch"] = epochs
+            module.on_train_end()
         if self.cfg.keep_optimizer_state:
             module._optimizer_state = optimizer.state_dict()
         module.on_fit_end()
