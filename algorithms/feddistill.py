@@ -21,7 +21,8 @@ Spec choices (no FD spec; HtFLlib's ``clientdistill``/``serverdistill``, FedL2G'
 - Evaluation: the client's own head (HtFLlib), ``feddistill.eval=prototype`` = nearest global mean logits.
 - Plain mean over the clients holding a class (HtFLlib); ``feddistill.weighted=true`` weights by counts.
 - A client's own logits are not removed from the global mean it distils toward (HtFLlib).
-- Mean logits come from one eval-mode pass after local training (HtFLlib collects them during training).
+- Mean logits are those local training produced, each batch's before its step (``collect=during``:
+  the FD paper's local-average logits, HtFLlib); ``collect=after`` takes one eval-mode pass after it.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class FedDistillClient(FedProtoClient):
     def guided(self, logits: Tensor, z: Tensor) -> Tensor:
         """Global "prototypes" live in the logit space."""
         return logits
+
+    def representation_size(self) -> int:
+        return self.ctx.num_classes
 
     def regulariser(self, rep: Tensor, y: Tensor) -> Tensor:
         if self.hp.loss == "mse":

@@ -22,7 +22,11 @@ which FedL2G's baselines use, is followed):
 - Eq. 6 weights normalised per class (the paper's extra 1/|N_j| would shrink prototypes);
   ``fedproto.weighted=false`` gives the official code's / HtFLlib's plain mean over holders.
 - Guide loss = MSE over all B*d entries, samples of classes without a global prototype add 0 (HtFLlib).
-- Prototypes are computed after local training in one eval-mode, no-grad pass over the train split (HtFLlib).
+- Prototypes are the representations local training produced (``fedproto.collect=during``, the
+  default): each batch's, in train mode, before that batch's step, over every epoch, as HtFLlib's
+  ``clientproto`` and the official code collect them (the paper's Eq. 4 does not say with which
+  weights). ``collect=after`` computes them in one eval-mode, no-grad pass over the train split
+  after local training, from the trained model.
 - The global prototypes are rebuilt each round from that round's uploads only (official code, HtFLlib).
 - Evaluation as in the paper, PFLlib and HtFLlib: a sample is predicted as the class of the nearest
   global prototype, ``argmin_j ||h_i(x) - C_j||`` (classes without one are never predicted); the
@@ -145,10 +149,24 @@ class FedProtoClient(ClientModule):
         # rebuilt from every downlink: held, not checkpointed
         self.hold("targets", torch.zeros(0))
         self.hold("has_target", torch.zeros(0, dtype=torch.bool))
+        self.forget_seen()
 
     def guided(self, logits: Tensor, z: Tensor) -> Tensor:
         """The representation that prototypes live in: features (FedProto)."""
         return z
+
+    def representation_size(self) -> int:
+        return self.model.feature_dim
+
+    def forget_seen(self) -> None:
+        """Per class, the sum and count of the representations this fit's training produced
+        (``collect=during``), from nothing."""
+        c, d = self.ctx.num_classes, self.representation_size()
+        self.hold("seen_sum", torch.zeros(c, d))
+        self.hold("seen_count", torch.zeros(c, dtype=torch.int64))
+
+    def on_train_start(self) -> None:
+        self.forget_seen()
 
     def receive(self, rnd: int, payload: Payload) -> None:
         if "protos" in payload:
@@ -167,11 +185,15 @@ class FedProtoClient(ClientModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         logits, z = self.model.forward_with_features(x)
+        rep = self.guided(logits, z)
+        if self.hp.collect == "during":  # index_add_ for both: no host sync on a GPU (bincount has one)
+            self.seen_sum.index_add_(0, y, rep.detach().to(self.seen_sum.dtype))
+            self.seen_count.index_add_(0, y, torch.ones_like(y))
         loss = torch.nn.functional.cross_entropy(logits, y)
         self.record(Metrics.LOSS_TRAIN, loss)
         if self.has_target.numel() == 0:  # round 0: no global prototypes yet
             return loss
-        reg = self.regulariser(self.guided(logits, z), y)
+        reg = self.regulariser(rep, y)
         self.record("loss/proto", reg)
         return loss + self.hp.lam * reg
 
@@ -181,6 +203,21 @@ class FedProtoClient(ClientModule):
 
     @torch.no_grad()
     def upload(self) -> Payload:
+        if self.hp.collect == "during":  # what training produced; no class if it took no step
+            seen = self.seen_count
+            protos = self.seen_sum / seen.clamp(min=1).unsqueeze(1).to(self.seen_sum.dtype)
+            # Eq. 6's weights count the client's samples of a class, not how often training saw them
+            held = torch.bincount(self.training_data().y.cpu(), minlength=self.ctx.num_classes)
+            counts = torch.where(seen > 0, held.to(seen.device), 0)
+            self.forget_seen()
+        else:
+            protos, counts = self.after_training()
+        held = counts > 0
+        return {"classes": held.nonzero().squeeze(1), "protos": protos[held], "counts": counts[held]}
+
+    def after_training(self) -> tuple[Tensor, Tensor]:
+        """Each class's prototype from one eval-mode pass of the trained model over the train split
+        (``collect=after``), and its sample count."""
         was_training = self.model.training
         self.model.eval()
         device = next(self.model.parameters()).device
@@ -190,9 +227,7 @@ class FedProtoClient(ClientModule):
             reps.append(self.guided(logits, z).float())  # on the device: the platform moves the uplink
             labels.append(y.to(device))
         self.model.train(was_training)
-        protos, counts = class_prototypes(torch.cat(reps), torch.cat(labels), self.ctx.num_classes)
-        held = counts > 0
-        return {"classes": held.nonzero().squeeze(1), "protos": protos[held], "counts": counts[held]}
+        return class_prototypes(torch.cat(reps), torch.cat(labels), self.ctx.num_classes)
 
 
 @register("fedproto", server=FedProtoServer, client=FedProtoClient)
@@ -202,6 +237,9 @@ class FedProtoConfig(AlgorithmConfig):
     lam: float = 1.0  # lambda of Eq. 5
     weighted: bool = True  # Eq. 6 sample-count weights; false = plain mean over holders (official code)
     eval: Literal["prototype", "head"] = "prototype"  # nearest global prototype (paper) or the own head
+    # the prototypes: the representations training produced (HtFLlib, the official code), or one
+    # eval-mode pass of the trained model after it
+    collect: Literal["during", "after"] = "during"
 
     def validate(self, cfg: ExperimentConfig) -> None:
         if self.lam < 0:

@@ -27,7 +27,7 @@ def test_client_uploads_per_class_mean_logits():
     # head W = [[1,0,0,0],[0,1,0,0],[1,1,1,1]], b = [0,1,0]; logits are linear in x, so the class mean of
     # the logits is the head applied to the class mean of x: class 0 mean x [2,2,2,2] -> [2, 3, 8];
     # class 2 mean x [1,1,1,4] -> [1, 2, 7]
-    up = make_client().upload()
+    up = make_client("feddistill.collect=after").upload()
     assert up["classes"].tolist() == [0, 2]
     assert_close(up["protos"], torch.tensor([[2.0, 3.0, 8.0], [1.0, 2.0, 7.0]]))
     assert up["counts"].tolist() == [2, 2]

@@ -147,11 +147,37 @@ def test_feature_dim_is_refused_to_an_algorithm_that_did_not_declare_it():
 
 
 def test_client_uploads_class_means_of_its_representations():
-    client = make_client(FedProtoClient, "fedproto")
+    client = make_client(FedProtoClient, "fedproto", "fedproto.collect=after")
     up = client.upload()
     assert up["classes"].tolist() == [0, 2]
     assert_close(up["protos"], torch.tensor([[2.0, 2, 2, 2], [1, 1, 1, 4]]))
     assert up["counts"].tolist() == [2, 2]
+
+
+@pytest.mark.parametrize("algorithm", ["fedproto", "feddistill"])
+def test_collected_during_training_the_upload_is_the_class_means_of_what_each_step_produced(algorithm):
+    """HtFLlib's clientproto: every batch's representations, in train mode and before the batch's
+    step, over every epoch; here seen by hooks on the model, apart from the client's own sums."""
+    from fedray.algorithms.feddistill import FedDistillClient
+    from fedray.platform.runtime.local_training import LocalTraining
+
+    cls = FedProtoClient if algorithm == "fedproto" else FedDistillClient
+    client = make_client(cls, algorithm, "train.batch_size=2", "train.lr=0.5", "train.momentum=0")
+    produced, labels = [], []
+    space = client.model.features if algorithm == "fedproto" else client.model.head
+    space.register_forward_hook(lambda module, args, out: produced.append(out.detach().clone()))
+    train = client.training_step
+    client.training_step = lambda batch, i: (labels.append(batch[1]), train(batch, i))[1]
+    LocalTraining(client.ctx.cfg.train, torch.device("cpu")).fit(client, 2)
+    up = client.upload()
+    reps, y = torch.cat(produced), torch.cat(labels)
+    assert len(y) == 8  # every sample, twice
+    assert up["classes"].tolist() == [0, 2] and up["counts"].tolist() == [2, 2]  # the samples it holds
+    assert_close(up["protos"], torch.stack([reps[y == c].mean(0) for c in (0, 2)]))
+    if algorithm == "feddistill":  # the head trained between the steps: not the trained model's logits
+        trained = client.model.head(X.flatten(1)).detach()
+        assert not torch.allclose(up["protos"][0], trained[Y == 0].mean(0))
+    assert client.upload()["classes"].numel() == 0  # consumed: a round without training uploads nothing
 
 
 def test_training_step_adds_lam_times_the_prototype_pull():
