@@ -10,7 +10,7 @@ the clients that hold it, and clients distil toward the global mean logits of ea
 
 with ``sigma`` the softmax: a soft-target cross-entropy toward the global mean logits of the sample's
 class (the FD paper; HtFLlib at the FedL2G paper's time). ``feddistill.loss=mse`` uses
-``MSE(f_i(x), F^(y))`` instead (later HtFLlib).
+``MSE(f_i(x), F^(y))`` instead (HtFLlib before April 2024).
 
 Only ``C`` numbers per class travel, and heads may differ (any model group). Every function is
 FedProto's (:mod:`fedray.algorithms.fedproto`); this module picks the logit space and the loss.

@@ -212,3 +212,30 @@ def test_fedprox_with_mu_zero_trains_exactly_like_fedavg():
     prox, avg = one_step(FedProxClient), one_step(FedAvgClient)
     for key in avg:
         assert torch.equal(prox[key], avg[key]), key
+
+
+def test_fedprox_client_adds_half_mu_times_the_squared_distance_from_the_round_model():
+    from fedray.algorithms.fedprox import FedProxClient
+    from fedray.platform.api.algorithm import ClientContext
+    from fedray.platform.catalog import load_config
+    from fedray.platform.data import ArrayDataset
+    from fedray.platform.models import build_model
+
+    cfg = load_config(None, ["algorithm=fedprox", "fedprox.mu=0.4"])
+    torch.manual_seed(0)
+    data = ArrayDataset(torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,)))
+    model = build_model("cnn_small", 1, 8, 10)
+    client = FedProxClient(model, ClientContext(0, cfg, 10, data))
+    round_model = {k: v.clone() for k, v in model.state_dict().items()}
+    client.receive(0, {"model": round_model})
+    batch = (data.x, data.y)
+    ce = torch.nn.functional.cross_entropy(model(data.x), data.y)
+    assert_close(client.training_step(batch, 0), ce)  # at w^t the term is 0
+    with torch.no_grad():  # a local step moved two weights: by 0.5 everywhere, and by -1 everywhere
+        model.head.bias.add_(0.5)
+        model.head.weight.sub_(1.0)
+    moved = 0.5**2 * model.head.bias.numel() + 1.0**2 * model.head.weight.numel()
+    ce = torch.nn.functional.cross_entropy(model(data.x), data.y)
+    assert_close(client.training_step(batch, 1), ce + 0.4 / 2 * moved)
+    client.receive(1, {"model": {k: v.clone() for k, v in model.state_dict().items()}})
+    assert_close(client.training_step(batch, 0), ce)  # the next round's anchor is its own downlink
