@@ -75,7 +75,7 @@ def test_the_platform_sets_the_round_and_seeds_every_call(epochs):
 
 
 @pytest.mark.parametrize(
-    "algorithm", [a for a in available() if a not in ("drawing_probe", "mode_probe", "fedavg_killer")]
+    "algorithm", [a for a in available() if a not in ("drawing_probe", "round_modes_probe", "fedavg_killer")]
 )
 def test_every_algorithm_trains_at_the_round_it_is_given(algorithm):
     cfg, fed, host = host_for(algorithm=algorithm, **{"train.local_epochs": 1})
@@ -92,9 +92,9 @@ def test_every_algorithm_trains_at_the_round_it_is_given(algorithm):
             assert host.modules[cid][1].rnd == 7
 
 
-class ModeClient(ClientModule):
+class RoundModesClient(ClientModule):
     """Keeps a part of its own in eval mode from __init__ (a teacher, a frozen normalisation), puts
-    its whole model in eval mode in one round's receive (``mode_probe.eval_round``), and tells what
+    its whole model in eval mode in one round's receive (``round_modes_probe.eval_round``), and tells what
     modes it trained in and what the fit counters read when its round began."""
 
     def __init__(self, model, ctx) -> None:
@@ -118,14 +118,16 @@ class ModeClient(ClientModule):
         }
 
 
-@register("mode_probe", server=Server, client=ModeClient)
+@register("round_modes_probe", server=Server, client=RoundModesClient)
 @dataclass
-class ModeConfig(AlgorithmConfig):
+class RoundModesConfig(AlgorithmConfig):
     eval_round: int = -1
 
 
 def test_every_round_starts_in_the_modes_the_module_was_built_with_and_its_counters_at_zero():
-    _, fed, host = host_for("mode_probe.eval_round=0", algorithm="mode_probe", **{"train.local_epochs": 2})
+    _, fed, host = host_for(
+        "round_modes_probe.eval_round=0", algorithm="round_modes_probe", **{"train.local_epochs": 2}
+    )
     with tempfile.TemporaryDirectory() as states:
         tasks = [client_task(0, fed.shards[0], states, version=v) for v in (0, 1)]
         (first,) = host.train(0, tasks[:1], [[{}]])
@@ -152,7 +154,7 @@ def test_a_reused_model_reaches_a_new_clients_module_in_train_mode():
     uplink(host, fed, 0, 0, payload)
     assert modes == [True]
     # a client that keeps its state, built on an evicted client's model left in eval mode
-    _, fed, host = host_for(algorithm="mode_probe", **{"train.local_epochs": 1})
+    _, fed, host = host_for(algorithm="round_modes_probe", **{"train.local_epochs": 1})
     with tempfile.TemporaryDirectory() as states:
         host.train(0, [client_task(0, fed.shards[0], states)], [[{}]])
         host.drop(0)  # its model becomes the spare the next client of its architecture is loaded into
