@@ -207,8 +207,8 @@ class FedProtoClient(ClientModule):
             seen = self.seen_count
             protos = self.seen_sum / seen.clamp(min=1).unsqueeze(1).to(self.seen_sum.dtype)
             # Eq. 6's weights count the client's samples of a class, not how often training saw them
-            held = torch.bincount(self.training_data().y, minlength=self.ctx.num_classes)  # on the device
-            counts = torch.where(seen > 0, held, 0)
+            samples = torch.bincount(self.training_data().y, minlength=self.ctx.num_classes)  # on the device
+            counts = torch.where(seen > 0, samples, 0)
             self.forget_seen()
         else:
             protos, counts = self.after_training()
