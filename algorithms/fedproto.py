@@ -143,6 +143,8 @@ class FedProtoClient(ClientModule):
     eval_mode = "own"  # its own extractor, scored against the global prototypes (load_for_eval)
     targets: Tensor  # held
     has_target: Tensor  # held
+    seen_sum: Tensor  # held: per class, the sum of what this fit's training produced
+    seen_count: Tensor  # held
 
     def __init__(self, model, ctx) -> None:
         super().__init__(model, ctx)
