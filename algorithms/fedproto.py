@@ -145,12 +145,14 @@ class FedProtoClient(ClientModule):
     has_target: Tensor  # held
     seen_sum: Tensor  # held: per class, the sum of what this fit's training produced
     seen_count: Tensor  # held
+    class_counts: Tensor  # held: the client's training samples per class (Eq. 6's weights)
 
     def __init__(self, model, ctx) -> None:
         super().__init__(model, ctx)
         # rebuilt from every downlink: held, not checkpointed
         self.hold("targets", torch.zeros(0))
         self.hold("has_target", torch.zeros(0, dtype=torch.bool))
+        self.hold("class_counts", ctx.class_counts)  # fixed for the run
         self.forget_seen()
 
     def guided(self, logits: Tensor, z: Tensor) -> Tensor:
@@ -161,14 +163,12 @@ class FedProtoClient(ClientModule):
         return self.model.feature_dim
 
     def forget_seen(self) -> None:
-        """Per class, the sum and count of the representations this fit's training produced
-        (``collect=during``), from nothing."""
+        """Per class, the sum and count of the representations training produced (``collect=during``),
+        from nothing: when the module is built and when ``upload`` has read them, so a round without
+        training uploads no class."""
         c, d = self.ctx.num_classes, self.representation_size()
         self.hold("seen_sum", torch.zeros(c, d))
         self.hold("seen_count", torch.zeros(c, dtype=torch.int64))
-
-    def on_train_start(self) -> None:
-        self.forget_seen()
 
     def receive(self, rnd: int, payload: Payload) -> None:
         if "protos" in payload:
@@ -209,8 +209,7 @@ class FedProtoClient(ClientModule):
             seen = self.seen_count
             protos = self.seen_sum / seen.clamp(min=1).unsqueeze(1).to(self.seen_sum.dtype)
             # Eq. 6's weights count the client's samples of a class, not how often training saw them
-            samples = torch.bincount(self.training_data().y, minlength=self.ctx.num_classes)  # on the device
-            counts = torch.where(seen > 0, samples, 0)
+            counts = torch.where(seen > 0, self.class_counts, 0)
             self.forget_seen()
         else:
             protos, counts = self.after_training()

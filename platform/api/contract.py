@@ -22,6 +22,10 @@ from fedray.platform.api.lightning_import import lightning as L
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ContractError
 
+BUILT_ONCE = "the worker builds a client's module once and reuses it: build the model in __init__"
+CLIENT_STATE = "a client's checkpointed state is its state_dict and, with train.keep_optimizer_state, its optimizer's state"
+EVALUATED = "evaluation is the platform's: override eval_logits"
+
 # Lightning hooks whose overrides the loop would not honour: an algorithm that overrides one is
 # refused with one line when the run is configured (not half-way through a round).
 UNSUPPORTED_HOOKS = {
@@ -31,21 +35,19 @@ UNSUPPORTED_HOOKS = {
     "configure_gradient_clipping": "set train.grad_clip instead",
     "lr_scheduler_step": "schedulers from configure_optimizers step by their interval",
     "configure_callbacks": "there is no Trainer to attach callbacks to",
-    "validation_step": "evaluation is the platform's: override eval_logits",
-    "test_step": "evaluation is the platform's: override eval_logits",
-    "predict_step": "evaluation is the platform's: override eval_logits",
-    "configure_model": "the worker builds a client's module once and reuses it: build the model in __init__",
-    "configure_sharded_model": "the worker builds a client's module once and reuses it: build the model in __init__",
+    "validation_step": EVALUATED,
+    "test_step": EVALUATED,
+    "predict_step": EVALUATED,
+    "configure_model": BUILT_ONCE,
+    "configure_sharded_model": BUILT_ONCE,
     "prepare_data": "the platform prepares the data (the config's data section)",
-    "on_save_checkpoint": "a client's checkpointed state is its state_dict and, with "
-    "train.keep_optimizer_state, its optimizer's state",
-    "on_load_checkpoint": "a client's checkpointed state is its state_dict and, with "
-    "train.keep_optimizer_state, its optimizer's state",
+    "on_save_checkpoint": CLIENT_STATE,
+    "on_load_checkpoint": CLIENT_STATE,
 }
 # the evaluation loops' hooks and loaders: the platform evaluates (eval_logits, load_for_eval)
 UNSUPPORTED_HOOKS.update(
     {
-        name: "evaluation is the platform's: override eval_logits"
+        name: EVALUATED
         for name in dir(L.LightningModule)
         if name.startswith(("on_validation", "on_test", "on_predict"))
         or name in ("val_dataloader", "test_dataloader", "predict_dataloader")

@@ -52,8 +52,8 @@ class PageReleaser:
         self.thread: threading.Thread | None = None
 
     def release(self, uri: str) -> None:
-        path = storage.local_path(uri)
-        if not RELEASES or path is None:  # an object store's file is not in this machine's memory
+        path = storage.local_path(uri) if RELEASES else None
+        if path is None:  # an object store's file is not in this machine's memory
             return
         if self.thread is None:
             self.thread = threading.Thread(target=self.run, name="fedray-page-releaser", daemon=True)

@@ -50,10 +50,7 @@ def local_path(uri: str) -> str | None:
         return uri
     if not uri.startswith(("file://", "local://")):
         return None
-    from pyarrow import fs
-
-    filesystem, path = _filesystem(uri)
-    return path if isinstance(filesystem, fs.LocalFileSystem) else None
+    return _filesystem(uri)[1]  # pyarrow's reading of the URI's path (its LocalFileSystem)
 
 
 def join(base: str, *parts: str) -> str:
