@@ -141,6 +141,42 @@ def test_a_dead_kept_worker_other_worker_resources_or_a_failed_run_get_fresh_pro
 
 
 @pytest.mark.usefixtures("ray_session", "mlflow_store")
+def test_a_replacement_killed_as_its_run_hands_on_counts_its_cpu_for_the_next_pool(monkeypatch):
+    """A run that ends with a replacement worker still waiting for its set-up (a worker died late in
+    the run; the others finished its jobs) hands on the workers that run and kills that one. The
+    next run, started at once, sizes its pool once Ray shows that worker's CPU free: sized before,
+    it would count one CPU short and run on one worker (a run's tags said ``workers 1``)."""
+    from fedray.platform.runtime import driver
+
+    KeptRuntime.release()  # two fresh workers to start from
+    started = []
+    monkeypatch.setattr(
+        driver, "start_runtime", lambda *a: started.append(processes.start_runtime(*a)) or started[-1]
+    )
+    cfg = load_config(None, tiny_overrides(rounds=2))
+
+    def replace_a_worker_after_the_last_round(rnd, metrics):
+        if rnd == cfg.rounds:  # the pool runs no job after this: its replacement stays unplaced
+            ray.get(started[-1].coordinator.__ray_call__.remote(lambda loop: loop.pool.replace(1)))
+
+    freed: list[dict[str, float]] = []
+    expect = StoppedProcesses.expect.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(
+        StoppedProcesses, "expect", classmethod(lambda cls, b, f: freed.append(f) or expect(cls, b, f))
+    )
+    assert run_experiment(cfg, on_round=replace_a_worker_after_the_last_round).finished
+    assert freed == [{"CPU": 1, "GPU": 0}]  # the killed replacement's share, to be waited for
+    assert len(KeptRuntime.kept.workers) == 1
+
+    sizes: list[int] = []
+    monkeypatch.setattr(
+        processes, "pool_size", lambda c, free, nodes: sizes.append(pool_size(c, free, nodes)) or sizes[-1]
+    )
+    assert run_experiment(cfg).finished
+    assert sizes == [2]
+
+
+@pytest.mark.usefixtures("ray_session", "mlflow_store")
 def test_a_run_stopped_early_hands_on_its_processes_once_its_coordinator_halts(tmp_path):
     """Tune's scheduler stops a run after round 1 while its Coordinator, ahead of the driver, is in
     round 2 (held at a gate): a Coordinator that ends the round within the wait is halted there and the

@@ -407,13 +407,15 @@ class RoundLoop:
         self.pool.shutdown()
         return workers
 
-    def release(self) -> list:
+    def release(self) -> tuple[list, int]:
         """The run is over and the driver keeps its processes for its next run: the workers that run now,
-        emptied (a replacement still waiting for a node is killed); this run's server and client states go."""
+        emptied, and how many replacements still waiting for a node were killed (counted as holding
+        their share, as in :meth:`shutdown`); this run's server and client states go."""
         live = self.pool.detach()
+        killed = len(self.pool.workers) - len(live)
         ray.get([worker.clear.remote() for worker in live])
         del self.pool, self.server, self.store, self.training, self.evaluation
-        return live
+        return live, killed
 
 
 # Two concurrent calls: run() in one thread, poll() from the driver in the other. The runtime env

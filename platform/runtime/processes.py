@@ -34,15 +34,23 @@ class Runtime:
         count = len(self.workers) if workers is None else workers
         return {"CPU": cpus * count, "GPU": gpus * count}
 
+    def available_before_kill(self) -> dict[str, float] | None:
+        """Ray's available resources just before some of these processes are killed, for the next
+        run to wait for what they free (:class:`StoppedProcesses`). None for workers in a Tune
+        trial's placement group: they free their resources into its bundles, which no pool is sized
+        by (a trial's pool is its bundles)."""
+        import ray
+
+        if "scheduling_strategy" in self.worker_options:
+            return None
+        with contextlib.suppress(Exception):  # no Ray, or one that no longer answers
+            return dict(ray.available_resources())
+        return None
+
     def stop(self) -> None:
         import ray
 
-        before = None
-        # workers in a Tune trial's placement group free their resources into its bundles, which no
-        # pool is sized by (a trial's pool is its bundles): only others are waited for
-        if "scheduling_strategy" not in self.worker_options:
-            with contextlib.suppress(Exception):  # no Ray, or one that no longer answers
-                before = dict(ray.available_resources())
+        before = self.available_before_kill()
         # the Coordinator kills the workers it started as replacements (a dead one took them with
         # it), and counts its pool's workers: not a dead one it replaced. Without its count, every
         # worker the run started with counts
@@ -94,8 +102,13 @@ class KeptRuntime:
 
         next_run_may_come = cls.between_trials if placement_group is not None else cls.sharing
         if next_run_may_come:
+            before = runtime.available_before_kill()
             with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
-                workers = ray.get(runtime.coordinator.release.remote(), timeout=30)
+                workers, killed = ray.get(runtime.coordinator.release.remote(), timeout=30)
+                # a replacement still waiting for a node was killed: the next run's pool counts its
+                # share once Ray shows it free (else a pool sized at once misses its CPU)
+                if killed and before is not None:
+                    StoppedProcesses.expect(before, runtime.held(killed))
                 cls.kept, cls.node, cls.group = (
                     Runtime(runtime.coordinator, workers, runtime.worker_options),
                     cls.this_node(),
