@@ -85,6 +85,10 @@ def test_local_sends_nothing_and_has_no_global_model(mlflow_store, tmp_path):
     ]
     model = mlflow.pytorch.load_model(f"runs:/{result.run_id}/client_2")
     assert model(torch.zeros(3, 1, 8, 8)).shape == (3, 10)  # the synthetic set has 10 classes
+    # the input example goes with the architecture's first client model; every one has the signature
+    info = {k: mlflow.models.get_model_info(f"runs:/{result.run_id}/client_{k}") for k in (0, 2)}
+    assert info[0].saved_input_example_info is not None and info[2].saved_input_example_info is None
+    assert info[2].signature == info[0].signature and info[2].signature is not None
 
 
 @pytest.mark.usefixtures("ray_session")
@@ -212,3 +216,41 @@ def test_a_run_is_created_knowing_its_checkpoint_folder(mlflow_store, monkeypatc
     client = MlflowClient(mlflow_store)
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert Path(run.data.tags[Tags.CHECKPOINT_DIR]).is_dir()
+
+
+def test_each_architectures_first_client_model_carries_the_input_example():
+    """Without MLflow or Ray: log_final gives the input example to the first client model of each
+    architecture of a mixed group only; one that a resume's last segment logged still counts."""
+    from fedray.platform.models import arch_for_client
+    from fedray.platform.runtime.driver import Result, federation_meta, log_final, prepare_federation
+    from fedray.platform.runtime.worker import model_of_arch
+
+    cfg = load_config(None, tiny_overrides(algorithm="lgfedavg", **{"model.group": "small_hetero"}))
+    fed = prepare_federation(cfg)
+    archs = [arch_for_client(cfg.model.group, cid) for cid in range(4)]
+    assert len(set(archs)) > 1 and len(set(archs)) < 4  # some architectures shared, some not
+    meta = federation_meta(fed)
+    states = {cid: model_of_arch(archs[cid], meta).state_dict() for cid in range(4)}
+
+    class Recorder:
+        def __init__(self, logged):
+            self.logged, self.calls = logged, []
+
+        def model_names(self):
+            return self.logged
+
+        def log_model(self, model, name, example, step=0, with_example=True):
+            self.calls.append((name, with_example))
+
+        def __getattr__(self, name):  # every other logging call: nothing to check here
+            return lambda *args, **kwargs: 0
+
+    result = Result("run", "0", cfg, [], {}, True, 0.0)
+    fresh = Recorder(set())
+    log_final(fresh, result, fed, None, states, "")
+    firsts = {archs.index(a) for a in set(archs)}
+    assert fresh.calls == [(f"client_{cid}", cid in firsts) for cid in range(4)]
+
+    resumed = Recorder({"client_0"})  # the last segment logged client 0, with its example
+    log_final(resumed, result, fed, None, {cid: states[cid] for cid in range(4)}, "", resumed=True)
+    assert resumed.calls == [(f"client_{cid}", cid in firsts - {0}) for cid in range(1, 4)]

@@ -646,9 +646,16 @@ def log_final(
     logged = tracker.model_names() if resumed else set()
     if global_model is not None and "global_model" not in logged:  # the homogeneous group's one architecture
         tracker.log_model(model_of(0, global_model), "global_model", example, step)
+    # the input example goes with the first client model of each architecture: its validation and
+    # its file are a quarter of a model's logging, the same for every other client of that architecture
+    shown: set[str] = set()
     for cid, state in sorted(client_models.items()):
+        arch = arch_for_client(cfg.model.group, cid)
         if f"client_{cid}" not in logged:
-            tracker.log_model(model_of(cid, state), f"client_{cid}", example, step)
+            tracker.log_model(
+                model_of(cid, state), f"client_{cid}", example, step, with_example=arch not in shown
+            )
+        shown.add(arch)
     if note:
         tracker.set_tags({Tags.CLIENT_MODELS: note})
     final = {}
