@@ -47,6 +47,7 @@ def test_each_round_is_plain_sgd_from_the_clients_own_weights_and_nothing_travel
     for rnd in range(2):
         client.begin_round(rnd, {})  # Local's server sends nothing
         assert_close(client.model.head.weight, w)  # receiving nothing changed nothing
+        assert_close(client.model.head.bias, b)
         loop.fit(client, 1)
         w, b = hand_sgd_step(w, b)  # continued from the last round's weights, not from any shared model
         assert_close(client.model.head.weight.detach(), w)
@@ -63,4 +64,5 @@ def test_the_server_sends_nothing_and_keeps_nothing():
     downlinks = server.configure(0, [0, 2])
     assert set(downlinks) == {0, 2} and all(payload_nbytes(d) == 0 for d in downlinks.values())
     server.aggregate(0, {0: {}, 2: {}})
+    assert server.state_dict() == {}  # a checkpoint of it holds nothing
     assert server.eval_payload() is None  # each client is tested on its own model

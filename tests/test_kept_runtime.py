@@ -172,6 +172,7 @@ def test_a_replacement_killed_as_its_run_hands_on_counts_its_cpu_for_the_next_po
     monkeypatch.setattr(
         processes, "pool_size", lambda c, free, nodes: sizes.append(pool_size(c, free, nodes)) or sizes[-1]
     )
+    monkeypatch.setattr(StoppedProcesses, "WAIT_S", 60.0)  # a loaded machine: the wait ends when Ray shows it
     assert run_experiment(cfg).finished
     assert sizes == [2]
 

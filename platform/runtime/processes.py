@@ -106,9 +106,11 @@ class KeptRuntime:
             with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
                 workers, killed = ray.get(runtime.coordinator.release.remote(), timeout=30)
                 # a replacement still waiting for a node was killed: the next run's pool counts its
-                # share once Ray shows it free (else a pool sized at once misses its CPU)
+                # share once Ray shows it free (else a pool sized at once misses its CPU). As in
+                # stop(), an error here costs the next run that wait, never these processes
                 if killed and before is not None:
-                    StoppedProcesses.expect(before, runtime.held(killed))
+                    with contextlib.suppress(Exception):
+                        StoppedProcesses.expect(before, runtime.held(killed))
                 cls.kept, cls.node, cls.group = (
                     Runtime(runtime.coordinator, workers, runtime.worker_options),
                     cls.this_node(),
