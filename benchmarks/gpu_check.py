@@ -70,6 +70,9 @@ import psutil
 import torch
 from process_names import process_title
 
+from fedray.platform.api.algorithm import commits_state
+from fedray.platform.api.registry import get as get_algorithm
+from fedray.platform.catalog import load_config
 from fedray.platform.data.archive import cifar10_jpeg_archive
 from fedray.platform.runtime.state_store import STATES_DIR
 from fedray.platform.tracking.names import Metrics, Tags, personal_on, tag_filter
@@ -1005,6 +1008,13 @@ def check_resume(ctx: Context) -> list[Row]:
     return [row]
 
 
+def writes_client_states(config: str, overrides: tuple[str, ...]) -> bool:
+    """Whether a run of ``config`` with ``overrides`` writes client states, by the platform's own rule
+    (``commits_state``): FedProto's and FedL2G's clients keep their models, FedSC's keep nothing."""
+    cfg = load_config(str(ROOT / config), list(overrides))
+    return commits_state(get_algorithm(cfg.algorithm).client_cls, cfg)
+
+
 def check_algorithms(ctx: Context) -> list[Row]:
     """8: two rounds of FedSC, FedL2G and FedProto on the GPU, one row each."""
     rows = []
@@ -1014,7 +1024,8 @@ def check_algorithms(ctx: Context) -> list[Row]:
         record = judge_run(row, ctx, run, "cuda")
         if record is not None:
             show_gpu_use(row, ctx, run.outcome, [record], busy=True)
-            check_checkpoints(ctx, row, record.tags.get(Tags.CHECKPOINT_DIR, ""), client_states=True)
+            states = writes_client_states(config, extra)
+            check_checkpoints(ctx, row, record.tags.get(Tags.CHECKPOINT_DIR, ""), client_states=states)
         rows.append(row)
     return rows
 

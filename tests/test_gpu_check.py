@@ -226,3 +226,13 @@ def test_a_command_past_its_time_limit_is_killed_with_what_it_started(tmp_path):
     assert len(outcome.watched.tree) == 2  # the command and its child, both seen
     assert not any(gpu_check.is_alive(proc) for proc in outcome.watched.tree.values())
     assert ctx.commands == [outcome]
+
+
+def test_check_8_expects_client_states_only_where_the_algorithms_clients_keep_them():
+    """FedSC's clients keep nothing between rounds (they write no state); the pretended run of
+    2026-11-30 failed check 8b for expecting some."""
+    expected = {"8a FedProto": True, "8b FedSC": False, "8c FedL2G": True}
+    assert {
+        name: gpu_check.writes_client_states(config, extra)
+        for name, config, extra in gpu_check.ALGORITHM_RUNS
+    } == expected
