@@ -1,6 +1,8 @@
 """A FedAvg whose client breaks its worker once, at a chosen round and client: SIGKILL of its own
 process (``train``, ``eval``), a CUDA runtime error (``cuda_error``: the device is gone, the worker
-must be replaced) or CUDA's out-of-memory error (``oom``: freed and tried again in place).
+must be replaced) or CUDA's out-of-memory error (``oom``: freed and tried again in place); or,
+``fail_while``, every client's error at a chosen round for as long as a marker file exists (the run
+fails; a test removes the marker to let it pass again).
 
 Registered as ``fedavg_killer`` when this module is imported: in the test process by the tests, and in
 a worker when it unpickles the config's ``KillerConfig`` (Ray ships the driver's ``sys.path``).
@@ -42,6 +44,9 @@ class KillerClient(FedAvgClient):
                 raise error
 
     def training_step(self, batch, batch_idx):
+        hp = self.hp
+        if hp.stage == "fail_while" and self.rnd == hp.round and Path(hp.marker).exists():
+            raise OSError(f"the disk under {hp.marker} is gone")  # every client, while the marker is there
         if batch_idx == 1:  # mid-fit: one optimiser step already taken
             self.kill_once("train")
             self.fail_once("cuda_error", RuntimeError("CUDA error: an illegal memory access was encountered"))
@@ -58,7 +63,17 @@ class KillerClient(FedAvgClient):
 @register("fedavg_killer", server=FedAvgServer, client=KillerClient)
 @dataclass
 class KillerConfig(AlgorithmConfig):
-    stage: str = "none"  # train | eval | cuda_error | oom | none
+    stage: str = "none"  # train | eval | cuda_error | oom | fail_while (the marker exists) | none
     round: int = 1  # 0-based round of a training kill
     client: int = 0
     marker: str = ""
+
+
+def run_trial(*args, **kwargs):
+    """The sweep's Tune trainable, importing this module first: a trial's process builds its config
+    from a plain dict, so it would not know ``fedavg_killer`` otherwise (a test puts this in place of
+    ``fedray.sweeps.tune_sweep.run_trial``; Ray pickles it by reference, and the trial's process finds
+    this module on the tests' PYTHONPATH). Named as the real one, so trials are named alike."""
+    from fedray.sweeps import tune_sweep
+
+    return tune_sweep.run_trial(*args, **kwargs)

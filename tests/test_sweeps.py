@@ -337,6 +337,55 @@ def test_two_trial_sweep_lands_as_parent_and_children_and_a_trial_cut_short_resu
 
 
 @pytest.mark.usefixtures("ray_session")
+def test_restart_errored_runs_a_failed_trial_again_from_round_0_in_a_new_run(
+    tmp_path, mlflow_store, monkeypatch
+):
+    """A real Tune sweep where one trial's run fails in its second round (every client's error while
+    a marker file exists: a disk gone, say). Once the cause is gone, ``--resume --restart-errored``
+    runs that trial again from round 0 under a new run, its failed run stays FAILED, and the trial
+    that finished is not run again."""
+    import killer_algorithm
+
+    from fedray.sweeps import tune_sweep
+
+    monkeypatch.setattr(tune_sweep, "run_trial", killer_algorithm.run_trial)  # trials know fedavg_killer
+    marker = tmp_path / "disk-gone"
+    marker.write_text("")
+    rounds = 3
+    extra = {"fedavg_killer.stage": "fail_while", "fedavg_killer.marker": str(marker), "checkpoint_every": 1}
+    overrides = tiny_overrides(algorithm="fedavg_killer", rounds=rounds, **extra)
+    space = tmp_path / "space.yaml"
+    params = {"fedavg_killer.round": [1, 99]}  # round 1 (0-based): after a checkpoint; 99: never
+    space.write_text(
+        yaml.safe_dump(
+            {"search": "grid", "scheduler": "none", "metric": Metrics.ACC_GLOBAL, "params": params}
+        )
+    )
+
+    first = run_sweep("fedavg_killer", space_file=str(space), overrides=overrides)
+    status = dict(zip(first.trials["fedavg_killer.round"], first.trials["status"], strict=True))
+    assert status == {1: "error", 99: "ok"}, first.trials
+    marker.unlink()  # the cause fixed
+    again = run_sweep(
+        "fedavg_killer", space_file=str(space), overrides=overrides, resume=True, restart_errored=True
+    )
+    assert len(again.trials) == 2 and set(again.trials["status"]) == {"ok"}, again.trials
+
+    client = MlflowClient(mlflow_store)
+    experiment = client.get_run(first.parent_run_id).info.experiment_id
+    children = client.search_runs(
+        [experiment], filter_string=tag_filter(Tags.PARENT_RUN_ID, first.parent_run_id)
+    )
+    runs = sorted((int(c.data.params["fedavg_killer.round"]), c.info.status, c.info.run_id) for c in children)
+    assert [r[:2] for r in runs] == [(1, "FAILED"), (1, "FINISHED"), (99, "FINISHED")], runs
+    steps = {r[1:]: [m.step for m in client.get_metric_history(r[2], Metrics.ACC_GLOBAL)] for r in runs}
+    failed, restarted, finished = (steps[r[1:]] for r in runs)
+    assert failed == [1]  # its first round logged, its second failed
+    assert sorted(restarted) == list(range(1, rounds + 1))  # from round 0, every round once
+    assert sorted(finished) == list(range(1, rounds + 1))  # not run again
+
+
+@pytest.mark.usefixtures("ray_session")
 def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoing_any(
     tmp_path, mlflow_store, capsys, monkeypatch
 ):
