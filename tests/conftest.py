@@ -108,6 +108,15 @@ def isolated_home(tmp_path, monkeypatch):
 
 
 _STORE_TEMPLATE: list[Path] = []
+_TEMPLATE_HOME: list[Path] = []  # the test process's pytest folder: pytest removes old ones itself
+
+
+@pytest.fixture(scope="session", autouse=True)
+def store_template_home(tmp_path_factory):
+    """Where :func:`store_in` makes its template: under pytest's own temporary folder, which pytest
+    prunes, rather than a folder of /tmp removed at exit (an xdist worker ended without running its
+    exit handlers left one behind)."""
+    _TEMPLATE_HOME[:] = [tmp_path_factory.mktemp("store-template")]
 
 
 def store_in(directory, name: str = "mlflow.db") -> str:
@@ -118,8 +127,11 @@ def store_in(directory, name: str = "mlflow.db") -> str:
     if not _STORE_TEMPLATE:
         from mlflow.tracking import MlflowClient
 
-        folder = Path(tempfile.mkdtemp(prefix="fedray-test-store-"))
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        if _TEMPLATE_HOME:
+            folder = _TEMPLATE_HOME[0]
+        else:  # called outside a pytest session
+            folder = Path(tempfile.mkdtemp(prefix="fedray-test-store-"))
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
         MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").search_experiments()
         _STORE_TEMPLATE.append(folder / "mlflow.db")
     path = Path(directory) / name
