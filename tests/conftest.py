@@ -148,6 +148,16 @@ def store_in(directory, name: str = "mlflow.db") -> str:
 
 
 @pytest.fixture
+def patient_pool_sizing(monkeypatch):
+    """A worker a test kills frees its CPU when Ray shows it, which on a loaded machine may take
+    longer than the 5 s a run waits for it by default; the next run's pool would then be one worker
+    short (its tags ``workers 1``). The wait ends as soon as Ray shows the CPU."""
+    from fedray.platform.runtime.processes import StoppedProcesses
+
+    monkeypatch.setattr(StoppedProcesses, "WAIT_S", 60.0)
+
+
+@pytest.fixture
 def mlflow_store(tmp_path, monkeypatch):
     """A real sqlite MLflow store in a temporary directory, used through MLFLOW_TRACKING_URI."""
     uri = store_in(tmp_path)

@@ -3,32 +3,22 @@ weights, nothing goes down or up, and the server keeps nothing. No Ray, no Light
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from test_algo_fedproto import X, flatten_model  # features = Flatten, head = a known Linear(4, 3)
 from torch.testing import assert_close
 
 from fedray.algorithms.local import LocalClient
 from fedray.platform.api.algorithm import ClientContext, Server, ServerContext, payload_nbytes
 from fedray.platform.catalog import load_config
 from fedray.platform.data import ArrayDataset
-from fedray.platform.models import FedModel, build_model
+from fedray.platform.models import build_model
 from fedray.platform.runtime.local_training import LocalTraining
 
-X = torch.tensor([[1.0, 2, 3, 4], [3, 2, 1, 0], [0, 0, 0, 8], [2, 2, 2, 0]]).view(4, 1, 2, 2)
-Y = torch.tensor([0, 0, 2, 1])
+Y = torch.tensor([0, 0, 2, 1])  # FedProto's four samples (X), every class held
 LR = 0.5
 
 
-def linear_model() -> FedModel:
-    """features = Flatten, head = a known Linear(4, 3): the loss's gradient is easy to write down."""
-    model = FedModel(nn.Flatten(), 4, 3, arch="flat", in_channels=1, image_size=2)
-    with torch.no_grad():
-        model.head.weight.copy_(torch.tensor([[0.1, 0, 0, 0], [0, 0.2, 0, 0], [0.1, 0.1, 0.1, 0.1]]))
-        model.head.bias.copy_(torch.tensor([0.0, 0.3, 0.0]))
-    return model
-
-
 def hand_sgd_step(w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One full-batch SGD step on the mean cross-entropy of a linear softmax classifier, from its
+    """One full-batch SGD step on the mean cross-entropy of the linear softmax classifier, from its
     closed-form gradient: d/dlogits = (softmax - onehot) / n."""
     x = X.flatten(1)
     probs = torch.softmax(x @ w.T + b, dim=1)
@@ -40,7 +30,7 @@ def test_each_round_is_plain_sgd_from_the_clients_own_weights_and_nothing_travel
     # all four samples in one batch: the step is independent of the shuffle
     cfg = load_config(None, ["algorithm=local", "train.batch_size=4", f"train.lr={LR}", "train.momentum=0"])
     client = LocalClient(
-        linear_model(), ClientContext(0, cfg, 3, ArrayDataset(X, Y), torch.bincount(Y, minlength=3))
+        flatten_model(), ClientContext(0, cfg, 3, ArrayDataset(X, Y), torch.bincount(Y, minlength=3))
     )
     w, b = client.model.head.weight.detach().clone(), client.model.head.bias.detach().clone()
     loop = LocalTraining(cfg.train, torch.device("cpu"))

@@ -140,7 +140,7 @@ def test_a_dead_kept_worker_other_worker_resources_or_a_failed_run_get_fresh_pro
     assert all_dead(third)
 
 
-@pytest.mark.usefixtures("ray_session", "mlflow_store")
+@pytest.mark.usefixtures("ray_session", "mlflow_store", "patient_pool_sizing")
 def test_a_replacement_killed_as_its_run_hands_on_counts_its_cpu_for_the_next_pool(monkeypatch):
     """A run that ends with a replacement worker still waiting for its set-up (a worker died late in
     the run; the others finished its jobs) hands on the workers that run and kills that one. The
@@ -172,7 +172,6 @@ def test_a_replacement_killed_as_its_run_hands_on_counts_its_cpu_for_the_next_po
     monkeypatch.setattr(
         processes, "pool_size", lambda c, free, nodes: sizes.append(pool_size(c, free, nodes)) or sizes[-1]
     )
-    monkeypatch.setattr(StoppedProcesses, "WAIT_S", 60.0)  # a loaded machine: the wait ends when Ray shows it
     assert run_experiment(cfg).finished
     assert sizes == [2]
 

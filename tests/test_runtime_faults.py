@@ -12,15 +12,7 @@ from fedray.platform.catalog import load_config
 from fedray.platform.runtime.driver import run_experiment
 from fedray.platform.tracking.names import Metrics, Tags
 
-
-@pytest.fixture(autouse=True)
-def patient_pool_sizing(monkeypatch):
-    """A worker these tests kill frees its CPU when Ray shows it, which on a loaded machine may take
-    longer than the 5 s a run waits for it by default; the next run's pool would then be one worker
-    short and its tags read ``workers 1``. The wait ends as soon as Ray shows the CPU."""
-    from fedray.platform.runtime.processes import StoppedProcesses
-
-    monkeypatch.setattr(StoppedProcesses, "WAIT_S", 60.0)
+pytestmark = pytest.mark.usefixtures("patient_pool_sizing")  # their kills free CPUs the next run waits for
 
 
 def comparable(history):

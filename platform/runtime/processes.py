@@ -47,6 +47,14 @@ class Runtime:
             return dict(ray.available_resources())
         return None
 
+    def expect_freed(self, before: dict[str, float] | None, workers: int | None = None) -> None:
+        """The next run waits for what ``workers`` of these workers held (all of them by default)
+        once they are killed (:class:`StoppedProcesses`); ``before``: :meth:`available_before_kill`.
+        Never raises: a failure costs the next run that wait, never these processes."""
+        if before is not None:
+            with contextlib.suppress(Exception):  # a Ray Client connection lost meanwhile
+                StoppedProcesses.expect(before, self.held(workers))
+
     def stop(self) -> None:
         import ray
 
@@ -60,9 +68,7 @@ class Runtime:
         for actor in [self.coordinator, *self.workers]:
             with contextlib.suppress(Exception):  # a handle of a Ray since shut down
                 ray.kill(actor)
-        if before is not None:
-            with contextlib.suppress(Exception):  # a Ray Client connection lost meanwhile: stop never raises
-                StoppedProcesses.expect(before, self.held(pooled))
+        self.expect_freed(before, pooled)
 
 
 class KeptRuntime:
@@ -106,11 +112,9 @@ class KeptRuntime:
             with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
                 workers, killed = ray.get(runtime.coordinator.release.remote(), timeout=30)
                 # a replacement still waiting for a node was killed: the next run's pool counts its
-                # share once Ray shows it free (else a pool sized at once misses its CPU). As in
-                # stop(), an error here costs the next run that wait, never these processes
-                if killed and before is not None:
-                    with contextlib.suppress(Exception):
-                        StoppedProcesses.expect(before, runtime.held(killed))
+                # share once Ray shows it free (else a pool sized at once misses its CPU)
+                if killed:
+                    runtime.expect_freed(before, killed)
                 cls.kept, cls.node, cls.group = (
                     Runtime(runtime.coordinator, workers, runtime.worker_options),
                     cls.this_node(),
