@@ -60,7 +60,7 @@ def all_dead(actors: dict[str, object], within_s: float = 60) -> bool:
     return True
 
 
-@pytest.mark.usefixtures("ray_session", "mlflow_store")
+@pytest.mark.usefixtures("ray_session", "mlflow_store", "patient_pool_sizing")
 def test_a_run_on_kept_processes_computes_what_fresh_processes_compute():
     KeptRuntime.release()  # whatever an earlier test left: the reference runs on new processes
     # clients that keep state: every worker caches client modules and data during the run
@@ -83,7 +83,7 @@ def test_a_run_on_kept_processes_computes_what_fresh_processes_compute():
     assert again.client_acc == fresh.client_acc
 
 
-@pytest.mark.usefixtures("ray_session", "mlflow_store")
+@pytest.mark.usefixtures("ray_session", "mlflow_store", "patient_pool_sizing")
 def test_a_dead_kept_worker_other_worker_resources_or_a_failed_run_get_fresh_processes(monkeypatch):
     cfg = load_config(None, tiny_overrides(rounds=2))
     run_experiment(cfg)
@@ -98,6 +98,7 @@ def test_a_dead_kept_worker_other_worker_resources_or_a_failed_run_get_fresh_pro
     deadline = time.monotonic() + 60
     while ray.available_resources().get("CPU", 0) < 1 and time.monotonic() < deadline:
         time.sleep(0.1)  # Ray shows the dead worker's CPU free
+    assert ray.available_resources().get("CPU", 0) >= 1, "Ray did not show the dead worker's CPU in 60 s"
     # a pool sized by the CPUs alone (no ray.max_actors) counts that CPU once: counted again as a
     # kept worker's, it would start a third ClientActor that two CPUs never place, and the run's
     # set-up would wait for it forever (the wrapper caps what it starts at two, so this test ends)
@@ -306,6 +307,35 @@ def test_the_resources_awaited_after_a_stop_add_up_over_stops_no_run_has_counted
     assert StoppedProcesses.take() == ({}, 0.0)
     StoppedProcesses.expect({"CPU": 0.0}, {"CPU": 2.0})
     clock[0] += StoppedProcesses.WAIT_S
+    assert StoppedProcesses.take() == ({}, 0.0)
+
+
+def test_a_coordinators_restart_waits_for_the_freed_cpus_from_when_the_old_one_is_reported_dead(monkeypatch):
+    """Ray may take seconds to report the old Coordinator dead on a loaded machine: the new pool's
+    wait for the CPUs its stop freed counts from then, not from the stop (its 5 s would be spent)."""
+    from fedray.platform.runtime import driver
+
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(StoppedProcesses, "expected", {})
+    monkeypatch.setattr(KeptRuntime, "this_node", staticmethod(lambda: "node-a"))
+    monkeypatch.setattr(driver, "wait_until_dead", lambda actor: clock.__setitem__(0, clock[0] + 8.0))
+    monkeypatch.setattr(driver, "has_checkpoint", lambda path: False)
+    monkeypatch.setattr(ray, "get", lambda ref: None)
+
+    class OldRuntime:
+        coordinator = "the old Coordinator"
+
+        def stop(self):
+            StoppedProcesses.expect({"CPU": 0.0}, {"CPU": 2.0})
+
+    sized_with = []
+    handle = object.__new__(CoordinatorHandle)
+    handle.runtime = OldRuntime()
+    handle.launch = lambda: sized_with.append(StoppedProcesses.take()) or ("new runtime", "ready")
+    assert handle.restart("ckpt") == []
+    assert sized_with == [({"CPU": 2.0}, 108.0 + StoppedProcesses.WAIT_S)]
+    StoppedProcesses.dead_now()  # nothing pending: nothing to wait for
     assert StoppedProcesses.take() == ({}, 0.0)
 
 

@@ -245,6 +245,39 @@ def test_a_job_is_done_once_with_its_value_after_its_worker_died_and_none_when_i
     assert out.failed["c"] == reported and out.failed["b"].line == "OwnError: b raised"
 
 
+def test_a_worker_the_pools_shutdown_killed_mid_call_is_not_replaced(monkeypatch):
+    """The driver stops a run whose Coordinator is still in a round: shutdown() (the Coordinator's
+    other thread) kills the workers, their calls fail in run(), which ends there. A replacement
+    started then would import torch beside the next run and hold a CPU it counts as freed."""
+    spawned = []
+
+    class Worker:
+        class train:
+            @staticmethod
+            def remote(key):
+                return key
+
+    def get(ref):
+        raise pool_module.ray.exceptions.RayActorError()  # the call of a worker shutdown() killed
+
+    monkeypatch.setattr(
+        pool_module.ray, "wait", lambda refs, num_returns, timeout=None: ([refs[0]], refs[1:])
+    )
+    monkeypatch.setattr(pool_module.ray, "get", get)
+    monkeypatch.setattr(pool_module.ray, "kill", lambda actor, no_restart: None)
+    pool = WorkerPool([Worker()], spawn=lambda: spawned.append(1) or (Worker(), None), pinned=False)
+    pool.shutdown()
+    with pytest.raises(RuntimeError, match="worker 0 lost as the pool shut down: no replacement started"):
+        pool.run([Job("a", "train", ("a",))])
+    assert spawned == []
+    # before its shutdown, the same death is replaced (and the job retried)
+    live = WorkerPool([Worker()], spawn=lambda: spawned.append(1) or (Worker(), None), pinned=False)
+    live.ready = lambda slot: True
+    with pytest.raises(RuntimeError, match="no replacement started"):  # the replacement's call fails too...
+        live.run([Job("a", "train", ("a",))], on_retry=lambda key, why: live.shutdown())  # ...once shut
+    assert spawned == [1]
+
+
 def test_the_uplinks_the_last_outcome_releases_are_left_to_aggregate():
     """Once every selected client has an outcome no client trains any more: what that last outcome
     releases is not handed on early (the server's aggregate sums it, and time/aggregate_s shows it)."""

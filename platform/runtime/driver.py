@@ -53,7 +53,13 @@ from fedray.platform.runtime.checkpoint import (
 from fedray.platform.runtime.devices import missing_gpus, require_visible_gpus
 from fedray.platform.runtime.events import ClientFailed, RoundEnded, WorkerJoined
 from fedray.platform.runtime.process_roles import set_up_driver
-from fedray.platform.runtime.processes import KeptRuntime, Runtime, node_resources, start_runtime
+from fedray.platform.runtime.processes import (
+    KeptRuntime,
+    Runtime,
+    StoppedProcesses,
+    node_resources,
+    start_runtime,
+)
 from fedray.platform.runtime.progress import Progress, mb
 from fedray.platform.runtime.session import Ending, RunSession
 from fedray.platform.runtime.worker import model_of_arch
@@ -370,6 +376,7 @@ class CoordinatorHandle:
         old = self.runtime.coordinator
         self.runtime.stop()
         wait_until_dead(old)
+        StoppedProcesses.dead_now()  # the pool's wait for the freed CPUs starts once that is known
         self.runtime, self.ready = self.launch()
         ray.get(self.ready)
         return self.load_checkpoint(ckpt_dir) if has_checkpoint(ckpt_dir) else []

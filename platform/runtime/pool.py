@@ -86,6 +86,7 @@ class WorkerPool:
         # told of a worker placed late, before it takes a job: (its slot, the worker, its set-up's
         # description); it may raise to stop the run
         self.on_placed: Callable[[int, Any, dict], None] | None = None
+        self.closed = False  # shut down: a worker lost from now on was killed by it, not replaced
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -94,6 +95,8 @@ class WorkerPool:
         return (slot, self.generation[slot])
 
     def replace(self, slot: int) -> None:
+        if self.closed:  # a new worker would start as the run stops and hold a CPU the next run counts on
+            raise RuntimeError(f"worker {slot} lost as the pool shut down: no replacement started")
         ray.kill(self.workers[slot], no_restart=True)
         self.workers[slot], self.placing[slot] = self.spawn()
         self.generation[slot] += 1
@@ -230,6 +233,9 @@ class WorkerPool:
         ended.clear()
 
     def shutdown(self) -> None:
+        """Kills every worker; the calls in flight in :meth:`run` (the Coordinator's other thread)
+        then fail, and end it without starting replacements."""
+        self.closed = True
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
 

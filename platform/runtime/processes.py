@@ -176,6 +176,13 @@ class StoppedProcesses:
         cls.node, cls.stopped_at = KeptRuntime.this_node(), time.monotonic()
 
     @classmethod
+    def dead_now(cls) -> None:
+        """The stopped processes are reported dead only now (a Coordinator's restart waits for the old
+        one first, which may take seconds on a loaded machine): the wait counts from here."""
+        if cls.expected:
+            cls.stopped_at = time.monotonic()
+
+    @classmethod
     def take(cls) -> tuple[dict[str, float], float]:
         """The expectation and until when to wait for it (none once that has passed, or on another
         Ray); forgotten here, as a run counts it once."""
