@@ -49,7 +49,7 @@ test: install lint typecheck  ## lint, type check, then the default suite (slow 
 	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder --durations=20
 
 test-slow: install  ## the real-data checks (the CIFAR-10 JPEG archive: FEDRAY_CIFAR10_ARCHIVE=... or .data/)
-	$(BIN)/python -m pytest -q -m slow -s
+	$(BIN)/python -m pytest -q -m slow -s --timeout 0  # no backstop: one check runs FedCross 150 rounds
 
 bench: install  ## fedray vs a plain PyTorch loop on real CIFAR-10
 	$(BIN)/python benchmarks/bench_fedavg_cifar.py $(ARGS)

@@ -163,9 +163,8 @@ def test_report_has_every_section_and_the_stores_numbers(store, report):
         assert float(down["data-value"]) == pytest.approx(metrics[Metrics.COMM_DOWN_BYTES_CUM] / MIB)
         # the wall time the CLI printed, which the run's span (the UI's Duration) agrees with
         assert float(wall["data-value"]) == metrics[Metrics.TIME_WALL_S]
-        assert metrics[Metrics.TIME_WALL_S] == pytest.approx(
-            (run.info.end_time - run.info.start_time) / 1000, abs=1
-        )
+        span_s = (run.info.end_time - run.info.start_time) / 1000  # ends once the wall time is logged
+        assert -0.01 <= span_s - metrics[Metrics.TIME_WALL_S] < 10.0, (span_s, metrics[Metrics.TIME_WALL_S])
 
     # the same numbers, unrounded, in summary.csv
     import pandas as pd

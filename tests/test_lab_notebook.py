@@ -51,7 +51,9 @@ def test_duration_is_the_commands_wall_time(two_runs):
     uri, _, fedavg, _ = two_runs
     run = MlflowClient(uri).get_run(fedavg.run_id)
     duration_s = (run.info.end_time - run.info.start_time) / 1000
-    assert abs(duration_s - fedavg.wall_time_s) < 1.0, (duration_s, fedavg.wall_time_s)
+    # dated from the call's start; ended once the wall time is taken and logged (a slow disk may
+    # take seconds over that last write, so the bound above is loose)
+    assert -0.01 <= duration_s - fedavg.wall_time_s < 10.0, (duration_s, fedavg.wall_time_s)
     assert run.data.metrics[Metrics.TIME_WALL_S] == pytest.approx(fedavg.wall_time_s, abs=1.0)
     # the run was dated from the call's start, before the data and Ray: longer than its rounds
     rounds_s = sum(h[Metrics.TIME_ROUND_S] for h in fedavg.history)

@@ -70,6 +70,7 @@ def in_fresh_process(env: dict | None = None, calls: int = 1) -> tuple[str, ...]
         capture_output=True,
         text=True,
         check=True,
+        timeout=600,
         cwd=os.path.dirname(__file__),
         env={**os.environ, **(env or {})},
     ).stdout.split()

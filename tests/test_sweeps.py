@@ -353,7 +353,9 @@ def test_restart_errored_runs_a_failed_trial_again_from_round_0_in_a_new_run(
     marker.write_text("")
     rounds = 3
     extra = {"fedavg_killer.stage": "fail_while", "fedavg_killer.marker": str(marker), "checkpoint_every": 1}
-    overrides = tiny_overrides(algorithm="fedavg_killer", rounds=rounds, **extra)
+    # one ClientActor a trial: each of the three trials starts its own processes (the failed one's are
+    # not trusted with the next trial), three fewer to import torch on a loaded machine
+    overrides = tiny_overrides(algorithm="fedavg_killer", rounds=rounds, **extra, **{"ray.max_actors": 1})
     space = tmp_path / "space.yaml"
     params = {"fedavg_killer.round": [1, 99]}  # round 1 (0-based): after a checkpoint; 99: never
     space.write_text(
