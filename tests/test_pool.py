@@ -10,7 +10,7 @@ from fedray.platform.runtime import pool as pool_module
 from fedray.platform.runtime.coordinator import worker_asks
 from fedray.platform.runtime.dispatch import TrainingDispatch
 from fedray.platform.runtime.failures import ClientCodeError, Failure
-from fedray.platform.runtime.pool import PLACEMENT_WAIT_S, Job, WorkerPool, unplaced
+from fedray.platform.runtime.pool import PLACEMENT_WAIT_S, Job, PoolClosed, WorkerPool, unplaced
 from fedray.platform.runtime.state_store import StateStore
 
 
@@ -264,18 +264,50 @@ def test_a_worker_the_pools_shutdown_killed_mid_call_is_not_replaced(monkeypatch
         pool_module.ray, "wait", lambda refs, num_returns, timeout=None: ([refs[0]], refs[1:])
     )
     monkeypatch.setattr(pool_module.ray, "get", get)
-    monkeypatch.setattr(pool_module.ray, "kill", lambda actor, no_restart: None)
+    killed = []
+    monkeypatch.setattr(pool_module.ray, "kill", lambda actor, no_restart: killed.append(actor))
     pool = WorkerPool([Worker()], spawn=lambda: spawned.append(1) or (Worker(), None), pinned=False)
     pool.shutdown()
-    with pytest.raises(RuntimeError, match="worker 0 lost as the pool shut down: no replacement started"):
+    with pytest.raises(PoolClosed, match="worker 0 lost as the pool shut down: no replacement started"):
         pool.run([Job("a", "train", ("a",))])
     assert spawned == []
     # before its shutdown, the same death is replaced (and the job retried)
     live = WorkerPool([Worker()], spawn=lambda: spawned.append(1) or (Worker(), None), pinned=False)
     live.ready = lambda slot: True
-    with pytest.raises(RuntimeError, match="no replacement started"):  # the replacement's call fails too...
+    with pytest.raises(PoolClosed, match="no replacement started"):  # the replacement's call fails too...
         live.run([Job("a", "train", ("a",))], on_retry=lambda key, why: live.shutdown())  # ...once shut
     assert spawned == [1]
+    # shut down while a replacement spawns (the other thread): that one is killed here
+    racing = WorkerPool([Worker()], spawn=lambda: (racing.shutdown() or "new worker", None), pinned=False)
+    killed.clear()
+    with pytest.raises(PoolClosed, match="its replacement killed"):
+        racing.replace(0)
+    assert killed.count("new worker") == 1 and racing.workers == ["new worker"]
+
+
+def test_a_round_the_pools_shutdown_ends_returns_quietly(tmp_path, monkeypatch):
+    """The Coordinator's run() after PoolClosed: the driver stops the run and kills the Coordinator
+    next, and never fetches the result, so an error there would be printed by Ray as "Unhandled"."""
+    from types import SimpleNamespace
+
+    from fedray.platform.runtime import coordinator
+
+    loop = object.__new__(coordinator.RoundLoop)
+    waited = []
+    loop.store = SimpleNamespace(directory=None)
+    loop.commits = False
+    loop.checkpoints = SimpleNamespace(wait=lambda quietly=False: waited.append(quietly))
+    loop.server, loop.record = "server", "record"
+
+    def run_rounds(stop_after_round):
+        raise PoolClosed("worker 0 lost as the pool shut down: no replacement started")
+
+    loop.run_rounds = run_rounds
+    monkeypatch.setattr(
+        coordinator.results, "run_summary", lambda finished, server, record: {"finished": finished}
+    )
+    assert loop.run(str(tmp_path)) == {"finished": False}
+    assert waited == [True]  # the checkpoint on its way lands (or fails) quietly, as on any error
 
 
 def test_the_uplinks_the_last_outcome_releases_are_left_to_aggregate():

@@ -53,7 +53,7 @@ from fedray.platform.runtime.events import (
     RoundStarted,
     WorkerJoined,
 )
-from fedray.platform.runtime.pool import WorkerPool, unplaced
+from fedray.platform.runtime.pool import PoolClosed, WorkerPool, unplaced
 from fedray.platform.runtime.process_roles import set_up_coordinator
 from fedray.platform.runtime.state_store import STATES_DIR, StateStore
 from fedray.platform.runtime.worker import ClientActor, make_client_model
@@ -296,6 +296,10 @@ class RoundLoop:
             self.store.sweep()  # what a resumed run's interrupted one left that nothing needs
         try:
             summary = self.run_rounds(stop_after_round)
+        except PoolClosed:  # the driver stops the run mid-round and kills this process next: an error
+            # here would be one nobody fetches, which Ray prints as an "Unhandled error"
+            self.checkpoints.wait(quietly=True)
+            return results.run_summary(False, self.server, self.record)
         except BaseException:
             self.checkpoints.wait(quietly=True)  # the round's error is the one the user is told
             raise

@@ -376,7 +376,7 @@ class CoordinatorHandle:
         old = self.runtime.coordinator
         self.runtime.stop()
         wait_until_dead(old)
-        StoppedProcesses.dead_now()  # the pool's wait for the freed CPUs starts once that is known
+        StoppedProcesses.dead_now()  # the new pool's wait for the freed CPUs counts from here
         self.runtime, self.ready = self.launch()
         ray.get(self.ready)
         return self.load_checkpoint(ckpt_dir) if has_checkpoint(ckpt_dir) else []

@@ -67,6 +67,11 @@ class Outcome:
     retried: list[Any]  # keys re-run after their worker died
 
 
+class PoolClosed(Exception):
+    """A worker was lost because the pool was shut down (the driver stops the run): the round ends
+    there, with nothing to report."""
+
+
 class WorkerPool:
     def __init__(
         self,
@@ -96,10 +101,13 @@ class WorkerPool:
 
     def replace(self, slot: int) -> None:
         if self.closed:  # a new worker would start as the run stops and hold a CPU the next run counts on
-            raise RuntimeError(f"worker {slot} lost as the pool shut down: no replacement started")
+            raise PoolClosed(f"worker {slot} lost as the pool shut down: no replacement started")
         ray.kill(self.workers[slot], no_restart=True)
         self.workers[slot], self.placing[slot] = self.spawn()
         self.generation[slot] += 1
+        if self.closed:  # shut down while it spawned: its loop may have passed this slot
+            ray.kill(self.workers[slot], no_restart=True)
+            raise PoolClosed(f"worker {slot} lost as the pool shut down: its replacement killed")
 
     def ready(self, slot: int) -> bool:
         """Whether the slot's worker runs: a replacement waits for a node with room (a lost node's
