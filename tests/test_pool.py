@@ -1,6 +1,8 @@
 """Dispatch policy of the worker pool, without Ray: which job an idle worker takes next, and what a
 round's training calls carry."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from fedray.platform.config import RayConfig
@@ -193,10 +195,28 @@ def test_uplinks_are_handed_on_in_client_order_as_soon_as_all_before_them_are_in
     assert in_order.next == 6 and in_order.outcomes == {}
 
 
+class FakeWorker:
+    """An actor handle whose every call, ``.method.remote(key)``, returns ``key`` as its ref."""
+
+    def __getattr__(self, method):
+        return SimpleNamespace(remote=lambda key: key)
+
+
+def fake_ray(monkeypatch, get, killed: list | None = None) -> None:
+    """WorkerPool.run on :class:`FakeWorker` calls: each call done in the order sent, its outcome
+    ``get(key)``; the actors killed appended to ``killed``."""
+    monkeypatch.setattr(
+        pool_module.ray, "wait", lambda refs, num_returns, timeout=None: ([refs[0]], refs[1:])
+    )
+    monkeypatch.setattr(pool_module.ray, "get", get)
+    monkeypatch.setattr(
+        pool_module.ray, "kill", lambda actor, no_restart: None if killed is None else killed.append(actor)
+    )
+
+
 def test_a_job_is_done_once_with_its_value_after_its_worker_died_and_none_when_its_code_raised(monkeypatch):
     """WorkerPool.run's on_done: the retried job of a killed worker reports only its final value; a
     job whose own code raised reports None; each job exactly once."""
-    from fedray.platform.runtime import pool as pool_module
 
     class OwnError(pool_module.ray.exceptions.RayError):
         pass
@@ -212,31 +232,14 @@ def test_a_job_is_done_once_with_its_value_after_its_worker_died_and_none_when_i
         "c": [own.as_instanceof_cause()],  # as Ray raises it: a RayTaskError(ClientCodeError)
     }
 
-    class Ref:
-        def __init__(self, key):
-            self.key = key
-
-    class Worker:
-        def __getattr__(self, method):
-            class Call:
-                @staticmethod
-                def remote(key):
-                    return Ref(key)
-
-            return Call
-
-    def get(ref):
-        outcome = outcomes[ref.key].pop(0)
+    def get(key):
+        outcome = outcomes[key].pop(0)
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
 
-    monkeypatch.setattr(
-        pool_module.ray, "wait", lambda refs, num_returns, timeout=None: ([refs[0]], refs[1:])
-    )
-    monkeypatch.setattr(pool_module.ray, "get", get)
-    monkeypatch.setattr(pool_module.ray, "kill", lambda actor, no_restart: None)
-    pool = WorkerPool([Worker()], spawn=lambda: (Worker(), None), pinned=False)
+    fake_ray(monkeypatch, get)
+    pool = WorkerPool([FakeWorker()], spawn=lambda: (FakeWorker(), None), pinned=False)
     pool.ready = lambda slot: True  # the replacement is placed at once
     done = []
     out = pool.run([Job(k, "train", (k,)) for k in "abc"], on_done=lambda k, v: done.append((k, v)))
@@ -249,36 +252,25 @@ def test_a_worker_the_pools_shutdown_killed_mid_call_is_not_replaced(monkeypatch
     """The driver stops a run whose Coordinator is still in a round: shutdown() (the Coordinator's
     other thread) kills the workers, their calls fail in run(), which ends there. A replacement
     started then would import torch beside the next run and hold a CPU it counts as freed."""
-    spawned = []
+    spawned, killed = [], []
 
-    class Worker:
-        class train:
-            @staticmethod
-            def remote(key):
-                return key
-
-    def get(ref):
+    def get(key):
         raise pool_module.ray.exceptions.RayActorError()  # the call of a worker shutdown() killed
 
-    monkeypatch.setattr(
-        pool_module.ray, "wait", lambda refs, num_returns, timeout=None: ([refs[0]], refs[1:])
-    )
-    monkeypatch.setattr(pool_module.ray, "get", get)
-    killed = []
-    monkeypatch.setattr(pool_module.ray, "kill", lambda actor, no_restart: killed.append(actor))
-    pool = WorkerPool([Worker()], spawn=lambda: spawned.append(1) or (Worker(), None), pinned=False)
+    fake_ray(monkeypatch, get, killed)
+    pool = WorkerPool([FakeWorker()], spawn=lambda: spawned.append(1) or (FakeWorker(), None), pinned=False)
     pool.shutdown()
     with pytest.raises(PoolClosed, match="worker 0 lost as the pool shut down: no replacement started"):
         pool.run([Job("a", "train", ("a",))])
     assert spawned == []
     # before its shutdown, the same death is replaced (and the job retried)
-    live = WorkerPool([Worker()], spawn=lambda: spawned.append(1) or (Worker(), None), pinned=False)
+    live = WorkerPool([FakeWorker()], spawn=lambda: spawned.append(1) or (FakeWorker(), None), pinned=False)
     live.ready = lambda slot: True
     with pytest.raises(PoolClosed, match="no replacement started"):  # the replacement's call fails too...
         live.run([Job("a", "train", ("a",))], on_retry=lambda key, why: live.shutdown())  # ...once shut
     assert spawned == [1]
     # shut down while a replacement spawns (the other thread): that one is killed here
-    racing = WorkerPool([Worker()], spawn=lambda: (racing.shutdown() or "new worker", None), pinned=False)
+    racing = WorkerPool([FakeWorker()], spawn=lambda: (racing.shutdown() or "new worker", None), pinned=False)
     killed.clear()
     with pytest.raises(PoolClosed, match="its replacement killed"):
         racing.replace(0)
@@ -288,8 +280,6 @@ def test_a_worker_the_pools_shutdown_killed_mid_call_is_not_replaced(monkeypatch
 def test_a_round_the_pools_shutdown_ends_returns_quietly(tmp_path, monkeypatch):
     """The Coordinator's run() after PoolClosed: the driver stops the run and kills the Coordinator
     next, and never fetches the result, so an error there would be printed by Ray as "Unhandled"."""
-    from types import SimpleNamespace
-
     from fedray.platform.runtime import coordinator
 
     loop = object.__new__(coordinator.RoundLoop)

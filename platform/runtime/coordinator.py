@@ -296,12 +296,11 @@ class RoundLoop:
             self.store.sweep()  # what a resumed run's interrupted one left that nothing needs
         try:
             summary = self.run_rounds(stop_after_round)
-        except PoolClosed:  # the driver stops the run mid-round and kills this process next: an error
-            # here would be one nobody fetches, which Ray prints as an "Unhandled error"
-            self.checkpoints.wait(quietly=True)
-            return results.run_summary(False, self.server, self.record)
-        except BaseException:
+        except BaseException as err:
             self.checkpoints.wait(quietly=True)  # the round's error is the one the user is told
+            if isinstance(err, PoolClosed):  # the driver stops the run and kills this process next: an
+                # error here would be one nobody fetches, which Ray prints as an "Unhandled error"
+                return results.run_summary(False, self.server, self.record)
             raise
         if self.checkpoints.wait() is not None:
             self.store.landed()  # the versions only an earlier checkpoint listed go
