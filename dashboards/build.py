@@ -42,6 +42,12 @@ HTML_NAME = "report.html"
 ARTIFACT_DIR = "report"
 MAX_HEATMAPS = 6  # per algorithm: pairs of swept params beyond this are left to the line plots
 MAX_CONFIG_ROWS = 25
+# whom a run's personalised accuracy is over, by its eval.clients
+EVALUATED = {
+    "all": "all clients",
+    "selected": "each evaluation round's selected clients (eval.clients=selected)",
+    "sample": "a seeded sample of clients each evaluation round (eval.clients=sample)",
+}
 
 
 @dataclass
@@ -91,13 +97,14 @@ def make_report(
     auto = target is None
     target = sm.auto_target(selected, metric) if target is None else float(target)
     colors = figs.group_colors(sorted(runs["group"].unique()))
-    rows = sm.summary_table(selected, history, target, metric)
+    personal = ex.personal(Metrics.ACC_PERSONAL_MEAN)
+    rows = sm.summary_table(selected, history, target, metric, personal)
 
     target_run, created = _report_run(ex) if log else (None, False)
     try:
         sections = [
-            _summary_section(rows, target, auto, hparams, metric),
-            *_curve_sections(selected, history, colors, fig_dir, any(hparams.values()), metric),
+            _summary_section(rows, target, auto, hparams, metric, ex.clients),
+            *_curve_sections(selected, history, colors, fig_dir, any(hparams.values()), metric, personal),
             _client_section(ex, selected, colors, fig_dir),
             _sweep_section(runs, hparams, colors, fig_dir, metric),
             _partition_section(ex, runs, fig_dir),
@@ -177,7 +184,7 @@ def _rounds_cell(row: dict) -> Cell:
 
 
 def _summary_section(
-    rows: list[dict], target: float, auto: bool, hparams: dict[str, list[str]], metric: str
+    rows: list[dict], target: float, auto: bool, hparams: dict[str, list[str]], metric: str, clients: str
 ) -> Section:
     swept = any(hparams.values())
     headers: list[str | Cell] = [
@@ -221,7 +228,7 @@ def _summary_section(
     section.add(
         paragraph(
             "Mean ± std over seeds (population std; one seed shows no spread). Personalised accuracy is the "
-            "mean over clients of each client's model on its own test split; global accuracy is the global "
+            f"mean over {EVALUATED[clients]} of each client's model on its own test split; global accuracy is the global "
             "model on the dataset's test set (algorithms without one show —). Best round = the highest value "
             f"over the rounds. Rounds to target = the first round whose {metric} reached it, "
             f"mean over the seeds that did. MB = 2^20 bytes, cumulative over all clients. {how}",
@@ -232,9 +239,15 @@ def _summary_section(
 
 
 def _curve_sections(
-    selected: pd.DataFrame, history: pd.DataFrame, colors: dict, fig_dir: Path, swept: bool, metric: str
+    selected: pd.DataFrame,
+    history: pd.DataFrame,
+    colors: dict,
+    fig_dir: Path,
+    swept: bool,
+    metric: str,
+    personal_metric: str,
 ) -> list[Section]:
-    personal = sm.curves(selected, history, Metrics.ACC_PERSONAL_MEAN)
+    personal = sm.curves(selected, history, personal_metric)
     global_ = sm.curves(selected, history, Metrics.ACC_GLOBAL)
     by_comm = sm.curves(selected, history, metric, x="comm_mb")
     which = " Each algorithm is drawn at its best sweep configuration (see Sweep)." if swept else ""

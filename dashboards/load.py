@@ -23,7 +23,15 @@ from fedray.platform.tracking.mlflow_run import (
     tracking_uri,
     tracking_uri_source,
 )
-from fedray.platform.tracking.names import Metrics, Params, RunKind, Tags, metric_column, param_column
+from fedray.platform.tracking.names import (
+    Metrics,
+    Params,
+    RunKind,
+    Tags,
+    metric_column,
+    param_column,
+    personal_on,
+)
 
 # Per-round metrics the report draws; other keys stay in the store.
 HISTORY_KEYS = (
@@ -37,6 +45,7 @@ HISTORY_KEYS = (
 )
 PRIMARY_METRIC = Metrics.ACC_PERSONAL_MEAN
 GLOBAL_METRIC = Metrics.ACC_GLOBAL  # the metric of experiments whose clients hold no test data
+EVAL_CLIENTS = ("all", "selected", "sample")  # eval.clients, in the order a report prefers them
 
 
 @dataclass
@@ -52,6 +61,11 @@ class ExperimentRuns:
     skipped: pd.DataFrame = field(default_factory=pd.DataFrame)  # run_id, run_name, status, reason
     parent_ids: list[str] = field(default_factory=list)  # runs that are parents of the used runs (sweeps)
     metric: str = PRIMARY_METRIC  # what ranks configurations and sets the target: personalised, else global
+    clients: str = "all"  # the runs' eval.clients, which names their personalised metrics
+
+    def personal(self, metric: str) -> str:
+        """The name these runs log ``metric`` under (``acc/personal_mean_selected`` for ``selected``)."""
+        return personal_on(metric, self.clients)
 
     def client(self):
         from mlflow.tracking import MlflowClient
@@ -84,10 +98,13 @@ def load_runs(experiment: str, tracking_uri: str | None = None) -> ExperimentRun
     runs = [r for r in all_runs if r.data.tags.get(Tags.KIND) != RunKind.REPORT]
     parents = {r.data.tags.get(Tags.PARENT_RUN_ID) for r in runs} - {None}
 
-    # personalised accuracy when any run has it; global accuracy for experiments without client test
-    # data (every client sample used for training, as FedCross and FedSC train)
-    has = {key for r in runs for key in (PRIMARY_METRIC, GLOBAL_METRIC) if key in r.data.metrics}
-    metric = PRIMARY_METRIC if PRIMARY_METRIC in has or not has else GLOBAL_METRIC
+    # personalised accuracy when any run has it, under the name its eval.clients gives it (all clients
+    # first); global accuracy for experiments without client test data (every client sample used for
+    # training, as FedCross and FedSC train)
+    logged = {key for r in runs for key in r.data.metrics}
+    clients = next((c for c in EVAL_CLIENTS if personal_on(PRIMARY_METRIC, c) in logged), "all")
+    personal = personal_on(PRIMARY_METRIC, clients)
+    metric = personal if personal in logged or GLOBAL_METRIC not in logged else GLOBAL_METRIC
     used, skipped = [], []
     for run in runs:
         if run.info.run_id in parents:
@@ -122,6 +139,7 @@ def load_runs(experiment: str, tracking_uri: str | None = None) -> ExperimentRun
         pd.DataFrame(skipped, columns=["run_id", "run_name", "status", "reason"]),
         used_parents,
         metric,
+        clients,
     )
 
 
@@ -181,14 +199,14 @@ def _row(run) -> dict[str, Any]:
     return row
 
 
-def load_history(
-    ex: ExperimentRuns, run_ids: list[str], keys: tuple[str, ...] = HISTORY_KEYS
-) -> pd.DataFrame:
-    """Per-round metrics, one row per (run_id, step), one column per metric key.
+def load_history(ex: ExperimentRuns, run_ids: list[str], keys: tuple[str, ...] | None = None) -> pd.DataFrame:
+    """Per-round metrics, one row per (run_id, step), one column per metric key (``HISTORY_KEYS`` by
+    default, the personalised ones as the runs name them).
 
     A resumed run may have logged a round twice (before and after the interruption): the later
     value wins, as in MLflow's own "latest" view.
     """
+    keys = tuple(map(ex.personal, HISTORY_KEYS)) if keys is None else keys
     client = ex.client()
     rows = []
     for run_id in run_ids:

@@ -125,11 +125,16 @@ def _best(runs: pd.DataFrame, history: pd.DataFrame, metric: str) -> pd.Series:
 
 
 def summary_table(
-    selected: pd.DataFrame, history: pd.DataFrame, target: float, metric: str
+    selected: pd.DataFrame,
+    history: pd.DataFrame,
+    target: float,
+    metric: str,
+    personal: str = Metrics.ACC_PERSONAL_MEAN,
 ) -> list[dict[str, Any]]:
-    """One row per group with raw numbers (fractions, MB, seconds); the page formats them."""
+    """One row per group with raw numbers (fractions, MB, seconds); the page formats them.
+    ``personal``: the personalised accuracy as the runs name it (``ExperimentRuns.personal``)."""
     reached = rounds_to_target(history, target, metric)
-    best_personal = _best(selected, history, Metrics.ACC_PERSONAL_MEAN)
+    best_personal = _best(selected, history, personal)
     best_global = _best(selected, history, Metrics.ACC_GLOBAL)
     rows = []
     for group, frame in selected.groupby("group", sort=True):
@@ -151,7 +156,7 @@ def summary_table(
                 "runs": len(ids),
                 "seeds": ", ".join(frame["seed"].astype(str)),
                 "run_ids": ids,
-                "personal_final": final(Metrics.ACC_PERSONAL_MEAN),
+                "personal_final": final(personal),
                 "personal_best": mean_std(best_personal.reindex(ids)),
                 "global_final": final(Metrics.ACC_GLOBAL),
                 "global_best": mean_std(best_global.reindex(ids)),

@@ -32,7 +32,7 @@ from fedray.platform.catalog import build_config
 from fedray.platform.config import dotted_overrides, load_yaml, merge, parse_overrides
 from fedray.platform.config.schema import _coerce as coerce
 from fedray.platform.errors import ConfigError
-from fedray.platform.tracking.names import Metrics, personal_on
+from fedray.platform.tracking.names import PERSONAL_METRICS, Metrics, personal_on
 
 SPACES_DIR = Path(__file__).resolve().parent / "spaces"
 KINDS = ("grid", "choice", "uniform", "loguniform", "randint", "quniform")
@@ -107,7 +107,10 @@ class SearchSpace:
         return max(param.values) if param.kind in ("grid", "choice") else param.values[1]
 
     def num_trials(self) -> int:
-        """Tune repeats the whole grid ``samples`` times, whatever the search algorithm."""
+        """Tune repeats the whole grid ``samples`` times; Optuna draws ``samples`` trials in all, its
+        grid parameters sampled like choices (:meth:`Param.tune_domain`)."""
+        if self.search == "optuna":
+            return self.samples
         return max(1, len(self.grid_points())) * self.samples
 
 
@@ -231,13 +234,7 @@ def round_metrics(eval_clients: str) -> list[str]:
     """What every round reports of the platform's (evaluation metrics in the rounds that evaluate; the
     global model's only for algorithms that have one), the personalised ones under the name that
     ``eval.clients`` gives them."""
-    personal = [
-        Metrics.ACC_PERSONAL_MEAN,
-        Metrics.ACC_PERSONAL_STD,
-        Metrics.ACC_PERSONAL_WEIGHTED,
-        Metrics.LOSS_PERSONAL,
-    ]
-    return [personal_on(m, eval_clients) for m in personal] + [
+    return [personal_on(m, eval_clients) for m in PERSONAL_METRICS] + [
         Metrics.ACC_GLOBAL, Metrics.LOSS_GLOBAL, Metrics.LOSS_TRAIN, Metrics.COMM_UP_BYTES,
         Metrics.COMM_DOWN_BYTES, Metrics.COMM_UP_BYTES_CUM, Metrics.COMM_DOWN_BYTES_CUM,
         Metrics.CLIENTS_SELECTED, Metrics.CLIENTS_FAILED, Metrics.CLIENTS_RETRIED,

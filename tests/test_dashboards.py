@@ -450,3 +450,36 @@ def test_report_of_runs_without_client_test_data_ranks_by_global_accuracy(tmp_pa
     # the automatic target is the best whole percent both reach in global accuracy: fedavg's mean 42 %
     assert "rounds to 42% global" in info.path.read_text()
     assert (info.path.parent / "figures" / "accuracy_vs_round.png").is_file()
+
+
+def test_report_of_runs_evaluated_on_selected_clients_reads_their_metric_names(tmp_path):
+    """``eval.clients=selected`` names the personalised metrics ``acc/personal_mean_selected`` (and
+    ``best/personal_mean_selected`` at the end): the report ranks, targets and draws by them and says
+    whom they cover, instead of skipping every run for lacking ``acc/personal_mean``."""
+    uri = store_in(tmp_path)
+    client = MlflowClient(uri)
+    eid = client.create_experiment("selected", artifact_location=(tmp_path / "art").as_uri())
+    for algo, seed, accs in [
+        ("fedavg", 0, [0.3, 0.5]),
+        ("fedavg", 1, [0.4, 0.45]),
+        ("fedssa", 0, [0.6, 0.55]),
+    ]:
+        tags = {Tags.ALGORITHM: algo, Tags.SEED: str(seed), Tags.DATASET: "cifar10", Tags.PARTITION: "iid"}
+        run_id = client.create_run(eid, tags=tags, run_name=f"{algo}-s{seed}").info.run_id
+        for step, acc in enumerate(accs, start=1):
+            client.log_metric(run_id, "acc/personal_mean_selected", acc, step=step)
+            client.log_metric(run_id, "acc/personal_std_selected", 0.1, step=step)
+            client.log_metric(run_id, Metrics.COMM_UP_BYTES_CUM, step * MIB, step=step)
+        client.log_metric(run_id, "best/personal_mean_selected", max(accs), step=len(accs))
+        client.log_metric(run_id, Metrics.TIME_WALL_S, 10.0)
+        client.set_terminated(run_id, "FINISHED")
+
+    info = make_report("selected", tmp_path / "out", uri, log=False)
+    summary = {row["group"]: row for _, row in pd.read_csv(info.path.parent / "summary.csv").iterrows()}
+    assert set(summary) == {"fedavg", "fedssa"}
+    assert summary["fedavg"]["personal_final_mean"] == pytest.approx((0.5 + 0.45) / 2)
+    assert summary["fedssa"]["personal_final_mean"] == pytest.approx(0.55)
+    assert summary["fedssa"]["personal_best_mean"] == pytest.approx(0.6)  # the logged best, not the last
+    html = info.path.read_text()
+    assert "rounds to 47% personalised" in html  # fedavg's mean best, 47.5 %, is the lower
+    assert "each evaluation round&#x27;s selected clients" in html  # the note under the table, escaped

@@ -133,6 +133,7 @@ def test_eval_policies_pick_clients_and_say_so_in_the_metric_name():
     cfg.eval.clients = "selected"
     assert eval_clients(cfg, 4, [7, 2]) == [7, 2]
     assert personal_on(Metrics.ACC_PERSONAL_MEAN, cfg.eval.clients) == "acc/personal_mean_selected"
+    assert personal_on(Metrics.ACC_GLOBAL, cfg.eval.clients) == "acc/global"  # not a personalised one
     cfg.eval.clients = "all"
     assert eval_clients(cfg, 4, [7, 2]) == list(range(10))
     assert personal_on(Metrics.ACC_PERSONAL_MEAN, cfg.eval.clients) == "acc/personal_mean"
@@ -157,6 +158,12 @@ def test_selected_only_evaluation_and_a_checkpoint_of_current_states_only(mlflow
     assert Metrics.ACC_PERSONAL_MEAN not in last and 0 < last[selected_mean] <= 1
     assert sorted(result.client_acc) == sample_clients(cfg.seed, 1, 4, 2)  # the last round's two clients
     assert Metrics.ACC_GLOBAL in last  # the global model is still tested on the global test set
+    # the end of the run sums up the metric the rounds logged, under its name
+    metrics = MlflowClient(mlflow_store).get_run(result.run_id).data.metrics
+    assert metrics["best/personal_mean_selected"] == max(h[selected_mean] for h in result.history)
+    assert metrics["final/personal_mean_selected"] == last[selected_mean]
+    assert "best/personal_mean" not in metrics and "final/global" in metrics
+    assert result.summary_row()["personal acc % (selected)"].startswith(f"{100 * last[selected_mean]:.2f} ± ")
 
     # the checkpoint directory is tagged; it holds one file per client that trained, at its latest
     # version (each round's checkpoint pruned the versions it superseded)

@@ -1,5 +1,6 @@
 """Ray Tune sweeps: space files checked without Ray; a real 4-trial sweep; interrupt and resume."""
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -75,6 +76,21 @@ def test_required_hyperparameters_are_in_the_spaces():
     assert "fedprox.mu" in keys["fedprox"]
     for algo in ("fedssa", "fedcross", "fedl2g", "fedsc", "fedprox"):
         assert {"train.lr", "train.local_epochs"} <= keys[algo], algo
+
+
+@pytest.mark.parametrize(("search", "trials"), [("grid", 2 * 3 * 2), ("random", 2 * 3 * 2), ("optuna", 2)])
+def test_the_trial_count_is_what_tune_runs_for_the_search(tmp_path, search, trials):
+    """Grid and random search repeat the grid ``samples`` times; Optuna samples grid values like
+    choices and runs ``samples`` trials in all (counted as more, a finished sweep closed as KILLED)."""
+    path = tmp_path / "space.yaml"
+    params = {
+        "fedprox.mu": [0.0, 0.1],
+        "train.lr": {"grid": [0.01, 0.05, 0.1]},
+        "train.local_epochs": {"choice": [1, 2]},
+    }
+    path.write_text(yaml.safe_dump({"samples": 2, "params": params}))
+    space = dataclasses.replace(load_space(path), search=search)  # optuna itself is not installed here
+    assert space.num_trials() == trials
 
 
 BAD_SPACES = [

@@ -59,10 +59,13 @@ def _run(args: argparse.Namespace) -> int:
 
         result = run_experiment(cfg, stop_after_round=args.stop_after)
     from fedray.platform.apps.tables import print_table, summary_table
+    from fedray.platform.runtime.driver import personal_column
 
     row = result.summary_row()
-    best = result.best(Metrics.ACC_PERSONAL_MEAN)
-    row["best personal %"] = None if best is None else round(100 * best, 2)
+    best = result.best(result.logged(Metrics.ACC_PERSONAL_MEAN))
+    row[personal_column(result.config.eval.clients, "best personal %")] = (
+        None if best is None else round(100 * best, 2)
+    )
     print_table(
         summary_table(
             [row], title=f"{result.config.name}: {result.config.algorithm}, {len(result.history)} rounds"

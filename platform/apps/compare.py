@@ -29,7 +29,7 @@ from fedray.platform.config import ExperimentConfig
 from fedray.platform.config.comparison import comparison_raws
 from fedray.platform.data import check_data
 from fedray.platform.errors import ConfigError
-from fedray.platform.runtime.driver import run_experiment
+from fedray.platform.runtime.driver import personal_column, run_experiment
 from fedray.platform.runtime.processes import sharing_processes
 from fedray.platform.runtime.progress import mb
 from fedray.platform.tracking.names import Metrics, Tags
@@ -84,14 +84,15 @@ def _mean_std(values: list[float | None]) -> str | None:
 def summarize(label: str, results: list) -> dict[str, Any]:
     """Personalised accuracy: mean over seeds of the across-client mean, ± its std across clients
     (one seed) or across seeds (several); global accuracy mean ± std over seeds."""
+    column = personal_column(results[0].config.eval.clients)
     if len(results) == 1:
-        pers = results[0].summary_row()["personal acc %"]
+        pers = results[0].summary_row()[column]
     else:
         pers = _mean_std([r.final[Metrics.ACC_PERSONAL_MEAN] for r in results])
     return {
         "algorithm": label,
         "seeds": len(results),
-        "personal acc %": pers,
+        column: pers,
         "global acc %": _mean_std([r.final[Metrics.ACC_GLOBAL] for r in results]),
         "MB up": round(float(np.mean([mb(r.last(Metrics.COMM_UP_BYTES_CUM) or 0) for r in results])), 3),
         "MB down": round(float(np.mean([mb(r.last(Metrics.COMM_DOWN_BYTES_CUM) or 0) for r in results])), 3),

@@ -71,7 +71,7 @@ from fedray.platform.tracking.mlflow_run import (
     tracking_uri,
     tracking_uri_source,
 )
-from fedray.platform.tracking.names import Metrics, Tags, best_of, best_round_of, final_of
+from fedray.platform.tracking.names import Metrics, Tags, best_of, best_round_of, final_of, personal_on
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,11 @@ FINAL_KEYS = (
     Metrics.ACC_GLOBAL,
 )
 BEST_KEYS = (Metrics.ACC_PERSONAL_MEAN, Metrics.ACC_PERSONAL_WEIGHTED, Metrics.ACC_GLOBAL)
+
+
+def personal_column(clients: str, column: str = "personal acc %") -> str:
+    """A summary table's personalised column: it names the clients evaluated unless they are all."""
+    return column if clients == "all" else f"{column} ({clients})"
 
 
 @dataclass
@@ -111,9 +116,14 @@ class Result:
         rounds = [(m[key], -i) for i, m in enumerate(self.history, start=1) if key in m]
         return -max(rounds)[1] if rounds else None
 
+    def logged(self, metric: str) -> str:
+        """The name this run logs ``metric`` under (a personalised one carries ``eval.clients``)."""
+        return personal_on(metric, self.config.eval.clients)
+
     @property
     def final(self) -> dict[str, float | None]:
-        return {key: self.last(key) for key in FINAL_KEYS}
+        """The last value of each of ``FINAL_KEYS``, by its plain name, however this run logs it."""
+        return {key: self.last(self.logged(key)) for key in FINAL_KEYS}
 
     def summary_row(self) -> dict[str, Any]:
         f = self.final
@@ -123,7 +133,7 @@ class Result:
         baseline = self.extra.get(Metrics.ACC_MAJORITY_BASELINE)
         return {
             "algorithm": self.config.algorithm,
-            "personal acc %": pers,
+            personal_column(self.config.eval.clients): pers,
             "majority baseline %": None
             if baseline is None or math.isnan(baseline)
             else round(100 * baseline, 2),
@@ -666,7 +676,7 @@ def log_final(
     if note:
         tracker.set_tags({Tags.CLIENT_MODELS: note})
     final = {}
-    for key in BEST_KEYS:
+    for key in map(result.logged, BEST_KEYS):
         final[best_of(key)] = result.best(key)
         final[best_round_of(key)] = result.best_round(key)
         final[final_of(key)] = result.last(key)

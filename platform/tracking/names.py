@@ -65,11 +65,19 @@ class Metrics:
     FINAL_PREFIX: Final = "final/"  # at the end of a run: final_of
 
 
+PERSONAL_METRICS = (
+    Metrics.ACC_PERSONAL_MEAN,
+    Metrics.ACC_PERSONAL_STD,
+    Metrics.ACC_PERSONAL_WEIGHTED,
+    Metrics.LOSS_PERSONAL,
+)
+
+
 def personal_on(metric: str, clients: str) -> str:
-    """A personalised metric evaluated on the clients ``eval.clients`` names: ``acc/personal_mean``
-    on all of them, ``acc/personal_mean_selected`` on the round's selected ones, ``..._sample`` on a
-    sample."""
-    return metric if clients == "all" else f"{metric}_{clients}"
+    """The name a run logs ``metric`` under: a personalised one names the clients ``eval.clients``
+    evaluates (``acc/personal_mean`` on all of them, ``acc/personal_mean_selected`` on the round's
+    selected ones, ``..._sample`` on a sample); any other metric keeps its name."""
+    return metric if clients == "all" or metric not in PERSONAL_METRICS else f"{metric}_{clients}"
 
 
 def best_of(metric: str) -> str:
