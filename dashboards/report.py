@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fedray.platform.errors import ConfigError
+from fedray.platform.errors import ConfigError, OneLineParser
 
 
 def build_report(
@@ -73,7 +73,7 @@ def report_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m fedray.dashboards.report EXPERIMENT``: the same as ``fedray report``."""
-    parser = argparse.ArgumentParser(prog="fedray")
+    parser = OneLineParser(prog="fedray")
     add_report_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["report", *(sys.argv[1:] if argv is None else argv)])
     try:

@@ -1,6 +1,9 @@
 """The error a user fixes in their config. Its own module so every part of fedray can raise it
 without importing the config machinery."""
 
+import argparse
+from typing import NoReturn
+
 
 class ConfigError(ValueError):
     """A config value a user has to fix. The message is one line."""
@@ -48,3 +51,11 @@ def last_line(text: str) -> str:
 def first_line(err: BaseException) -> str:
     """An exception as one line: the last line of its message (a remote traceback's cause), capped."""
     return (last_line(str(err)) or type(err).__name__)[:300]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A command line's mistake as one line, naming the command's ``--help`` for the usage, where
+    argparse prints the whole usage first; exit status 2, as argparse's."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from fedray.platform.catalog import build_config
+from fedray.platform.catalog import CATALOG, build_config
 from fedray.platform.config import dotted_overrides, load_yaml, merge, parse_overrides
 from fedray.platform.config.schema import _coerce as coerce
 from fedray.platform.errors import ConfigError
@@ -169,7 +169,7 @@ def space_path(algorithm: str, path: str | Path | None = None) -> Path:
 
 
 def load_space(path: str | Path) -> SearchSpace:
-    raw = load_yaml(path)
+    raw = load_yaml(path, "search space")
     allowed = {"search", "samples", "metric", "mode", "scheduler", "grace_rounds", "params"}
     unknown = set(raw) - allowed
     if unknown:
@@ -191,6 +191,10 @@ def load_space(path: str | Path) -> SearchSpace:
         (
             space.search in ("grid", "random", "optuna"),
             f"search={space.search!r}: allowed grid, random, optuna",
+        ),
+        (
+            isinstance(space.metric, str) and bool(space.metric.strip()),
+            f"metric={space.metric!r}: a per-round metric's name, e.g. acc/global",
         ),
         (space.mode in ("max", "min"), f"mode={space.mode!r}: allowed max, min"),
         (space.scheduler in ("asha", "none"), f"scheduler={space.scheduler!r}: allowed asha, none"),
@@ -221,6 +225,14 @@ def check_space(space: SearchSpace, base: dict[str, Any], n: int = 8) -> None:
             cfg = trial_config(base, point)
         except ConfigError as err:
             raise ConfigError(f"{space.path}: {err}") from None
+    others = set(CATALOG.algorithm_names()) - {cfg.algorithm}
+    for param in space.params:
+        section = param.key.split(".", 1)[0]
+        if section in others:  # a valid key the trials' algorithm never reads: every trial the same
+            raise ConfigError(
+                f"{space.path}: params.{param.key}: the sweep runs {cfg.algorithm}, which does not read "
+                f"{section}'s settings; sweep {cfg.algorithm}.* keys, or --algo {section}"
+            )
     check_metric(space, cfg.eval.clients)
 
 

@@ -34,6 +34,9 @@ from fedray.platform.errors import ConfigError, ContractError
         (["ray.pool_wait_s=-1"], "ray.pool_wait_s=-1.0: must be >= 0"),
         (["seed=1.5"], "seed=1.5: expected an integer"),  # not seed 1
         (["seed=-1"], "seed=-1: must be >= 0"),
+        (["seed=99999999999999999999999"], "must be >= 0 and < 2**63"),  # the seeds' int64 arithmetic
+        (["fedprox.nope=1"], "unknown config key 'fedprox.nope'"),  # another algorithm's section too
+        (["fedprox.mu=abc"], "fedprox.mu='abc': expected a number"),
         (["train.lr=inf"], "train.lr='inf': expected a finite number"),  # inf > 0 would pass
         (["data.partition.alpha=nan"], "data.partition.alpha='nan': expected a finite number"),
         (["name="], "name: must not be empty"),
@@ -63,6 +66,11 @@ CLI_CASES = [
     (["ray.num_gpus_per_client=0.25"], "ray.num_gpus_per_client=0.25: "),  # no GPU here
     (["data.train_subset=100000"], "data.train_subset=100000: more than the 1438 training samples"),
     (["storage_path=/proc/fedray"], "storage_path=/proc/fedray: cannot make the folder"),
+    (["storage_path=file:///proc/fedray"], "storage_path=file:///proc/fedray: cannot make the folder"),
+    (["storage_path=foo://bar/x"], "storage_path=foo://bar/x: Unrecognized filesystem type"),
+    (["tracking.uri=http://127.0.0.1:1"], "tracking.uri=http://127.0.0.1:1: no tracking server answers"),
+    # no client could take a step: the run would train nothing (checked on the partition, before Ray)
+    (["train.drop_last=true", "train.batch_size=100000"], "no client has that many training samples"),
 ]
 
 
@@ -96,6 +104,8 @@ def test_a_run_that_cannot_go_on_is_one_line_and_exit_status_1(capsys, monkeypat
 # checked in a fresh process only: in the tests' own process a Ray may already be up, and a run joins it
 FRESH_CLI_CASES = [
     (["ray.address=127.0.0.1:1"], "ray.address=127.0.0.1:1: nothing answers there"),  # no cluster there
+    # no Ray under the process's RAY_TMPDIR: "auto" finds none (the suite's own Rays are elsewhere)
+    (["ray.address=auto"], "ray.address=auto: Could not find any running Ray instance"),
     # more than this machine's Ray has: the set-up would wait for room that never comes
     (["ray.num_cpus_per_client=64"], "ray.num_cpus_per_client=64: a ClientActor needs that many CPUs"),
     (["ray.num_cpus=2", "ray.num_cpus_per_client=3"], "ray.num_cpus is 2"),
@@ -144,7 +154,7 @@ def test_bad_input_starts_no_ray_and_a_typo_loads_no_torch(tmp_path):
         json.dumps(CLI_CASES + FRESH_CLI_CASES),
         json.dumps(typos),
         cwd=tmp_path,
-        env={"HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""},
+        env={"HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": "", "RAY_TMPDIR": str(tmp_path / "ray")},
     )
     assert done.returncode == 0 and done.stdout.split()[-2:] == ["no", "Ray"], done.stderr[-2000:]
     errors = done.stderr.splitlines()
@@ -244,6 +254,13 @@ def test_an_algorithm_config_must_derive_from_the_typed_base():
         (["sweep", "--algo", "fedavg", "--samples", "0"], "--samples 0: must be >= 1"),
         (["sweep", "--algo", "fedavg", "--stop-after-trials", "-1"], "--stop-after-trials -1: must be >= 1"),
         (["sweep", "--algo", "fedavg", "--name", ""], "--name: must not be empty"),
+        (["sweep", "--algo", "fedavg", "--restart-errored"], "--restart-errored: only with --resume"),
+        # no store here: said before MLflow makes an empty one
+        (["run", "--resume", "abc"], "--resume abc: no MLflow store at sqlite:///"),
+        (
+            ["report", "quickstart", "--tracking-uri", "http://127.0.0.1:1"],
+            "no tracking server answers there",
+        ),
         (["ui", "--port", "99999"], "--port 99999: a TCP port is 1-65535"),
         (["report", "quickstart", "--tracking-uri", "foo://bar"], "--tracking-uri=foo://bar: MLflow has no"),
         (
@@ -266,6 +283,38 @@ def test_the_tracking_uri_from_the_environment_is_named_as_such(capsys, tmp_path
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "foo://bar")
     assert main(["run", "rounds=1"]) == 2
     assert "MLFLOW_TRACKING_URI=foo://bar: MLflow has no tracking store" in capsys.readouterr().err
+    # a server where nothing answers: at once, where MLflow would retry each request for minutes
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")
+    for args in (["run", "rounds=1"], ["ui"], ["run", "--resume", "abc"]):
+        assert main(args) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("fedray: error: MLFLOW_TRACKING_URI=http://127.0.0.1:1: no tracking server"), (
+            err
+        )
+        assert len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_mistyped_command_line_is_one_line(capsys):
+    for args, needle in (
+        (["run", "--bogus"], "fedray: error: unrecognized arguments: --bogus (see fedray --help)"),
+        (["compare"], "fedray compare: error: the following arguments are required: config (see"),
+        (["run", "--scale", "abc"], "fedray run: error: argument --scale: invalid float value: 'abc'"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        err = capsys.readouterr().err.strip()
+        assert exit_.value.code == 2 and err.startswith(needle) and len(err.splitlines()) == 1, err
+
+
+def test_a_config_file_that_is_no_yaml_text_is_one_line(capsys, tmp_path):
+    (tmp_path / "binary.yaml").write_bytes(b"seed: 1\n\xff\xfe rounds\n")
+    (tmp_path / "folder.yaml").mkdir()
+    for name, needle in (("binary.yaml", "not UTF-8 text (byte 0xff at 8)"), ("folder.yaml", "is a folder")):
+        assert main(["run", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"config file '{tmp_path / name}' " in err or f"config file '{tmp_path / name}':" in err, err
+        assert needle in err and len(err.splitlines()) == 1, err
 
 
 @pytest.mark.parametrize(
@@ -277,6 +326,14 @@ def test_the_tracking_uri_from_the_environment_is_named_as_such(capsys, tmp_path
         (
             "runs: [fedavg, {algorithm: fedprox, data.num_clients: 5000}]\n",
             "fedprox (seed 0): data.num_clients=5000: more clients than the 1438 training samples",
+        ),
+        ("runs: [1]\n", "runs[0] is 1; give an algorithm's name or a mapping"),
+        ("runs: [[fedavg, fedprox]]\n", "runs[0] is ['fedavg', 'fedprox']"),
+        ("runs: [fedavg]\noverrides: [rounds=1]\n", "'overrides' must map keys to values"),
+        # every entry's storage, tracking store and resources too
+        (
+            "runs: [fedavg, {algorithm: fedprox, storage_path: /proc/fedray}]\n",
+            "fedprox (seed 0): storage_path=/proc/fedray: cannot make the folder",
         ),
     ],
 )

@@ -103,6 +103,11 @@ BAD_SPACES = [
     ({"train.local_epochs": {"randint": [1, 2.5]}}, "randint needs [low, high] as integers"),
     ({"train.lr": {"quniform": [0.01, 0.1, 0]}}, "quniform needs a step > 0"),
     ({"train.lr": {"uniform": [0.01, True]}}, "uniform needs [low, high] as numbers"),
+    # another algorithm's valid key: the trials would not read it, and all be the same
+    (
+        {"fedcross.alpha": {"grid": [0.9, 0.99]}},
+        "params.fedcross.alpha: the sweep runs fedprox, which does not",
+    ),
 ]
 
 
@@ -134,6 +139,7 @@ BAD_METRICS = [
         ({"samples": "abc"}, "samples='abc': expected an integer"),
         ({"grace_rounds": 1.5}, "grace_rounds=1.5: expected an integer"),
         ({"samples": 0}, "samples=0: must be >= 1"),
+        ({"metric": 5}, "metric=5: a per-round metric's name"),
     ],
 )
 def test_a_space_files_settings_fail_in_one_line(tmp_path, settings, needle):

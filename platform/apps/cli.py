@@ -13,7 +13,7 @@ from pathlib import Path
 
 from fedray.platform.config import RayConfig, build_dataclass, read_config, scale
 from fedray.platform.config.comparison import read_comparison
-from fedray.platform.errors import ConfigError
+from fedray.platform.errors import ConfigError, OneLineParser
 from fedray.platform.tracking.names import Metrics
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"  # in a checkout
@@ -90,6 +90,8 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    if args.restart_errored and not args.resume:
+        raise ConfigError("--restart-errored: only with --resume (a new sweep has no failed trials)")
     if args.samples is not None and args.samples < 1:
         raise ConfigError(f"--samples {args.samples}: must be >= 1")
     if args.stop_after_trials is not None and args.stop_after_trials < 1:
@@ -135,14 +137,16 @@ def _short(value):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fedray", description="Federated-learning experiments on Lightning + Ray + MLflow"
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run one federated experiment")
     run.add_argument("config", nargs="?", help="experiment YAML (default: built-in defaults)")
-    run.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rounds=30 fedprox.mu=0.1")
+    run.add_argument(
+        "overrides", nargs="*", default=[], help="dotted key=value overrides, e.g. rounds=30 fedprox.mu=0.1"
+    )
     run.add_argument(
         "--resume", metavar="RUN_ID", help="continue an interrupted run from its last checkpoint"
     )
@@ -167,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     compare = sub.add_parser("compare", help="several algorithms on the same partition and seeds, one table")
     compare.add_argument("config", help="compare YAML, e.g. configs/compare_digits.yaml")
-    compare.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
+    compare.add_argument("overrides", nargs="*", default=[], help="key=value overrides applied to every run")
     compare.set_defaults(func=_compare)
 
     sweep = sub.add_parser("sweep", help="Ray Tune sweep of one algorithm, every trial in MLflow")

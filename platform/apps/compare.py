@@ -29,7 +29,7 @@ from fedray.platform.config import ExperimentConfig
 from fedray.platform.config.comparison import comparison_raws
 from fedray.platform.data import check_data
 from fedray.platform.errors import ConfigError
-from fedray.platform.runtime.driver import personal_column, run_experiment
+from fedray.platform.runtime.driver import personal_column, require_before_ray, run_experiment
 from fedray.platform.runtime.processes import sharing_processes
 from fedray.platform.runtime.progress import mb
 from fedray.platform.tracking.names import Metrics, Tags
@@ -58,8 +58,9 @@ def run_comparison(path: str | Path, overrides: list[str] | None = None) -> list
     """Run every entry and return one summary row per label (mean ± std over seeds). Every entry's
     config is validated before the first run starts."""
     entries = load_comparison(path, overrides)
-    for entry in entries:  # an entry whose data cannot be split fails now, not after the others ran
+    for entry in entries:  # an entry that cannot run fails now, not after the others ran
         try:
+            require_before_ray(entry.config)
             check_data(entry.config.data)
         except ConfigError as err:
             raise ConfigError(f"{entry.label} (seed {entry.config.seed}): {err}") from None

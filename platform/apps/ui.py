@@ -39,7 +39,7 @@ def find_experiment(uri: str, name: str | None) -> tuple[str, str] | None:
 
 
 def ui_command(args: argparse.Namespace) -> int:
-    from fedray.platform.tracking.mlflow_run import tracking_uri
+    from fedray.platform.tracking.mlflow_run import require_tracking_store, tracking_uri, tracking_uri_source
 
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"--workers {args.workers}: must be >= 1")
@@ -49,6 +49,7 @@ def ui_command(args: argparse.Namespace) -> int:
     uri = tracking_uri()
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         raise ConfigError(f"no MLflow store at {uri} yet: run something first (make run)")
+    require_tracking_store(uri, tracking_uri_source())
     found = find_experiment(uri, args.experiment)
     if uri.startswith(("http://", "https://")):  # a tracking server serves its own UI
         print(f"the tracking server {uri} serves the UI: {runs_table_url(found[0], uri) if found else uri}")

@@ -31,7 +31,7 @@ def comparison_raws(
     """(label, raw config) per entry and seed, in the file's order; ``name`` (the MLflow experiment)
     and ``seeds`` replace the file's."""
     path = Path(path)
-    spec = load_yaml(path)
+    spec = load_yaml(path, "compare file")
     unknown = set(spec) - set(COMPARE_KEYS)
     if unknown:
         raise ConfigError(
@@ -41,6 +41,8 @@ def comparison_raws(
     if not isinstance(runs, list) or not runs:
         raise ConfigError(f"{path}: 'runs' must list at least one algorithm, e.g. runs: [fedavg, fedprox]")
     base = load_yaml(path.parent / spec["base"]) if spec.get("base") else {}
+    if not isinstance(spec.get("overrides") or {}, dict):
+        raise ConfigError(f"{path}: 'overrides' must map keys to values, e.g. overrides: {{rounds: 30}}")
     common = merge(
         parse_overrides(dotted_overrides(spec.get("overrides") or {})), parse_overrides(overrides or [])
     )
@@ -50,6 +52,11 @@ def comparison_raws(
         raise ConfigError(f"{path}: 'seeds' must be a list, e.g. seeds: [0, 1, 2]")
     raws = []
     for i, run in enumerate(runs):
+        if not isinstance(run, (str, dict)):
+            raise ConfigError(
+                f"{path}: runs[{i}] is {run!r}; give an algorithm's name or a mapping with an 'algorithm', "
+                "e.g. {algorithm: fedprox, label: fedprox_mu0.1, fedprox: {mu: 0.1}}"
+            )
         run = {"algorithm": run} if isinstance(run, str) else dict(run)
         if "algorithm" not in run:
             raise ConfigError(f"{path}: runs[{i}] needs an 'algorithm'")

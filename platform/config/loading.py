@@ -91,17 +91,27 @@ def yaml_problem(err: yaml.YAMLError) -> str:
     return f"{where}not valid YAML ({problem})"
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
+def load_yaml(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """A YAML mapping from ``path``; anything else one line that names the file as ``what``."""
     path = Path(path)
+    name = f"{what} {str(path)!r}"
+    if path.is_dir():
+        raise ConfigError(f"{name} is a folder, not a YAML file")
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    with path.open() as fh:
-        try:
+        raise ConfigError(f"{name} does not exist")
+    try:
+        with path.open(encoding="utf-8") as fh:
             raw = yaml.safe_load(fh) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {str(path)!r}: {yaml_problem(err)}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{name}: {yaml_problem(err)}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{name}: not UTF-8 text (byte {err.object[err.start]:#04x} at {err.start})"
+        ) from None
+    except OSError as err:
+        raise ConfigError(f"{name}: cannot be read ({err.strerror or err})") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"config file {str(path)!r}: top level must be a mapping")
+        raise ConfigError(f"{name}: top level must be a mapping")
     return raw
 
 
@@ -156,10 +166,13 @@ def build_config(raw: dict[str, Any], catalog: Catalog) -> ExperimentConfig:
     algorithm = str(raw.get("algorithm", ExperimentConfig.algorithm)).lower()
     raw["algorithm"] = algorithm
     config_cls = catalog.algorithm_config(algorithm)  # raises ConfigError for an unknown name
-    # sections named after other algorithms are allowed in a YAML (compare configs) and ignored
+    # sections named after other algorithms are allowed in a YAML (compare configs) and not used, but
+    # checked as their algorithm would check them: a misspelt key there is a mistake all the same
     algo_values = raw.pop(algorithm, None)
     for name in catalog.algorithm_names():
-        raw.pop(name, None)
+        values = raw.pop(name, None)
+        if values is not None and name != algorithm:
+            build_dataclass(catalog.algorithm_config(name), values, prefix=name)
     cfg = build_dataclass(ExperimentConfig, raw)
     cfg.algo = build_dataclass(config_cls, algo_values, prefix=algorithm)
     if cfg.data.partition.kind == "file" and cfg.data.partition.path:

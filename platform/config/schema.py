@@ -327,7 +327,7 @@ def check_fields(cfg: ExperimentConfig) -> None:
     """The platform sections' values: cheap checks that need no registry, no data and no Ray."""
     d, p, s, t = cfg.data, cfg.data.partition, cfg.data.split, cfg.train
     _check(bool(cfg.name.strip()), "name: must not be empty (it names the MLflow experiment and the run)")
-    _check(cfg.seed >= 0, f"seed={cfg.seed}: must be >= 0")
+    _check(0 <= cfg.seed < 2**63, f"seed={cfg.seed}: must be >= 0 and < 2**63 (a 64-bit integer)")
     _check(bool(cfg.storage_path.strip()), "storage_path: must not be empty (default .fedray)")
     _check(cfg.rounds >= 1, f"rounds={cfg.rounds}: must be >= 1")
     _check(cfg.eval_every >= 1, f"eval_every={cfg.eval_every}: must be >= 1")

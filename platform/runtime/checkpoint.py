@@ -52,12 +52,31 @@ def has_checkpoint(directory: str) -> bool:
     return storage.exists(checkpoint_file(directory))
 
 
+# object stores pyarrow reaches over the network: asking for one may look up a region or credentials
+REMOTE_SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
+
+
 def require_storage(cfg: ExperimentConfig) -> None:
     """A local storage path that cannot hold the run's folder fails in one line before Ray starts,
-    not at the folder's making once the workers are up; an object store's is left to its first write."""
-    path = storage.resolve(cfg.storage_path)
-    if "://" in path:
+    not at the folder's making once the workers are up; so does a URI pyarrow cannot read. An object
+    store's is left to its first write."""
+    uri = storage.resolve(cfg.storage_path)
+    scheme = uri.split("://", 1)[0] if "://" in uri else ""
+    if scheme in REMOTE_SCHEMES:
         return
+    if scheme not in ("", "file", "local"):
+        from pyarrow import fs
+
+        try:  # a scheme pyarrow has no filesystem for fails here, as the URI is parsed
+            fs.FileSystem.from_uri(uri)
+        except Exception as err:  # pyarrow's ArrowInvalid: "Unrecognized filesystem type in URI"
+            raise ConfigError(
+                f"storage_path={cfg.storage_path}: {first_line(err)}; use a local folder, file://, "
+                f"or an object store ({', '.join(f'{s}://' for s in REMOTE_SCHEMES)})"
+            ) from None
+        return
+    path = storage.local_path(uri)
+    assert path is not None  # a plain path, file:// or local://
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as err:

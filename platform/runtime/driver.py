@@ -202,8 +202,15 @@ def ensure_ray(cfg: ExperimentConfig, prestart: bool = False) -> None:
             "log_to_driver": os.environ.get("FEDRAY_RAY_LOGS", "0") == "1",
         }
         if address:
-            require_answer(address, cfg.ray.cluster_address_source())
-            ray.init(address=address, **kwargs)
+            source = cfg.ray.cluster_address_source()
+            require_answer(address, source)
+            try:
+                ray.init(address=address, **kwargs)
+            except ConnectionError as err:  # "auto" with no Ray running here, a ray:// with none there
+                raise ConfigError(
+                    f"{source}={address}: {first_line(err).rstrip('.')}; start the cluster (ray start --head) or leave "
+                    "ray.address unset for a local Ray"
+                ) from None
         else:
             if cfg.ray.object_store_mb is not None:
                 kwargs["object_store_memory"] = cfg.ray.object_store_mb * 2**20
@@ -453,11 +460,24 @@ def preflight(cfg: ExperimentConfig, new_run: bool = True) -> tuple[Federation, 
     here); then Ray is started or joined, and asked for the CPUs and GPUs one worker needs."""
     require_before_ray(cfg, new_run)
     fed = prepare_federation(cfg)
+    require_a_step(cfg, fed)
     baseline = baseline_metrics(fed)
     ensure_ray(cfg)
     require_gpus(cfg)  # GPUs asked for that the cluster lacks: one line now, not a wait forever
     require_cpus(cfg)
     return fed, baseline
+
+
+def require_a_step(cfg: ExperimentConfig, fed: Federation) -> None:
+    """``train.drop_last`` drops each epoch's last partial batch: with a batch larger than every
+    client's training split no client would take a single step, and the run would train nothing."""
+    t = cfg.train
+    most = max((len(shard.train) for shard in fed.shards), default=0)
+    if t.drop_last and most < t.batch_size:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} with train.drop_last=true: no client has that many training "
+            f"samples (the most is {most}), so none would train; lower the batch size or drop_last=false"
+        )
 
 
 def require_before_ray(cfg: ExperimentConfig, new_run: bool = True) -> None:

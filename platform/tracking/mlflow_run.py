@@ -68,6 +68,31 @@ def require_tracking_store(uri: str, source: str) -> None:
             f"{source}={uri}: MLflow has no tracking store for that scheme; give sqlite:///<file>, "
             "http(s)://<server>, a local folder, or a database URI (postgresql://, mysql://)"
         ) from None
+    require_server_answer(uri, source)
+
+
+SERVER_CONNECT_TIMEOUT_S = 10  # a tracking server that has not taken a connection by then is not there
+
+
+def require_server_answer(uri: str, source: str) -> None:
+    """A tracking server where nothing answers fails in one line at once. MLflow itself retries each
+    request for minutes: a report or ``fedray ui`` would wait in silence, and a run would start Ray
+    and train its first round before its first write failed with a traceback. (An outage once the
+    run is going is waited out: ``tracking.max_outage_s``.)"""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        socket.create_connection((parts.hostname, port), timeout=SERVER_CONNECT_TIMEOUT_S).close()
+    except (OSError, ValueError) as err:  # ValueError: a port out of range
+        raise ConfigError(
+            f"{source}={uri}: no tracking server answers there ({getattr(err, 'strerror', None) or err}); "
+            "start it (mlflow server ...) or give its address"
+        ) from None
 
 
 def _artifact_root(uri: str) -> str | None:
@@ -353,7 +378,12 @@ def run_to_resume(run_id: str, uri: str | None = None):
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
+    source = "tracking URI" if uri else tracking_uri_source()
     uri = uri or tracking_uri()
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///").partition("?")[0]).is_file():
+        raise ConfigError(f"--resume {run_id}: no MLflow store at {uri} (run fedray where its store is)")
+    require_tracking_store(uri, source)
+    quiet_mlflow()
     try:
         with deferred():  # a resume reads it while the run's signals are taken
             return MlflowClient(tracking_uri=uri).get_run(run_id)
