@@ -98,10 +98,11 @@ def load_runs(experiment: str, tracking_uri: str | None = None) -> ExperimentRun
     runs = [r for r in all_runs if r.data.tags.get(Tags.KIND) != RunKind.REPORT]
     parents = {r.data.tags.get(Tags.PARENT_RUN_ID) for r in runs} - {None}
 
-    # personalised accuracy when any run has it, under the name its eval.clients gives it (all clients
-    # first); global accuracy for experiments without client test data (every client sample used for
-    # training, as FedCross and FedSC train)
-    logged = {key for r in runs for key in r.data.metrics}
+    # personalised accuracy when a run the report can use has it, under the name its eval.clients gives
+    # it (all clients first); global accuracy for experiments without client test data (every client
+    # sample used for training, as FedCross and FedSC train). A killed run or a sweep's parent has no say.
+    usable = [r for r in runs if r.info.run_id not in parents and _skip_reason(r, None) is None]
+    logged = {key for r in usable for key in r.data.metrics}
     clients = next((c for c in EVAL_CLIENTS if personal_on(PRIMARY_METRIC, c) in logged), "all")
     personal = personal_on(PRIMARY_METRIC, clients)
     metric = personal if personal in logged or GLOBAL_METRIC not in logged else GLOBAL_METRIC
@@ -153,12 +154,16 @@ def _search_all(client, experiment_id: str) -> list:
             return runs
 
 
-def _skip_reason(run, metric: str) -> str | None:
+def _skip_reason(run, metric: str | None) -> str | None:
+    """Why the report leaves ``run`` out (``metric`` None: whatever it logged), or None."""
     if run.info.status != "FINISHED":
         return f"status {run.info.status}"
     if Tags.ALGORITHM not in run.data.tags:
         return f"no {Tags.ALGORITHM!r} tag (not a fedray run)"
-    if metric not in run.data.metrics:
+    if metric is not None and metric not in run.data.metrics:
+        other = next((c for c in EVAL_CLIENTS if personal_on(PRIMARY_METRIC, c) in run.data.metrics), None)
+        if other is not None and metric.startswith(Metrics.ACC_PERSONAL_PREFIX):  # runs mixing policies
+            return f"no {metric} metric (evaluated with eval.clients={other})"
         return f"no {metric} metric"
     return None
 

@@ -225,6 +225,10 @@ def check_space(space: SearchSpace, base: dict[str, Any], n: int = 8) -> None:
             cfg = trial_config(base, point)
         except ConfigError as err:
             raise ConfigError(f"{space.path}: {err}") from None
+    if space.search == "optuna" and cfg.seed >= 2**32:  # Optuna's sampler takes a 32-bit seed
+        raise ConfigError(
+            f"{space.path}: search=optuna: seed={cfg.seed} must be < 2**32 for Optuna's sampler"
+        )
     others = set(CATALOG.algorithm_names()) - {cfg.algorithm}
     for param in space.params:
         section = param.key.split(".", 1)[0]

@@ -10,6 +10,14 @@ from fedray.platform.catalog import load_config
 from fedray.platform.errors import ConfigError, ContractError
 
 
+@pytest.fixture(autouse=True)
+def no_proxy_for_loopback(monkeypatch):
+    """The tracking-server probes below go to 127.0.0.1: never through a proxy the machine may set
+    (fresh processes inherit this too)."""
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(name, "127.0.0.1,localhost")
+
+
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
@@ -68,6 +76,7 @@ CLI_CASES = [
     (["storage_path=/proc/fedray"], "storage_path=/proc/fedray: cannot make the folder"),
     (["storage_path=file:///proc/fedray"], "storage_path=file:///proc/fedray: cannot make the folder"),
     (["storage_path=foo://bar/x"], "storage_path=foo://bar/x: Unrecognized filesystem type"),
+    (["storage_path=file://relative/x"], "a file:// URI is absolute (file:///home/...)"),
     (["tracking.uri=http://127.0.0.1:1"], "tracking.uri=http://127.0.0.1:1: no tracking server answers"),
     # no client could take a step: the run would train nothing (checked on the partition, before Ray)
     (["train.drop_last=true", "train.batch_size=100000"], "no client has that many training samples"),
@@ -104,8 +113,6 @@ def test_a_run_that_cannot_go_on_is_one_line_and_exit_status_1(capsys, monkeypat
 # checked in a fresh process only: in the tests' own process a Ray may already be up, and a run joins it
 FRESH_CLI_CASES = [
     (["ray.address=127.0.0.1:1"], "ray.address=127.0.0.1:1: nothing answers there"),  # no cluster there
-    # no Ray under the process's RAY_TMPDIR: "auto" finds none (the suite's own Rays are elsewhere)
-    (["ray.address=auto"], "ray.address=auto: Could not find any running Ray instance"),
     # more than this machine's Ray has: the set-up would wait for room that never comes
     (["ray.num_cpus_per_client=64"], "ray.num_cpus_per_client=64: a ClientActor needs that many CPUs"),
     (["ray.num_cpus=2", "ray.num_cpus_per_client=3"], "ray.num_cpus is 2"),
@@ -154,7 +161,7 @@ def test_bad_input_starts_no_ray_and_a_typo_loads_no_torch(tmp_path):
         json.dumps(CLI_CASES + FRESH_CLI_CASES),
         json.dumps(typos),
         cwd=tmp_path,
-        env={"HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": "", "RAY_TMPDIR": str(tmp_path / "ray")},
+        env={"HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""},
     )
     assert done.returncode == 0 and done.stdout.split()[-2:] == ["no", "Ray"], done.stderr[-2000:]
     errors = done.stderr.splitlines()
@@ -308,9 +315,12 @@ def test_a_mistyped_command_line_is_one_line(capsys):
 
 
 def test_a_config_file_that_is_no_yaml_text_is_one_line(capsys, tmp_path):
-    (tmp_path / "binary.yaml").write_bytes(b"seed: 1\n\xff\xfe rounds\n")
+    (tmp_path / "binary.yaml").write_bytes(b"seed: 1\n" + b"# padding\n" * 5000 + b"\xff\xfe rounds\n")
     (tmp_path / "folder.yaml").mkdir()
-    for name, needle in (("binary.yaml", "not UTF-8 text (byte 0xff at 8)"), ("folder.yaml", "is a folder")):
+    for name, needle in (
+        ("binary.yaml", "not UTF-8 text (byte 0xff at 50008)"),
+        ("folder.yaml", "is a folder"),
+    ):
         assert main(["run", str(tmp_path / name)]) == 2
         err = capsys.readouterr().err.strip()
         assert f"config file '{tmp_path / name}' " in err or f"config file '{tmp_path / name}':" in err, err
@@ -388,3 +398,17 @@ def test_a_run_saved_with_values_refused_since_resumes_as_it_meant_them():
     assert cfg.data.train_subset is None and cfg.algo.mu == 0.5
     raw["data"]["train_subset"] = 500  # a real subset stays
     assert saved_config(yaml.safe_load(yaml.safe_dump(raw))).data.train_subset == 500
+
+
+def test_a_tracking_server_behind_a_proxy_is_left_to_mlflow(monkeypatch):
+    """MLflow reaches a server through HTTP(S)_PROXY, which a direct connection would not: the probe
+    is skipped where the proxy applies, and made where NO_PROXY exempts the host."""
+    from fedray.platform.tracking.mlflow_run import require_server_answer
+
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    monkeypatch.setenv("NO_PROXY", "example.org")
+    monkeypatch.delenv("no_proxy")
+    require_server_answer("http://127.0.0.1:1", "tracking.uri")  # through the proxy: not asked here
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    with pytest.raises(ConfigError, match=r"tracking.uri=http://127.0.0.1:1: no tracking server answers"):
+        require_server_answer("http://127.0.0.1:1", "tracking.uri")

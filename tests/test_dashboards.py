@@ -21,6 +21,7 @@ from conftest import store_in, tiny_overrides
 from mlflow.tracking import MlflowClient
 from ui_helpers import browser_or_skip
 
+from fedray.dashboards import load
 from fedray.dashboards import summary as sm
 from fedray.dashboards.build import make_report
 from fedray.dashboards.report import add_report_parser, build_report
@@ -482,4 +483,15 @@ def test_report_of_runs_evaluated_on_selected_clients_reads_their_metric_names(t
     assert summary["fedssa"]["personal_best_mean"] == pytest.approx(0.6)  # the logged best, not the last
     html = info.path.read_text()
     assert "rounds to 47% personalised" in html  # fedavg's mean best, 47.5 %, is the lower
+    # a finished run evaluated on all clients: preferred, and the others left out saying why
+    tags = {Tags.ALGORITHM: "fedavg", Tags.SEED: "2", Tags.DATASET: "cifar10", Tags.PARTITION: "iid"}
+    run_id = client.create_run(eid, tags=tags, run_name="fedavg-s2").info.run_id
+    client.log_metric(run_id, Metrics.ACC_PERSONAL_MEAN, 0.7, step=1)
+    client.set_terminated(run_id, "FINISHED")
+    ex = load.load_runs("selected", uri)
+    assert ex.metric == Metrics.ACC_PERSONAL_MEAN and list(ex.runs["run_id"]) == [run_id]
+    assert set(ex.skipped["reason"]) == {"no acc/personal_mean metric (evaluated with eval.clients=selected)"}
+    # a killed run has no say: the finished runs are reported under their own name
+    client.set_terminated(run_id, "KILLED")
+    assert load.load_runs("selected", uri).metric == "acc/personal_mean_selected"
     assert "each evaluation round&#x27;s selected clients" in html  # the note under the table, escaped

@@ -100,8 +100,8 @@ def load_yaml(path: str | Path, what: str = "config file") -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{name} does not exist")
     try:
-        with path.open(encoding="utf-8") as fh:
-            raw = yaml.safe_load(fh) or {}
+        text = path.read_bytes().decode("utf-8")  # whole: a decoding error's offset is the file's
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{name}: {yaml_problem(err)}") from None
     except UnicodeDecodeError as err:

@@ -75,7 +75,12 @@ def require_storage(cfg: ExperimentConfig) -> None:
                 f"or an object store ({', '.join(f'{s}://' for s in REMOTE_SCHEMES)})"
             ) from None
         return
-    path = storage.local_path(uri)
+    try:
+        path = storage.local_path(uri)
+    except Exception as err:  # ArrowInvalid: file://relative/path, file://~/x
+        raise ConfigError(
+            f"storage_path={cfg.storage_path}: {first_line(err)}; a file:// URI is absolute (file:///home/...)"
+        ) from None
     assert path is not None  # a plain path, file:// or local://
     try:
         os.makedirs(path, exist_ok=True)

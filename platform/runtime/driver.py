@@ -208,8 +208,8 @@ def ensure_ray(cfg: ExperimentConfig, prestart: bool = False) -> None:
                 ray.init(address=address, **kwargs)
             except ConnectionError as err:  # "auto" with no Ray running here, a ray:// with none there
                 raise ConfigError(
-                    f"{source}={address}: {first_line(err).rstrip('.')}; start the cluster (ray start --head) or leave "
-                    "ray.address unset for a local Ray"
+                    f"{source}={address}: {first_line(err).rstrip('.')}; start the cluster (ray start --head) "
+                    f"or unset {source} for a local Ray"
                 ) from None
         else:
             if cfg.ray.object_store_mb is not None:
@@ -460,7 +460,8 @@ def preflight(cfg: ExperimentConfig, new_run: bool = True) -> tuple[Federation, 
     here); then Ray is started or joined, and asked for the CPUs and GPUs one worker needs."""
     require_before_ray(cfg, new_run)
     fed = prepare_federation(cfg)
-    require_a_step(cfg, fed)
+    if new_run:  # a run saved before this check resumes as it was accepted
+        require_a_step(cfg, fed)
     baseline = baseline_metrics(fed)
     ensure_ray(cfg)
     require_gpus(cfg)  # GPUs asked for that the cluster lacks: one line now, not a wait forever
@@ -574,7 +575,9 @@ def drive(
     personalised models worth logging."""
     cfg = handle.cfg
     logged, restarts = [tracker.last_step(Metrics.COMM_UP_BYTES)], 0
-    with Progress(cfg.rounds, f"{cfg.algorithm} on {cfg.data.dataset}", enabled=cfg.progress) as progress:
+    personal = personal_on(Metrics.ACC_PERSONAL_MEAN, cfg.eval.clients)
+    title = f"{cfg.algorithm} on {cfg.data.dataset}"
+    with Progress(cfg.rounds, title, enabled=cfg.progress, personal=personal) as progress:
         while True:
             try:
                 if handle.run_ref is None:  # the Coordinator died: a fresh one, at the last checkpoint

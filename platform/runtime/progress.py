@@ -30,9 +30,15 @@ def fmt_loss(value: float | None) -> str:
 
 class Progress:
     def __init__(
-        self, total_rounds: int, title: str, enabled: bool = True, console: Console | None = None
+        self,
+        total_rounds: int,
+        title: str,
+        enabled: bool = True,
+        console: Console | None = None,
+        personal: str = Metrics.ACC_PERSONAL_MEAN,
     ) -> None:
         self.total = total_rounds
+        self.personal = personal  # as the run logs it: acc/personal_mean_selected with eval.clients=selected
         self.title = title
         self.enabled = enabled
         self.console = console or Console(file=sys.stdout)
@@ -97,12 +103,12 @@ class Progress:
             self._round_end(event.round, event.metrics)
 
     def _round_end(self, rnd: int, m: dict[str, float]) -> None:
-        for key in (Metrics.ACC_PERSONAL_MEAN, Metrics.ACC_GLOBAL):
+        for key in (self.personal, Metrics.ACC_GLOBAL):
             if key in m:
                 self.last_acc[key] = m[key]
         selected = int(m.get(Metrics.CLIENTS_SELECTED, 0))
         trained = selected - int(m.get(Metrics.CLIENTS_FAILED, 0))
-        personal = fmt_acc(self.last_acc.get(Metrics.ACC_PERSONAL_MEAN))
+        personal = fmt_acc(self.last_acc.get(self.personal))
         line = (
             f"round {rnd:>4}/{self.total}  clients {trained}/{selected}  acc personal {personal}"
             f"  global {fmt_acc(self.last_acc.get(Metrics.ACC_GLOBAL))}"

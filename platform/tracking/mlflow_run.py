@@ -81,10 +81,13 @@ def require_server_answer(uri: str, source: str) -> None:
     run is going is waited out: ``tracking.max_outage_s``.)"""
     import socket
     from urllib.parse import urlsplit
+    from urllib.request import getproxies, proxy_bypass
 
     parts = urlsplit(uri)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return
+    if parts.scheme in getproxies() and not proxy_bypass(parts.hostname):
+        return  # MLflow's requests go through the proxy (HTTP(S)_PROXY), which may be all that reaches it
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         socket.create_connection((parts.hostname, port), timeout=SERVER_CONNECT_TIMEOUT_S).close()
