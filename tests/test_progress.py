@@ -70,3 +70,15 @@ def test_a_failures_traceback_is_shown_under_its_line_and_neither_is_read_as_mar
         *trace.rstrip().splitlines(),
         f"round 1: client 1 failed: {error}",  # the same origin again: the Coordinator sent its line only
     ]
+
+
+def test_the_round_line_shows_personalised_accuracy_under_the_name_the_run_logs(capsys):
+    """With ``eval.clients=selected`` the rounds report ``acc/personal_mean_selected``; the line reads it."""
+    out = io.StringIO()
+    with Progress(
+        10, "x", console=Console(file=out, width=200), personal="acc/personal_mean_selected"
+    ) as progress:
+        progress.handle(
+            RoundEnded(1, {**ROUND, "acc/personal_mean_selected": 0.5, Metrics.ACC_PERSONAL_MEAN: 0.9})
+        )
+    assert "acc personal 50.00  global -" in out.getvalue() + capsys.readouterr().out
