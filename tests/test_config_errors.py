@@ -77,7 +77,6 @@ CLI_CASES = [
     (["storage_path=file:///proc/fedray"], "storage_path=file:///proc/fedray: cannot make the folder"),
     (["storage_path=foo://bar/x"], "storage_path=foo://bar/x: Unrecognized filesystem type"),
     (["storage_path=file://relative/x"], "a file:// URI is absolute (file:///home/...)"),
-    (["tracking.uri=http://127.0.0.1:1"], "tracking.uri=http://127.0.0.1:1: no tracking server answers"),
     # no client could take a step: the run would train nothing (checked on the partition, before Ray)
     (["train.drop_last=true", "train.batch_size=100000"], "no client has that many training samples"),
 ]
@@ -267,6 +266,10 @@ def test_an_algorithm_config_must_derive_from_the_typed_base():
         (
             ["report", "quickstart", "--tracking-uri", "http://127.0.0.1:1"],
             "no tracking server answers there",
+        ),
+        (
+            ["run", "tracking.uri=http://127.0.0.1:1"],
+            "tracking.uri=http://127.0.0.1:1: no tracking server answers",
         ),
         (["ui", "--port", "99999"], "--port 99999: a TCP port is 1-65535"),
         (["report", "quickstart", "--tracking-uri", "foo://bar"], "--tracking-uri=foo://bar: MLflow has no"),
