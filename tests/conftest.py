@@ -82,7 +82,7 @@ def client_actor(ray_session):
         "train_sizes": [],
     }
     actor = start_worker(load_config(None, tiny_overrides()), {"num_cpus": 0})
-    ray_session.get(actor.setup.remote(meta), timeout=120)
+    ray_session.get(actor.setup.remote(meta), timeout=600)  # a loaded machine starts it in minutes
     yield actor
     ray_session.kill(actor)
 

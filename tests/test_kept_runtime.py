@@ -178,7 +178,7 @@ def test_a_replacement_killed_as_its_run_hands_on_counts_its_cpu_for_the_next_po
 
 
 @pytest.mark.usefixtures("ray_session", "mlflow_store")
-def test_a_run_stopped_early_hands_on_its_processes_once_its_coordinator_halts(tmp_path):
+def test_a_run_stopped_early_hands_on_its_processes_once_its_coordinator_halts(tmp_path, monkeypatch):
     """Tune's scheduler stops a run after round 1 while its Coordinator, ahead of the driver, is in
     round 2 (held at a gate): a Coordinator that ends the round within the wait is halted there and the
     processes serve the next run; one still in its round after the wait has its processes stopped."""
@@ -204,6 +204,11 @@ def test_a_run_stopped_early_hands_on_its_processes_once_its_coordinator_halts(t
 
         return on_round
 
+    # the wait, long here: on a loaded machine round 2 may take longer than a round's usual wait
+    from fedray.platform.runtime import driver
+
+    monkeypatch.setattr(driver, "HALT_WAIT_MIN_S", 600.0)
+    monkeypatch.setattr(driver, "HALT_WAIT_MAX_S", 600.0)
     gate, cfg = gated("released")
     with pytest.raises(StoppedEarly):
         run_experiment(cfg, on_round=stop_after_round_1(gate, open_after_s=1.0))
@@ -211,6 +216,8 @@ def test_a_run_stopped_early_hands_on_its_processes_once_its_coordinator_halts(t
     after = run_experiment(load_config(None, tiny_overrides(rounds=2)))
     assert after.finished and kept_actors().keys() == first.keys()
 
+    monkeypatch.setattr(driver, "HALT_WAIT_MIN_S", 1.0)  # and short: the held round outlasts it
+    monkeypatch.setattr(driver, "HALT_WAIT_MAX_S", 1.0)
     gate, cfg = gated("held")
     with pytest.raises(StoppedEarly):
         run_experiment(cfg, on_round=stop_after_round_1(gate, open_after_s=None))  # never opened
@@ -259,7 +266,8 @@ def test_a_run_that_failed_as_it_halted_is_not_reused_and_says_why(caplog):
     # its processes are not handed on, and the error, which nothing else reports, is logged
     handle = object.__new__(CoordinatorHandle)
     handle.run_ref = _a_run_that_failed_as_it_halted.remote()
-    assert ray.wait([handle.run_ref], timeout=120)[0], "the stand-in run call did not return"
+    # a loaded machine may take minutes to start the task's worker process
+    assert ray.wait([handle.run_ref], timeout=600)[0], "the stand-in run call did not return"
     with caplog.at_level(logging.WARNING, logger="fedray.platform.runtime.driver"):
         assert handle.halted() is False
     assert "failed as it halted: OSError: no space left on device: checkpoint.pt" in caplog.text
@@ -275,13 +283,13 @@ class _Idle:
 def test_a_restart_waits_until_ray_reports_the_old_coordinator_dead(caplog):
     # an actor still running is not dead: waited for (here briefly), and said so
     alive = _Idle.remote()
-    assert ray.get(alive.ping.remote(), timeout=60)
+    assert ray.get(alive.ping.remote(), timeout=600)  # its process may take minutes to start under load
     with caplog.at_level(logging.WARNING, logger="fedray.platform.runtime.driver"):
         assert wait_until_dead(alive, timeout_s=1.0) is False
     assert "not reported dead within 1 s" in caplog.text
     # killed (ray.kill only asks): returns once Ray says it is gone
     ray.kill(alive)
-    assert wait_until_dead(alive, timeout_s=60.0) is True
+    assert wait_until_dead(alive, timeout_s=600.0) is True
     with pytest.raises(ray.exceptions.ActorDiedError):
         ray.get(alive.ping.remote(), timeout=10)
 

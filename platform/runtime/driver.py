@@ -353,6 +353,7 @@ class Trial:
 # so that its processes serve the driver's next run: a new Coordinator and ClientActors take 10-20 s
 # to start on a 2-core machine, so a longer round is cut and its processes stopped.
 HALT_WAIT_MAX_S = 30.0
+HALT_WAIT_MIN_S = 5.0  # beside twice the last round's time: a tiny round's halt still has a moment
 DEATH_WAIT_MAX_S = 60.0  # a restart waits this long at most for the old Coordinator to be gone
 
 
@@ -412,7 +413,7 @@ class CoordinatorHandle:
         try:
             if not ray.wait([self.run_ref], timeout=0)[0]:
                 last_round_s = ray.get(self.runtime.coordinator.halt.remote(), timeout=10)
-                ray.wait([self.run_ref], timeout=min(HALT_WAIT_MAX_S, 2 * last_round_s + 5))
+                ray.wait([self.run_ref], timeout=min(HALT_WAIT_MAX_S, 2 * last_round_s + HALT_WAIT_MIN_S))
             ray.get(self.run_ref, timeout=0)  # its error, or GetTimeoutError if still running
             return True
         except ray.exceptions.GetTimeoutError:
