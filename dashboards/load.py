@@ -18,6 +18,7 @@ import pandas as pd
 from fedray.platform.errors import ConfigError
 from fedray.platform.tracking.mlflow_run import (
     existing_experiment,
+    missing_sqlite_store,
     quiet_mlflow,
     require_tracking_store,
     tracking_uri,
@@ -79,10 +80,9 @@ def resolve_tracking_uri(uri: str | None) -> str:
     source = "--tracking-uri" if uri else tracking_uri_source()
     uri = uri or tracking_uri()
     require_tracking_store(uri, source)
-    if uri.startswith("sqlite:///"):
-        path = Path(uri.removeprefix("sqlite:///"))
-        if not path.is_file():
-            raise ConfigError(f"no MLflow store at {path} (tracking URI {uri}); run an experiment first")
+    path = missing_sqlite_store(uri)
+    if path is not None:
+        raise ConfigError(f"no MLflow store at {path} (tracking URI {uri}); run an experiment first")
     return uri
 
 
@@ -103,7 +103,7 @@ def load_runs(experiment: str, tracking_uri: str | None = None) -> ExperimentRun
     # sample used for training, as FedCross and FedSC train). A killed run or a sweep's parent has no say.
     usable = [r for r in runs if r.info.run_id not in parents and _skip_reason(r, None) is None]
     logged = {key for r in usable for key in r.data.metrics}
-    clients = next((c for c in EVAL_CLIENTS if personal_on(PRIMARY_METRIC, c) in logged), "all")
+    clients = evaluated_clients(logged) or "all"
     personal = personal_on(PRIMARY_METRIC, clients)
     metric = personal if personal in logged or GLOBAL_METRIC not in logged else GLOBAL_METRIC
     used, skipped = [], []
@@ -154,6 +154,11 @@ def _search_all(client, experiment_id: str) -> list:
             return runs
 
 
+def evaluated_clients(metrics) -> str | None:
+    """The ``eval.clients`` whose personalised mean is among ``metrics`` (metric names), all first."""
+    return next((c for c in EVAL_CLIENTS if personal_on(PRIMARY_METRIC, c) in metrics), None)
+
+
 def _skip_reason(run, metric: str | None) -> str | None:
     """Why the report leaves ``run`` out (``metric`` None: whatever it logged), or None."""
     if run.info.status != "FINISHED":
@@ -161,7 +166,7 @@ def _skip_reason(run, metric: str | None) -> str | None:
     if Tags.ALGORITHM not in run.data.tags:
         return f"no {Tags.ALGORITHM!r} tag (not a fedray run)"
     if metric is not None and metric not in run.data.metrics:
-        other = next((c for c in EVAL_CLIENTS if personal_on(PRIMARY_METRIC, c) in run.data.metrics), None)
+        other = evaluated_clients(run.data.metrics)
         if other is not None and metric.startswith(Metrics.ACC_PERSONAL_PREFIX):  # runs mixing policies
             return f"no {metric} metric (evaluated with eval.clients={other})"
         return f"no {metric} metric"

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from fedray.platform.errors import ConfigError
 from fedray.platform.tracking.views import DEFAULT_HOST, DEFAULT_PORT, latest_experiment, runs_table_url
@@ -39,7 +38,12 @@ def find_experiment(uri: str, name: str | None) -> tuple[str, str] | None:
 
 
 def ui_command(args: argparse.Namespace) -> int:
-    from fedray.platform.tracking.mlflow_run import require_tracking_store, tracking_uri, tracking_uri_source
+    from fedray.platform.tracking.mlflow_run import (
+        missing_sqlite_store,
+        require_tracking_store,
+        tracking_uri,
+        tracking_uri_source,
+    )
 
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"--workers {args.workers}: must be >= 1")
@@ -47,7 +51,7 @@ def ui_command(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port {args.port}: a TCP port is 1-65535")
 
     uri = tracking_uri()
-    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+    if missing_sqlite_store(uri):
         raise ConfigError(f"no MLflow store at {uri} yet: run something first (make run)")
     require_tracking_store(uri, tracking_uri_source())
     found = find_experiment(uri, args.experiment)

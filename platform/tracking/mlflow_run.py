@@ -71,6 +71,14 @@ def require_tracking_store(uri: str, source: str) -> None:
     require_server_answer(uri, source)
 
 
+def missing_sqlite_store(uri: str) -> Path | None:
+    """The file of a ``sqlite:///`` store that is not there (MLflow would make an empty one), or None."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = Path(uri.removeprefix("sqlite:///").partition("?")[0])
+    return None if path.is_file() else path
+
+
 SERVER_CONNECT_TIMEOUT_S = 10  # a tracking server that has not taken a connection by then is not there
 
 
@@ -381,11 +389,11 @@ def run_to_resume(run_id: str, uri: str | None = None):
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    source = "tracking URI" if uri else tracking_uri_source()
-    uri = uri or tracking_uri()
-    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///").partition("?")[0]).is_file():
-        raise ConfigError(f"--resume {run_id}: no MLflow store at {uri} (run fedray where its store is)")
-    require_tracking_store(uri, source)
+    if uri is None:  # the user's --resume: checked here (a reopened run's tracker has its store)
+        uri = tracking_uri()
+        if missing_sqlite_store(uri):
+            raise ConfigError(f"--resume {run_id}: no MLflow store at {uri} (run fedray where its store is)")
+        require_tracking_store(uri, tracking_uri_source())
     quiet_mlflow()
     try:
         with deferred():  # a resume reads it while the run's signals are taken
