@@ -25,8 +25,8 @@ docs/algorithms/fedcross.md that explains each one:
 - [In-order model indices] in-order uses 0-based model indices i = 0..K-1 (1-based i with ``% K``
   could return 0).
 - [Similarity measure] similarity is the standard cosine ``<x,y> / (|x| |y|)`` (Sec. III-B1 prints
-  ``|x| + |y|``, a typo for "classic cosine"), over all float state entries of the uploaded models,
-  flattened, float64.
+  ``|x| + |y|``, a typo for "classic cosine"), over the parameters of the uploaded models (not their
+  BN statistics), flattened, float64.
 - [Shared collaborators and ties] several models may share a collaborator; ties go to the lowest index.
 - [BatchNorm statistics and integer buffers] BN running statistics are fused by the same alpha rule;
   integer buffers are copied from self.
@@ -49,8 +49,9 @@ it is the identity fusion tests rely on. A client that fails mid-round leaves it
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar, Literal
 
 import torch
@@ -79,54 +80,88 @@ Selection = Literal["in_order", "highest_similarity", "lowest_similarity"]
 # was coordinator/eval_sample's, so both drew from the same seed every round
 stream("fedcross/shuffle", "rnd")
 DA_ALPHA_START = 0.5  # dynamic alpha starts here (Sec. III-D: "from 0.5 to a specific threshold")
+# the fusions read at most this many elements of one entry of the K models at a time: float64 copies of
+# K whole models would take K * 8 bytes a parameter (10.7 GB for ten ImageNet-style VGG-16s)
+BLOCK_ELEMENTS = 1 << 20
 
 
 # --------------------------------------------------------------------------------------------- math
 
 
-def flatten_states(states: Sequence[Mapping[str, Tensor]]) -> Tensor:
-    """Stack the floating-point entries of K state dicts into one float64 matrix.
+def entry_blocks(states: Sequence[Mapping[str, Tensor]], key: str) -> Iterator[tuple[slice, Tensor]]:
+    """The K states' entry ``key``, flattened, as float64 blocks of at most ``BLOCK_ELEMENTS`` each.
 
-    Shape: ``[K, P]``, P = total number of float elements (parameters and float buffers), entries in
-    the key order of ``states[0]``. Integer buffers (``num_batches_tracked``) are left out.
+    Shape: yields ``(part, x)`` with ``x [K, b]``, ``x[i] = states[i][key].flatten()[part]``. The
+    fusions are elementwise, so block by block gives the bits of the whole vector at once.
     """
-    keys = [k for k, v in states[0].items() if v.is_floating_point()]
-    return torch.stack([torch.cat([s[k].detach().reshape(-1).double() for k in keys]) for s in states])
+    n = states[0][key].numel()
+    for start in range(0, max(n, 1), BLOCK_ELEMENTS):
+        part = slice(start, min(n, start + BLOCK_ELEMENTS))
+        yield part, torch.stack([s[key].detach().reshape(-1)[part].double() for s in states])
 
 
-def unflatten_state(flat: Tensor, template: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Inverse of :func:`flatten_states` for one row: ``flat [P]`` -> a state dict shaped like ``template``.
-
-    Float entries take their values from ``flat`` (cast back to the template's dtype); integer entries
-    are copied from ``template`` (counters come from self; see docs/algorithms/fedcross.md,
-    BatchNorm statistics and integer buffers).
-    """
-    out, offset = {}, 0
-    for key, ref in template.items():
-        if ref.is_floating_point():
-            n = ref.numel()
-            out[key] = flat[offset : offset + n].reshape(ref.shape).to(ref.dtype, copy=True)
-            offset += n
-        else:
-            out[key] = ref.detach().clone()
-    if offset != flat.numel():
-        raise ValueError(f"flat vector has {flat.numel()} elements, the template's float entries {offset}")
+def fuse_states(
+    states: Sequence[Mapping[str, Tensor]], fuse: Callable[[Tensor], Tensor]
+) -> list[dict[str, Tensor]]:
+    """``fuse`` (elementwise over the K models: ``[K, b] -> [K, b]``, in float64) applied to every
+    floating-point entry of K state dicts; each result keeps its own entry's dtype, and integer
+    entries are copied from its own state (counters come from self; docs/algorithms/fedcross.md,
+    BatchNorm statistics and integer buffers)."""
+    out: list[dict[str, Tensor]] = [{} for _ in states]
+    for key, ref in states[0].items():
+        if not ref.is_floating_point():
+            for own, state in zip(out, states):
+                own[key] = state[key].detach().clone()
+            continue
+        fused = [torch.empty(ref.shape, dtype=state[key].dtype) for state in states]
+        for part, x in entry_blocks(states, key):
+            for target, row in zip(fused, fuse(x)):
+                target.view(-1)[part] = row  # cast back to the entry's dtype
+        for own, value in zip(out, fused):
+            own[key] = value
     return out
 
 
-def cosine_similarity_matrix(v: Tensor) -> Tensor:
-    """Pairwise cosine similarity ``S[i, j] = <v_i, v_j> / (|v_i| |v_j|)`` (Sec. III-B1).
+def mean_state(states: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """The uniform mean of K state dicts, entry by entry in float64 (integer entries from the first)."""
+    out: dict[str, Tensor] = {}
+    for key, ref in states[0].items():
+        if not ref.is_floating_point():
+            out[key] = ref.detach().clone()
+            continue
+        out[key] = torch.empty(ref.shape, dtype=ref.dtype)
+        for part, x in entry_blocks(states, key):
+            out[key].view(-1)[part] = x.mean(dim=0)
+    return out
+
+
+def similarity_gram(states: Sequence[Mapping[str, Tensor]], keys: Sequence[str]) -> Tensor:
+    """The Gram matrix ``G[i, j] = <v_i, v_j>`` of the K states' entries ``keys`` flattened into one
+    vector each, in float64, summed block by block (no ``[K, P]`` copy of the models).
+
+    Shape: ``[K, K]``.
+    """
+    gram = torch.zeros(len(states), len(states), dtype=torch.float64)
+    for key in keys:
+        for _, x in entry_blocks(states, key):
+            gram += x @ x.T
+    return gram
+
+
+def cosine_from_gram(gram: Tensor) -> Tensor:
+    """Pairwise cosine similarity ``S[i, j] = G[i, j] / (|v_i| |v_j|)`` from the Gram matrix (Sec. III-B1).
 
     The paper prints ``|v_i| + |v_j|`` in the denominator; fedray reads it as a typo for the classic cosine
-    (see docs/algorithms/fedcross.md, Similarity measure).
-
-    Shape: ``v [K, P]`` -> ``[K, K]``. Computed from the Gram matrix in float64; a zero row has
-    similarity 0 to everything.
+    (see docs/algorithms/fedcross.md, Similarity measure). A zero vector has similarity 0 to everything.
     """
-    v = v.double()
-    gram = v @ v.T
     norms = gram.diagonal().clamp_min(0).sqrt()
     return gram / torch.outer(norms, norms).clamp_min(torch.finfo(torch.float64).tiny)
+
+
+def cosine_similarity_matrix(v: Tensor) -> Tensor:
+    """Pairwise cosine similarity of the rows of ``v [K, P]`` -> ``[K, K]``, in float64."""
+    v = v.double()
+    return cosine_from_gram(v @ v.T)
 
 
 def in_order_collaborators(num_models: int, rnd: int) -> Tensor:
@@ -139,18 +174,20 @@ def in_order_collaborators(num_models: int, rnd: int) -> Tensor:
     return (torch.arange(num_models) + offset) % num_models
 
 
-def select_collaborators(v: Tensor, rnd: int, strategy: Selection) -> Tensor:
+def select_collaborators(num_models: int, rnd: int, strategy: Selection, sim: Tensor | None = None) -> Tensor:
     """CoModelSel for every uploaded model at once (Sec. III-B1, Alg. 1 line 13).
 
-    Shape: ``v [K, P]`` -> ``co [K]`` (long), ``co[i] != i``. ``lowest_similarity`` = argmin and
-    ``highest_similarity`` = argmax of the cosine over ``j != i``; ties go to the lowest index.
+    Shape: ``sim [K, K]`` (the uploads' cosine similarities; in-order needs none) -> ``co [K]`` (long),
+    ``co[i] != i``. ``lowest_similarity`` = argmin and ``highest_similarity`` = argmax of the cosine over
+    ``j != i``; ties go to the lowest index.
     """
-    k = v.shape[0]
+    k = num_models
     if k < 2:
         raise ValueError(f"cross-aggregation needs at least 2 models, got {k}")
     if strategy == "in_order":
         return in_order_collaborators(k, rnd)
-    sim = cosine_similarity_matrix(v)
+    if sim is None or sim.shape != (k, k):
+        raise ValueError(f"{strategy} needs the {k} x {k} similarity matrix of the uploaded models")
     self_mask = torch.eye(k, dtype=torch.bool)
     if strategy == "lowest_similarity":
         return sim.masked_fill(self_mask, float("inf")).argmin(dim=1)
@@ -236,25 +273,29 @@ class FedCrossServer(Server):
         uploaded = list(self.middleware)  # a model whose client failed stays as dispatched
         for cid, uplink in uplinks.items():
             uploaded[self.assignment[cid]] = uplink["model"]
-        v = flatten_states(uploaded)  # the snapshot V: every fusion reads it, none reads a fused model
-        self.middleware = [unflatten_state(w, own) for w, own in zip(self.fuse(rnd, v), uploaded)]
+        # the snapshot V: every fusion reads it, none reads a fused model
+        self.middleware = fuse_states(uploaded, self.fusion(rnd, uploaded))
         self._update_global()
 
-    def fuse(self, rnd: int, v: Tensor) -> Tensor:
-        """This round's fusion of the uploaded set: PM while it is on, else CrossAggr with alpha_r."""
+    def fusion(self, rnd: int, uploaded: Sequence[Mapping[str, Tensor]]) -> Callable[[Tensor], Tensor]:
+        """This round's elementwise fusion of the uploaded set ``[K, b] -> [K, b]``: PM while it is on,
+        else CrossAggr with alpha_r and the collaborators CoModelSel picks from the uploads."""
         hp = self.hp
         if rnd < hp.propeller_rounds:
             self.collaborators = []
-            return propeller_aggregate(v, hp.propeller_num)
-        co = select_collaborators(v, rnd, hp.selection)
+            return partial(propeller_aggregate, num_propellers=hp.propeller_num)
+        sim = None
+        if hp.selection != "in_order":  # "the number of parameters" (Sec. III-B1): BN statistics are not
+            parameters = [name for name, _ in self.model.named_parameters()]
+            sim = cosine_from_gram(similarity_gram(uploaded, parameters))
+        co = select_collaborators(len(uploaded), rnd, hp.selection, sim)
         self.collaborators = co.tolist()
         alpha = dynamic_alpha(rnd, hp.alpha, hp.dynamic_alpha_start_round, hp.dynamic_alpha_rounds)
-        return cross_aggregate(v, co, alpha)
+        return partial(cross_aggregate, co=co, alpha=alpha)
 
     def _update_global(self) -> None:
         """GlobalModelGen: ``w_g = 1/K sum_i w^i`` (Sec. III-B3), uniform, over the fused models."""
-        mean = flatten_states(self.middleware).mean(dim=0)
-        self.model.load_state_dict(unflatten_state(mean, self.middleware[0]))
+        self.model.load_state_dict(mean_state(self.middleware))
 
     def global_model(self) -> nn.Module:
         return self.model

@@ -10,14 +10,16 @@ from torch.testing import assert_close
 from fedray.algorithms.fedcross import (
     FedCrossConfig,
     FedCrossServer,
+    cosine_from_gram,
     cosine_similarity_matrix,
     cross_aggregate,
     dynamic_alpha,
-    flatten_states,
+    fuse_states,
     in_order_collaborators,
+    mean_state,
     propeller_aggregate,
     select_collaborators,
-    unflatten_state,
+    similarity_gram,
 )
 from fedray.platform.api.algorithm import ServerContext
 from fedray.platform.catalog import load_config
@@ -48,8 +50,8 @@ def test_cosine_uses_product_of_norms():
 def test_lowest_and_highest_similarity_pick_hand_computed_partners():
     # lowest: row0 min(.707, .447) -> 2; row1 min(.707, .949) -> 0; row2 min(.447, .949) -> 0
     # highest: row0 -> 1; row1 -> 2; row2 -> 1.  With "|x|+|y|" row 0 would give 1 and 2 instead.
-    lowest = select_collaborators(HAND_V, rnd=0, strategy="lowest_similarity")
-    highest = select_collaborators(HAND_V, rnd=7, strategy="highest_similarity")
+    lowest = select_collaborators(3, 0, "lowest_similarity", cosine_similarity_matrix(HAND_V))
+    highest = select_collaborators(3, 7, "highest_similarity", cosine_similarity_matrix(HAND_V))
     assert lowest.tolist() == [2, 0, 0]
     assert highest.tolist() == [1, 2, 1]
 
@@ -57,11 +59,16 @@ def test_lowest_and_highest_similarity_pick_hand_computed_partners():
 def test_similarity_selection_never_picks_self_and_breaks_ties_by_lowest_index():
     # v1 == v2, so for row 0 both are equally (dis)similar -> 1; row 1's most similar other is 2 (cos 1)
     v = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
-    assert select_collaborators(v, 0, "lowest_similarity").tolist() == [1, 0, 0]
-    assert select_collaborators(v, 0, "highest_similarity").tolist() == [1, 2, 1]
+    assert select_collaborators(3, 0, "lowest_similarity", cosine_similarity_matrix(v)).tolist() == [1, 0, 0]
+    assert select_collaborators(3, 0, "highest_similarity", cosine_similarity_matrix(v)).tolist() == [1, 2, 1]
     # all identical: every other is a tie -> the lowest index that is not self
     same = torch.ones(4, 3)
-    assert select_collaborators(same, 0, "lowest_similarity").tolist() == [1, 0, 0, 0]
+    assert select_collaborators(4, 0, "lowest_similarity", cosine_similarity_matrix(same)).tolist() == [
+        1,
+        0,
+        0,
+        0,
+    ]
 
 
 def test_in_order_rotates_with_round_and_never_selects_self():
@@ -71,7 +78,7 @@ def test_in_order_rotates_with_round_and_never_selects_self():
     assert in_order_collaborators(4, 2).tolist() == [3, 0, 1, 2]
     assert in_order_collaborators(4, 3).tolist() == [1, 2, 3, 0]
     for rnd in range(10):
-        co = select_collaborators(torch.randn(5, 3), rnd, "in_order")
+        co = select_collaborators(5, rnd, "in_order")
         assert (co != torch.arange(5)).all()
 
 
@@ -86,7 +93,7 @@ def test_in_order_pairs_each_model_with_every_other_once_over_k_minus_1_rounds()
 def test_cross_aggregate_by_hand_and_in_order_preserves_the_sum():
     # Prepare: K = 3, in-order round 0 -> co = (1, 2, 0), alpha = 0.75
     v = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]], dtype=torch.float64)
-    co = select_collaborators(v, 0, "in_order")
+    co = select_collaborators(3, 0, "in_order")
     # Execute
     w = cross_aggregate(v, co, 0.75)
     # Assert: w0 = .75(1,0)+.25(0,1) = (.75,.25); w1 = .75(0,1)+.25(2,2) = (.5,1.25);
@@ -97,13 +104,17 @@ def test_cross_aggregate_by_hand_and_in_order_preserves_the_sum():
     torch.manual_seed(0)
     big = torch.randn(6, 11, dtype=torch.float64)
     for rnd in range(5):
-        assert_close(cross_aggregate(big, select_collaborators(big, rnd, "in_order"), 0.9).sum(0), big.sum(0))
+        assert_close(
+            cross_aggregate(big, select_collaborators(len(big), rnd, "in_order"), 0.9).sum(0), big.sum(0)
+        )
 
 
 def test_lowest_similarity_does_not_preserve_the_sum():
     # co = (2, 0, 0): model 1 is nobody's partner, so sum(w) != sum(v)
     # (see docs/algorithms/fedcross.md, Shared collaborators and ties)
-    w = cross_aggregate(HAND_V, select_collaborators(HAND_V, 0, "lowest_similarity"), 0.5)
+    w = cross_aggregate(
+        HAND_V, select_collaborators(3, 0, "lowest_similarity", cosine_similarity_matrix(HAND_V)), 0.5
+    )
     # sum w = .5*sum(v) + .5*(v2 + v0 + v0) = (6, 10.5) + (6, 10) = (12, 20.5) vs sum v = (12, 21)
     assert_close(w.sum(0), torch.tensor([12.0, 20.5], dtype=torch.float64))
 
@@ -112,7 +123,9 @@ def test_alpha_one_leaves_models_unchanged():
     torch.manual_seed(0)
     v = torch.randn(4, 9, dtype=torch.float64)
     for strategy in ("in_order", "lowest_similarity", "highest_similarity"):
-        assert torch.equal(cross_aggregate(v, select_collaborators(v, 2, strategy), 1.0), v)
+        assert torch.equal(
+            cross_aggregate(v, select_collaborators(len(v), 2, strategy, cosine_similarity_matrix(v)), 1.0), v
+        )
 
 
 def test_propeller_fusion_by_hand():
@@ -146,16 +159,42 @@ def test_dynamic_alpha_ramp_values():
     assert dynamic_alpha(3, 0.9, 0, 0) == 0.9
 
 
-def test_flatten_unflatten_roundtrip_keeps_dtypes_and_int_buffers():
+def test_fuse_states_keeps_dtypes_and_takes_int_buffers_from_self():
     a = {"w": torch.tensor([[1.0, 2.0]]), "n": torch.tensor(3), "b": torch.tensor([5.0], dtype=torch.float64)}
     b = {"w": torch.tensor([[3.0, 4.0]]), "n": torch.tensor(9), "b": torch.tensor([6.0], dtype=torch.float64)}
-    flat = flatten_states([a, b])
-    assert flat.dtype == torch.float64
-    assert_close(flat, torch.tensor([[1.0, 2.0, 5.0], [3.0, 4.0, 6.0]], dtype=torch.float64))
-    back = unflatten_state(flat[1], b)
-    assert back["w"].dtype == torch.float32 and back["b"].dtype == torch.float64
-    assert_close(back["w"], b["w"])
-    assert back["n"].item() == 9
+    swapped = fuse_states([a, b], lambda x: x.flip(0))  # each model takes the other's floats
+    assert swapped[1]["w"].dtype == torch.float32 and swapped[1]["b"].dtype == torch.float64
+    assert_close(swapped[1]["w"], a["w"])
+    assert_close(swapped[0]["b"], b["b"])
+    assert [s["n"].item() for s in swapped] == [3, 9]
+    mean = mean_state([a, b])
+    assert_close(mean["w"], torch.tensor([[2.0, 3.0]]))
+    assert mean["b"].dtype == torch.float64 and mean["n"].item() == 3
+
+
+def flat(states: list[dict], keys: list[str]) -> torch.Tensor:
+    """The K states' ``keys`` as one float64 ``[K, P]`` matrix: the whole-vector form of the math."""
+    return torch.stack([torch.cat([s[k].reshape(-1).double() for k in keys]) for s in states])
+
+
+def test_block_by_block_gives_the_bits_of_the_whole_vector(monkeypatch):
+    # Prepare: blocks of 7 elements cut every entry of 4 random models (one of 30 elements) into pieces
+    monkeypatch.setattr("fedray.algorithms.fedcross.BLOCK_ELEMENTS", 7)
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"w": (5, 6), "b": (5,), "v": (1,)}
+    states = [{k: torch.randn(shape, generator=gen) for k, shape in shapes.items()} for _ in range(4)]
+    keys = list(shapes)
+    v = flat(states, keys)
+    co = torch.tensor([2, 0, 3, 1])
+    # Execute / Assert: the fusions and the mean are the whole-vector math, bit for bit
+    fused = fuse_states(states, lambda x: cross_aggregate(x, co, 0.9))
+    assert torch.equal(flat(fused, keys), cross_aggregate(v, co, 0.9).float().double())
+    fused = fuse_states(states, lambda x: propeller_aggregate(x, 2))
+    assert torch.equal(flat(fused, keys), propeller_aggregate(v, 2).float().double())
+    assert torch.equal(flat([mean_state(states)], keys)[0], v.mean(dim=0).float().double())
+    # the Gram matrix summed over blocks is the whole vectors' (to the last bits of float64)
+    assert_close(similarity_gram(states, keys), v @ v.T, rtol=1e-12, atol=1e-12)
+    assert_close(cosine_from_gram(similarity_gram(states, keys)), cosine_similarity_matrix(v))
 
 
 # --------------------------------------------------------------------------------------------- server
@@ -243,6 +282,44 @@ def test_configure_gives_each_client_a_distinct_model_and_aggregate_applies_the_
     for cid, payload in down.items():
         expected = [1.25, 2.5, 3.25][server.assignment[cid]]
         assert_close(payload["model"]["head.bias"], torch.full((2,), expected))
+
+
+def test_lowest_similarity_pairs_the_uploads_by_their_parameters_alone():
+    # Prepare: K = 3 identical middleware models (same_init), so the dispatched models are all alike
+    # and a similarity read from them would tie everywhere (lowest partners 1, 0, 0)
+    server = make_server("fedcross.selection=lowest_similarity", "fedcross.alpha=0.75")
+    template = server.middleware[0]
+    server.configure(0, [0, 1, 2])
+    # the upload of model i: a_i on head.weight, b_i on features.0.weight (6 elements each), the other
+    # parameters 0, so its parameter vector is HAND_V's row i in two equal-norm directions:
+    #   (a, b) = (1, 0), (1, 1), (10, 20) -> lowest-cosine partners co = (2, 0, 0) (see HAND_V)
+    # and BN running means (1000, 0, 1000): counted, they would make models 0 and 2 the most alike
+    a, b, running = (1.0, 1.0, 10.0), (0.0, 1.0, 20.0), (1000.0, 0.0, 1000.0)
+
+    def upload(i: int) -> dict:
+        state = constant_state(template, 0.0, 0)
+        state["head.weight"] = torch.full((2, 3), a[i])
+        state["features.0.weight"] = torch.full((3, 2), b[i])
+        state["features.1.running_mean"] = torch.full((3,), running[i])
+        return state
+
+    # Execute
+    server.aggregate(0, {cid: {"model": upload(i)} for cid, i in server.assignment.items()})
+    # Assert: partners from the uploads' parameters; w_i = .75 v_i + .25 v_co(i) on every float entry
+    assert server.collaborators == [2, 0, 0]
+    expected = {
+        "head.weight": (0.75 * 1 + 0.25 * 10, 0.75 * 1 + 0.25 * 1, 0.75 * 10 + 0.25 * 1),
+        "features.0.weight": (0.25 * 20, 0.75 * 1, 0.75 * 20),
+        "features.1.running_mean": (0.75 * 1000 + 0.25 * 1000, 0.25 * 1000, 0.75 * 1000 + 0.25 * 1000),
+    }
+    for key, values in expected.items():
+        for i, value in enumerate(values):
+            assert_close(server.middleware[i][key], torch.full_like(template[key], value))
+    # counted with the BN statistics, model 0's least similar partner would be model 1
+    every_float = [k for k, v in template.items() if v.is_floating_point()]
+    uploads = [upload(i) for i in range(3)]
+    sim = cosine_from_gram(similarity_gram(uploads, every_float))
+    assert select_collaborators(3, 0, "lowest_similarity", sim)[0].item() == 1
 
 
 def test_shuffle_changes_across_rounds():
@@ -390,9 +467,10 @@ def test_pm_da_config_loads_and_the_server_runs_its_schedule():
     server = FedCrossServer(ServerContext(cfg, 10, 2, ["tiny"] * 10, tiny_model))
     assert server.num_models == 5
     v = torch.arange(5, dtype=torch.float64)[:, None]  # model i is the number i
+    uploaded = [constant_state(server.middleware[0], float(i), 0) for i in range(5)]
 
     def fused(rnd: int) -> list[float]:
-        return server.fuse(rnd, v)[:, 0].tolist()
+        return server.fusion(rnd, uploaded)(v)[:, 0].tolist()
 
     # rounds 0..49, PM with P = 4 of K = 5: every model becomes the mean of all five, (0+1+2+3+4)/5
     assert fused(0) == fused(49) == pytest.approx([2.0] * 5)
