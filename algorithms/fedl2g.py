@@ -65,7 +65,7 @@ from fedray.platform.api import (
 )
 
 Variant = Literal["f", "l"]
-DEFAULT_SERVER_LR = {"f": 100.0, "l": 0.1}  # paper Sec. 4 / Tab. 4: eta_s per variant
+DEFAULT_SERVER_LR = {"f": 100.0, "l": 0.1}  # eta_s per variant: the paper's appendix, Hyperparameter settings
 
 # tags as they were before named streams, so FedL2G's numbers stand
 stream("fedl2g/guide_init", tag=11)  # the server's initial guiding vectors G

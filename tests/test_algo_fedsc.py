@@ -246,8 +246,9 @@ def plain_server_round(protos, mask, counts, neighbors):
     return rel, consistent
 
 
-def plain_client_loss(logits, z, y, all_z, rel, rmask, consistent, omask, tau):
-    """CE + RPCL (Eq. 13-14, U over all local features) + CPDR (Eq. 15, l1), sample by sample."""
+def plain_client_loss(logits, z, y, all_z, rel, rmask, consistent, omask, tau, cpdr_kind="l1"):
+    """CE + RPCL (Eq. 13-14, U over all local features) + CPDR (Eq. 15: l1, or the mean square), sample
+    by sample."""
     slots = [(k, j) for k in range(rel.shape[0]) for j in range(rel.shape[1]) if rmask[k, j]]
     u = {kj: sum(torch.dist(q, rel[kj]) for q in all_z) / len(all_z) for kj in slots}  # Eq. 13
     rpcl, cpdr = [], []
@@ -257,7 +258,8 @@ def plain_client_loss(logits, z, y, all_z, rel, rmask, consistent, omask, tau):
             pos = sum(torch.exp(v) for (_, j), v in s.items() if j == yi)
             rpcl.append(-torch.log(pos / sum(torch.exp(v) for v in s.values())))
         if omask[yi]:
-            cpdr.append((zi - consistent[yi]).abs().sum())
+            gap = zi - consistent[yi]
+            cpdr.append(gap.abs().sum() if cpdr_kind == "l1" else (gap**2).mean())
     return F.cross_entropy(logits, y) + sum(rpcl) / len(rpcl) + sum(cpdr) / len(cpdr)
 
 
@@ -311,6 +313,37 @@ def test_client_loss_is_ce_plus_rpcl_plus_cpdr_with_u_from_epoch_start():
     assert_close(loss.detach(), expected)
     stats = client.pop_stats()
     assert {"loss/ce", "loss/rpcl", "loss/cpdr", Metrics.LOSS_TRAIN} <= set(stats)
+
+
+def test_default_loss_on_one_batch_reads_u_from_every_local_sample_and_cpdr_as_mse():
+    # Prepare: the defaults (cpdr mse, use_u true); a batch of half the client's 24 samples, the other
+    # half scaled so that their features move U far from what the batch alone would give
+    client, data = make_client()
+    data.x[12:] *= 5
+    g = torch.Generator().manual_seed(2)
+    rel, rmask = torch.rand(2, 4, 128, generator=g), torch.tensor([[True, True, True, False]] * 2)
+    o, omask = torch.rand(4, 128, generator=g), torch.tensor([True, False, True, False])
+    client.receive(
+        1,
+        {
+            "model": client.model.state_dict(),
+            "relational": rel,
+            "relational_mask": rmask,
+            "consistent": o,
+            "consistent_mask": omask,
+        },
+    )
+    client.on_train_epoch_start()
+    half = slice(0, 12)
+    # Execute
+    loss = client.training_step((data.x[half], data.y[half]), 0)
+    # Assert: Eq. 13's U averages over all n_k local samples, not over the batch
+    with torch.no_grad():
+        logits, z = client.model.forward_with_features(data.x)
+        expected = plain_client_loss(
+            logits[half], z[half], data.y[half], z, rel, rmask, o, omask, tau=0.05, cpdr_kind="mse"
+        )
+    assert_close(loss.detach(), expected)
 
 
 def test_client_upload_has_eval_mode_prototypes_and_counts():

@@ -133,11 +133,34 @@ def test_client_first_downlink_is_whole_header_and_mu_is_zero_after_t_stable():
     # Round 12 > T_stable = 10 -> mu = 0: seen rows are replaced by the global ones
     client = client_for([2, 0, 1], ["fedssa.t_stable=10"])
     before = client.model.head.weight.detach().clone()
+    before_bias = client.model.head.bias.detach().clone()
     full = torch.randn(3, 129)
     client.receive(12, {"header": full})
     assert_close(client.model.head.weight[[0, 2]].detach(), full[[0, 2], :128], rtol=0, atol=0)
     assert_close(client.model.head.bias[[0, 2]].detach(), full[[0, 2], 128], rtol=0, atol=0)
     assert torch.equal(client.model.head.weight[1].detach(), before[1])
+    assert torch.equal(client.model.head.bias[1].detach(), before_bias[1])
+
+
+def test_a_later_round_fuses_with_the_cosine_weight_and_the_header_trained_last():
+    # Prepare: S_k = {1, 3}, mu0 0.5, T_stable 10; round 0's downlink, then "training" writes a header
+    client = client_for([0, 5, 0, 3], ["fedssa.mu0=0.5", "fedssa.t_stable=10"])
+    client.receive(0, {"header": torch.randn(4, 129)})
+    trained_w, trained_b = torch.randn(4, 128), torch.randn(4)
+    with torch.no_grad():
+        client.model.head.weight.copy_(trained_w)
+        client.model.head.bias.copy_(trained_b)
+    rows = torch.randn(2, 129)
+    # Execute: round 5 -> mu = 0.5 cos(5 pi / 20) = 0.5 / sqrt(2)
+    client.receive(5, {"seen_rows": rows})
+    # Assert: seen rows = global + mu * the header trained last; unseen rows stay as trained
+    mu = 0.5 / math.sqrt(2)
+    w, b = client.model.head.weight.detach(), client.model.head.bias.detach()
+    for i, s in enumerate([1, 3]):
+        assert_close(w[s], rows[i, :128] + mu * trained_w[s])
+        assert_close(b[s], rows[i, 128] + mu * trained_b[s])
+    for s in (0, 2):
+        assert torch.equal(w[s], trained_w[s]) and torch.equal(b[s], trained_b[s])
 
 
 # ------------------------------------------------------------------------------------------ bytes
