@@ -39,8 +39,8 @@ docs/algorithms/fedsc.md):
   (eval mode); use_u=false drops U.
 - Batch reduction: every term is a mean over the batch. (RPCL's positives are all K same-class
   relational prototypes, as Eq. 14 in paper Sec. 4.1 writes them.)
-- CPDR distance: CPDR defaults to MSE (F.mse_loss, mean over batch and dims); cpdr=l1 is Eq. 15 read
-  literally.
+- CPDR distance: CPDR defaults to MSE (F.mse_loss, mean over batch and dims), as the released code;
+  cpdr=l1 is Eq. 15 read literally, which trained to chance accuracy at CPU scale.
 - When local prototypes are computed: c_k^j come from a separate eval-mode pass over the local train
   data after training (Alg. 1 lines 32-37 fix only that it is after training).
 - Class counts on the upload: n_k^j go up with the prototypes every round (Eq. 10-11 need them; the
@@ -286,7 +286,7 @@ class FedSCConfig(AlgorithmConfig):
     WHOLE_MODEL: ClassVar[bool] = True
     tau: float = 0.05  # RPCL temperature (paper Fig. 5: best 0.05)
     neighbors: int = 2  # M angular neighbours per relational prototype (paper Fig. 5: best 2)
-    # cpdr: MSE by default (as the released code), l1 = Eq. 15 literally (docs/algorithms/fedsc.md, CPDR distance)
+    # cpdr: MSE by default (the released code; Eq. 15 read literally, l1, trains to chance: docs/algorithms/fedsc.md)
     cpdr: Literal["mse", "l1"] = "mse"
     use_u: bool = True  # Eq. 13's 1/U similarity scaling; false = plain cosine (the released code)
 
