@@ -50,7 +50,9 @@ def stray_tensors(module: torch.nn.Module) -> list[str]:
                 visit(f"{name}[{k!r}]", v)
 
     for name, value in vars(module).items():
-        if name not in ("_parameters", "_buffers", "_modules", "ctx"):
+        # _built_held: the platform's copies of what construction held, put back through hold() (which
+        # casts them to the module's dtype and device)
+        if name not in ("_parameters", "_buffers", "_modules", "_built_held", "ctx"):
             visit(name, value)
     for name, buf in module.named_buffers():
         visit(name, buf)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import tempfile
 from dataclasses import dataclass
 
@@ -142,6 +143,41 @@ def test_every_round_starts_in_the_modes_the_module_was_built_with_and_its_count
     assert second.uplink["began_at"] == (0, 0)  # not the last fit's counters
 
 
+class CarryingClient(ClientModule):
+    """Carries a count from round to round in held tensors, as a SCAFFOLD c_i kept with hold() would:
+    the module a worker cached would see it, one built again elsewhere would not."""
+
+    def __init__(self, model, ctx) -> None:
+        super().__init__(model, ctx)
+        self.hold("carried", torch.zeros(1))
+
+    def receive(self, rnd, payload) -> None:
+        super().receive(rnd, payload)
+        self.seen_at_receive = (self.carried.item(), "late" in dict(self.named_buffers()))
+
+    def upload(self):
+        self.carried += 1  # in place, on the tensor construction held
+        self.hold("late", torch.ones(1))  # held for the first time after construction
+        return {"seen_at_receive": self.seen_at_receive}
+
+
+register("carrying_probe", server=Server, client=CarryingClient)(
+    dataclass(type("carrying_probeConfig", (AlgorithmConfig,), {}))
+)
+
+
+def test_a_held_tensor_never_reaches_the_next_round_of_a_cached_module():
+    _, fed, host = host_for(algorithm="carrying_probe")
+    with tempfile.TemporaryDirectory() as states:
+        tasks = [client_task(0, fed.shards[0], states, version=v) for v in (0, 1)]
+        (first,) = host.train(0, tasks[:1], [[{}]])
+        assert 0 in host.modules  # the next round reuses this module
+        (second,) = host.train(1, tasks[1:], [[{}]])
+    # as a module built for round 1 would hold: the construction's zero, and nothing held since
+    assert first.uplink["seen_at_receive"] == (0.0, False)
+    assert second.uplink["seen_at_receive"] == (0.0, False)
+
+
 def test_a_reused_model_reaches_a_new_clients_module_in_train_mode():
     # clients that keep nothing share one model per architecture; the global model's evaluation or an
     # algorithm may have left it in eval mode
@@ -177,6 +213,20 @@ class ForgetfulClient(ClientModule):
         self.model.head.load_state_dict(payload["head"])
 
 
+class TwoModelClient(ClientModule):
+    """Says it keeps nothing and loads its whole model, but also trains a personal copy (as Ditto
+    does) that no downlink overwrites: the worker's shared module would hand it to the next client."""
+
+    keeps_state = False
+
+    def __init__(self, model, ctx) -> None:
+        super().__init__(model, ctx)
+        self.personal = copy.deepcopy(model)
+
+    def receive(self, rnd, payload) -> None:
+        self.model.load_state_dict(payload["model"])
+
+
 class InPlaceClient(ClientModule):
     """Keeps its state, but scales the downlink it was given in place (the worker shares it)."""
 
@@ -202,6 +252,7 @@ class StepClient(ClientModule):
 for _name, _client in [
     ("forgetful_probe", ForgetfulClient),
     ("inplace_probe", InPlaceClient),
+    ("two_model_probe", TwoModelClient),
     ("trainer_probe", TrainerClient),
     ("step_probe", StepClient),
 ]:
@@ -214,6 +265,16 @@ def test_a_client_that_keeps_nothing_must_load_its_whole_model():
     with pytest.raises(ContractError) as err:
         host.train(0, [ClientTask(0, [fed.shards[0]])], [[{"head": head}]])
     assert "keeps_state = False, but receive() left model.features.conv1.weight as it was" in str(err.value)
+
+
+def test_a_client_that_keeps_nothing_may_not_keep_another_model_either():
+    _, fed, host = host_for(algorithm="two_model_probe")
+    model = {k: v.clone() for k, v in host.arch_model("cnn_small").state_dict().items()}
+    with pytest.raises(ContractError) as err:
+        host.train(0, [ClientTask(0, [fed.shards[0]])], [[{"model": model}]])
+    assert "keeps_state = False, but receive() left personal.features.conv1.weight as it was" in str(
+        err.value
+    )
 
 
 def test_a_downlink_changed_in_place_is_refused():

@@ -329,6 +329,7 @@ class ClientModule(FitProgress, L.LightningModule):
             for module, mode in zip(modules, built, strict=True):
                 module.training = mode
         self.__dict__.update(_fit_epoch=0, _fit_step=0)  # past nn.Module.__setattr__
+        self.restore_held()
         self.receive(rnd, payload)
 
     def receive(self, rnd: int, payload: Payload) -> None:
@@ -396,14 +397,47 @@ class ClientModule(FitProgress, L.LightningModule):
 
     # ---- tensors kept between calls
     def hold(self, name: str, value: torch.Tensor | None) -> None:
-        """Keep ``value`` as ``self.<name>`` between calls: a non-persistent buffer, cast to the model's
-        device and floating dtype now and moved with the module later (``.to``, ``.double()``), which
-        a plain tensor attribute is not. Not checkpointed: for what a client receives or derives
-        each round."""
+        """Keep ``value`` as ``self.<name>`` between calls of one round: a non-persistent buffer, cast
+        to the model's device and floating dtype now and moved with the module later (``.to``,
+        ``.double()``), which a plain tensor attribute is not. Not checkpointed, and back to what the
+        module's construction held at the next round (:meth:`restore_held`): for what a client
+        receives or derives each round."""
         if value is not None:
             ref = next(self.model.parameters())
             value = value.to(ref.device, ref.dtype if value.is_floating_point() else None)
         self.register_buffer(name, value, persistent=False)  # replaces a buffer of that name
+        self.__dict__.setdefault("_held_names", set()).add(name)
+
+    def restore_held(self) -> None:
+        """What the platform calls before each round's ``receive`` and each evaluation (not to override):
+        every held tensor back to what the module's construction held, and none held since. A module a
+        worker cached and one built again (evicted, another worker, a resumed run) so start every call
+        alike: a value held in one round never reaches a later one, where it would depend on which
+        worker ran the client before. A tensor a client keeps across rounds is a persistent buffer
+        (``self.register_buffer(name, tensor)``) of a client with ``keeps_state = True``."""
+        held: set[str] = self.__dict__.setdefault("_held_names", set())
+        built = self.__dict__.get("_built_held")
+        if built is None:  # its first call: what construction held (or loading its state left)
+            self.__dict__["_built_held"] = {
+                name: (tensor, None if tensor is None else (tensor._version, tensor.detach().clone()))
+                for name in held
+                for tensor in [self._buffers.get(name)]
+            }
+            return
+        for name in held - built.keys():
+            del self._buffers[name]
+            self._non_persistent_buffers_set.discard(name)
+        held.intersection_update(built)
+        for name, (current, kept) in built.items():
+            now = self._buffers.get(name)
+            if kept is None:
+                if now is not None:
+                    self.register_buffer(name, None, persistent=False)
+            elif now is None or now is not current or now._version != kept[0]:  # replaced or changed since
+                self.hold(name, kept[1].clone())
+                restored = self._buffers[name]
+                assert restored is not None
+                built[name] = (restored, (restored._version, kept[1]))
 
     # ---- per-fit statistics (cheaper than Lightning's logging, and they travel back with the uplink)
     def record(self, name: str, value: torch.Tensor | float) -> None:

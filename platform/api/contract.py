@@ -59,6 +59,7 @@ UNSUPPORTED_HOOKS.update(
 PLATFORM_METHODS = {
     "begin_round": "override receive, which it calls after setting self.rnd",
     "hold": "it registers the buffer that moves with the module",
+    "restore_held": "it puts every held tensor back as the module's construction held it, each call",
     "record": "it keeps the statistic for this round's mean",
     "pop_stats": "the worker reads the round's statistics with it",
 }
@@ -186,8 +187,18 @@ def check_parameters_apart(name: str, module: Any, sent: set[int], when: str) ->
             )
 
 
-# a ClientModule's own bookkeeping, and nn.Module's registries (which hold parameters and buffers)
-OWN_ATTRIBUTES = {"_parameters", "_buffers", "_modules", "_stats", "_optimizer_state", "ctx", "hp"}
+# a ClientModule's own bookkeeping (`_built_held`: what its construction held, put back through hold(),
+# which moves each to the module's device), and nn.Module's registries (parameters and buffers)
+OWN_ATTRIBUTES = {
+    "_parameters",
+    "_buffers",
+    "_modules",
+    "_stats",
+    "_optimizer_state",
+    "_built_held",
+    "ctx",
+    "hp",
+}
 
 
 HELD_DEPTH = 12  # containers nested deeper than this are not looked into (the walk always ends)

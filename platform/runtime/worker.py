@@ -464,7 +464,7 @@ class ClientHost:
         start = time.perf_counter()
         module = self.module(task)
         sent = tensor_versions(payload)
-        written = None if self.keeps_state else [t._version for t in module.model.state_dict().values()]
+        written = None if self.keeps_state else [t._version for t in module.state_dict().values()]
         # seeded before receive: every draw a client makes depends on (seed, round, client) only,
         # never on which worker runs it or what that worker ran before
         seed_torch(seed_of("client/train", self.cfg.seed, rnd, task.client), self.device)
@@ -538,6 +538,7 @@ class ClientHost:
                 continue
             module = self.module(task)
             saved = None if payload is None else {k: v.clone() for k, v in module.state_dict().items()}
+            module.restore_held()  # as a module built for this evaluation holds
             if payload is not None:
                 module.load_for_eval(payload)
             scored = evaluate_model(module, data.test_x, data.test_y, self.device, scores=module.eval_logits)
@@ -578,14 +579,15 @@ class ClientHost:
 
 
 def require_overwritten(algorithm: str, module: ClientModule, before: list[int]) -> None:
-    """A client that keeps nothing must load every entry of its model in ``receive``: it trains on a
-    model the worker shares, and whatever it did not overwrite is another client's."""
-    for (name, tensor), version in zip(module.model.state_dict().items(), before, strict=True):
+    """A client that keeps nothing must load every entry of its state in ``receive``: it trains on a
+    module the worker shares, and whatever it did not overwrite (of its model, of another submodule
+    such as a personal model, of a persistent buffer) is another client's."""
+    for (name, tensor), version in zip(module.state_dict().items(), before, strict=True):
         if tensor._version == version:
             raise ContractError(
                 f"algorithm {algorithm!r}: {type(module).__name__} declares keeps_state = False, but "
-                f"receive() left model.{name} as it was; load the whole model from the downlink, or "
-                "keep keeps_state = True"
+                f"receive() left {name} as it was; load it from the downlink, or keep keeps_state = True "
+                "(a client's own model or buffers outlive its round only then)"
             )
 
 
