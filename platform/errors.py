@@ -29,6 +29,12 @@ class RoundFailed(RuntimeError):
     if it had gone well. The run stops with one line; its checkpoints stay, to resume once fixed."""
 
 
+class ServerFailed(RoundFailed):
+    """The algorithm's server half raised (in ``__init__``, ``configure``, ``uplinks_arrived`` or
+    ``aggregate``): its code is broken, so the run stops with one line naming the method and the place
+    (the traceback goes to the run's ``failures/`` artifacts); its checkpoints stay, to resume once fixed."""
+
+
 class Diverged(RoundFailed):
     """Every client that trained in a round ended it with a non-finite training loss: its model is
     NaN or infinite, and an average spreads that to every client, so the rest of the run (or of a

@@ -365,6 +365,36 @@ def test_a_round_in_which_every_client_failed_ends_the_run_with_one_line(ray_ses
     assert f'{where.split(":")[0]}", line {where.split(":")[1]}, in training_step' in text
 
 
+class BrokenAggregateServer(FedAvgServer):
+    """Its aggregate fails (a typo in a server's own state): before, a 63-line Ray traceback."""
+
+    def aggregate(self, rnd, uplinks):
+        raise KeyError("momentum")
+
+
+@register("brokenaggregate_probe", server=BrokenAggregateServer, client=FedAvgClient)  # at import, as above
+@dataclass
+class BrokenAggregateConfig(AlgorithmConfig):
+    pass
+
+
+def test_a_server_whose_code_raises_ends_the_run_with_one_line(ray_session, mlflow_store, tmp_path):
+    with pytest.raises(RunAborted) as err:
+        run_experiment(load_config(None, tiny_overrides(algorithm="brokenaggregate_probe", rounds=3)))
+    line = one_line(err)
+    where = f"tests/test_contract_rules.py:{BrokenAggregateServer.aggregate.__code__.co_firstlineno + 1}"
+    assert line.startswith(
+        f"round 1: BrokenAggregateServer.aggregate failed: KeyError: 'momentum' (at {where} in aggregate)"
+    ), line
+    assert "fedray run --resume " in line
+    client, run = only_run(tmp_path)
+    assert run.info.status == "FAILED"
+    (logged,) = client.list_artifacts(run.info.run_id, "failures")
+    assert logged.path == "failures/round-0001-server-aggregate.txt"
+    text = Path(client.download_artifacts(run.info.run_id, logged.path)).read_text()
+    assert "Traceback (most recent call last)" in text and "in aggregate" in text
+
+
 class BrokenEvalClient(FedAvgClient):
     """Trains as FedAvg's client does; its own evaluation always fails (a typo in eval_logits)."""
 

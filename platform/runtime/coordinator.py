@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import ray
@@ -32,7 +32,7 @@ from fedray.platform.api.contract import check_uplinks
 from fedray.platform.api.registry import get as get_algorithm
 from fedray.platform.config import ExperimentConfig, RayConfig, clients_per_round
 from fedray.platform.data import ArrayDataset
-from fedray.platform.errors import ConfigError, ContractError, Diverged, RoundFailed
+from fedray.platform.errors import ConfigError, ContractError, Diverged, RoundFailed, ServerFailed
 from fedray.platform.models import arch_for_client
 from fedray.platform.runtime import results, storage
 from fedray.platform.runtime.checkpoint import (
@@ -47,18 +47,22 @@ from fedray.platform.runtime.dispatch import TrainingDispatch
 from fedray.platform.runtime.evaluation import Evaluation, global_test_chunks
 from fedray.platform.runtime.events import (
     CheckpointSaved,
+    ClientFailed,
     Event,
     EventQueue,
     RoundEnded,
     RoundStarted,
     WorkerJoined,
 )
+from fedray.platform.runtime.failures import algorithm_files, failure_of
 from fedray.platform.runtime.pool import PoolClosed, WorkerPool, unplaced
 from fedray.platform.runtime.process_roles import set_up_coordinator
 from fedray.platform.runtime.state_store import STATES_DIR, StateStore
 from fedray.platform.runtime.worker import ClientActor, make_client_model
 from fedray.platform.seeds import numpy_rng, seed_of
 from fedray.platform.tracking.names import Metrics
+
+T = TypeVar("T")
 
 SEES_TIMEOUT_S = 120.0  # a worker's answer is one look at a file: a mount that hangs must not hang the run
 
@@ -195,7 +199,14 @@ def build_server(cfg: ExperimentConfig, meta: dict[str, Any]) -> Server:
         make_distinct_model=lambda i: make_client_model(cfg, i, meta, init="per_client"),
     )
     torch.manual_seed(seed_of("coordinator/server_init", cfg.seed))
-    server = get_algorithm(cfg.algorithm).server_cls(ctx)
+    spec = get_algorithm(cfg.algorithm)
+    try:
+        server = spec.server_cls(ctx)
+    except (ConfigError, RoundFailed):  # the platform's own lines (a broken rule, a bad value)
+        raise
+    except Exception as err:
+        failure = failure_of(err, own=algorithm_files(spec.server_cls, spec.client_cls, spec.config_cls))
+        raise ServerFailed(f"{spec.server_cls.__name__}.__init__ failed: {failure.line}") from None
     storage.check_plain(server.state_dict(), f"{cfg.algorithm}'s server state")  # checkpointable
     return server
 
@@ -338,7 +349,7 @@ class RoundLoop:
     def run_round(self, rnd: int, selected: list[int]) -> dict[str, float]:
         start = time.perf_counter()
         self.events.emit(RoundStarted(rnd + 1, selected))
-        downlinks = self.server.configure(rnd, selected)
+        downlinks = self.server_code(rnd, "configure", lambda: self.server.configure(rnd, selected))
         on_retry = self.events.retry_reporter(rnd)
         train_start = time.perf_counter()
         uplinks, stats, failed, retried = self.training.run(
@@ -357,7 +368,7 @@ class RoundLoop:
             raise Diverged(line)
         check_uplinks(self.spec.name, self.server, uplinks)
         aggregate_start = time.perf_counter()
-        self.server.aggregate(rnd, uplinks)
+        self.server_code(rnd, "aggregate", lambda: self.server.aggregate(rnd, uplinks))
         aggregate_s = time.perf_counter() - aggregate_start
         metrics = mean_stats([stats[cid] for cid in sorted(stats)])
         metrics[Metrics.TIME_TRAIN_S], metrics[Metrics.TIME_AGGREGATE_S] = train_s, aggregate_s
@@ -379,9 +390,24 @@ class RoundLoop:
 
         def hand_on(uplinks: dict[int, Payload]) -> None:
             check_uplinks(self.spec.name, self.server, uplinks)
-            self.server.uplinks_arrived(rnd, uplinks)
+            self.server_code(rnd, "uplinks_arrived", lambda: self.server.uplinks_arrived(rnd, uplinks))
 
         return hand_on
+
+    def server_code(self, rnd: int, method: str, call: Callable[[], T]) -> T:
+        """``call()``, a method of the algorithm's server: an error of its code stops the run with one
+        line naming the method and the place, its traceback a ``failures/`` artifact as a client's is,
+        not the Coordinator's traceback through Ray."""
+        try:
+            return call()
+        except (ConfigError, RoundFailed):  # the platform's own lines (a broken rule, a diverged round)
+            raise
+        except Exception as err:
+            spec = self.spec
+            failure = failure_of(err, own=algorithm_files(spec.server_cls, spec.client_cls, spec.config_cls))
+            name = f"{type(self.server).__name__}.{method}"
+            self.events.emit(ClientFailed(rnd + 1, f"server {method}", failure))
+            raise ServerFailed(f"round {rnd + 1}: {name} failed: {failure.line}") from None
 
     def checkpoint(self, done: int) -> None:
         """Taken now, once the last one has landed (the state files only it listed may then go), and
