@@ -37,6 +37,7 @@ naming an undeclared stream raises at the call.
 
 from __future__ import annotations
 
+import random
 import re
 import sys
 import zlib
@@ -162,6 +163,14 @@ def numpy_rng(name: str, seed: int, *parts: int) -> np.random.Generator:
     return np.random.default_rng(derive_seed(seed, *parts, *s.tag))
 
 
+def seed_global_draws(seed: int) -> None:
+    """numpy's and Python's global generators from ``seed``: code that draws from them
+    (``np.random.rand``, ``random.random``) instead of a named stream still draws the same numbers
+    wherever and whenever its call runs (a worker's history, a restarted Coordinator, a resume)."""
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
 # ---------------------------------------------------------------------------- the platform's streams
 # All older than the registry: tags and input order as they were written, so their numbers stand.
 
@@ -172,6 +181,7 @@ stream("client/augment", "rnd", "client", tag=3)  # data.augment's crops and fli
 stream("coordinator/sample", "rnd", tag=3)  # the clients trained in a round
 stream("coordinator/server_init", tag=4)  # torch's global generator while the server half is built
 stream("coordinator/eval_sample", "rnd", tag=5)  # eval.clients=sample: the clients tested in a round
+stream("coordinator/global_draws", "rnd")  # numpy's and Python's global generators for a round's server
 # the data layer's, in numpy's SeedSequence form: a partition is a function of the seed alone
 stream("data/partition", tag=1, seed_sequence=True)  # the partitioner's draws
 stream("data/long_tail", tag=2, seed_sequence=True)  # which samples the long-tail profile keeps

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import copy
+import random
 import tempfile
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_overrides
@@ -35,7 +37,8 @@ class DrawingClient(ClientModule):
         return self.hp.epochs
 
     def upload(self):
-        return {"rnd": self.rnd, "draw": torch.rand(3)}
+        # numpy's and Python's global generators too, as code that skips the named streams draws
+        return {"rnd": self.rnd, "draw": torch.rand(3), "np": np.random.rand(), "py": random.random()}
 
 
 @register("drawing_probe", server=Server, client=DrawingClient)
@@ -70,9 +73,12 @@ def test_the_platform_sets_the_round_and_seeds_every_call(epochs):
     _, _, other = host_for(f"drawing_probe.epochs={epochs}", algorithm="drawing_probe")
     uplink(other, fed, 1, 5)
     uplink(other, fed, 2, 3)
-    torch.rand(100)
-    assert torch.equal(uplink(other, fed, 0, 5)["draw"], first["draw"])
-    assert not torch.equal(uplink(other, fed, 0, 6)["draw"], first["draw"])
+    torch.rand(100), np.random.rand(100), random.random()
+    again = uplink(other, fed, 0, 5)
+    assert torch.equal(again["draw"], first["draw"])
+    assert (again["np"], again["py"]) == (first["np"], first["py"])
+    later = uplink(other, fed, 0, 6)
+    assert not torch.equal(later["draw"], first["draw"]) and later["np"] != first["np"]
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,12 @@ running client shows are checked by a ClientHost on its first client; the uplink
 
 from __future__ import annotations
 
+import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import only_run, tiny_overrides
@@ -28,6 +30,7 @@ from fedray.platform.runtime.coordinator import check_evaluable
 from fedray.platform.runtime.driver import run_experiment
 from fedray.platform.runtime.session import RunAborted
 from fedray.platform.runtime.state_store import ClientTask
+from fedray.platform.tracking.names import Metrics
 
 
 def probe(name: str, client: type, server: type = Server) -> str:
@@ -393,6 +396,30 @@ def test_a_server_whose_code_raises_ends_the_run_with_one_line(ray_session, mlfl
     assert logged.path == "failures/round-0001-server-aggregate.txt"
     text = Path(client.download_artifacts(run.info.run_id, logged.path)).read_text()
     assert "Traceback (most recent call last)" in text and "in aggregate" in text
+
+
+class GlobalDrawServer(FedAvgServer):
+    """Shifts the global model by draws from numpy's and Python's global generators, not a named
+    stream: the numbers must still depend on (seed, round) only, not on what the process ran before."""
+
+    def aggregate(self, rnd, uplinks):
+        super().aggregate(rnd, uplinks)
+        with torch.no_grad():
+            bias = self.model.head.bias  # a shift per class: one for all would leave every softmax as it was
+            bias.add_(torch.from_numpy(np.random.rand(len(bias))).to(bias.dtype) + random.random())
+
+
+@register("globaldraw_probe", server=GlobalDrawServer, client=FedAvgClient)  # at import, as above
+@dataclass
+class GlobalDrawConfig(AlgorithmConfig):
+    pass
+
+
+def test_a_servers_draws_from_numpys_global_generator_repeat_in_a_kept_coordinator(ray_session, mlflow_store):
+    # the second run's Coordinator is the first's (kept), its generators as the first run left them
+    cfg = load_config(None, tiny_overrides(algorithm="globaldraw_probe", rounds=2))
+    first, second = run_experiment(cfg), run_experiment(cfg)
+    assert first.last(Metrics.LOSS_GLOBAL) == second.last(Metrics.LOSS_GLOBAL)
 
 
 class BrokenEvalClient(FedAvgClient):

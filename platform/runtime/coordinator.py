@@ -59,7 +59,7 @@ from fedray.platform.runtime.pool import PoolClosed, WorkerPool, unplaced
 from fedray.platform.runtime.process_roles import set_up_coordinator
 from fedray.platform.runtime.state_store import STATES_DIR, StateStore
 from fedray.platform.runtime.worker import ClientActor, make_client_model
-from fedray.platform.seeds import numpy_rng, seed_of
+from fedray.platform.seeds import numpy_rng, seed_global_draws, seed_of
 from fedray.platform.tracking.names import Metrics
 
 T = TypeVar("T")
@@ -349,6 +349,8 @@ class RoundLoop:
     def run_round(self, rnd: int, selected: list[int]) -> dict[str, float]:
         start = time.perf_counter()
         self.events.emit(RoundStarted(rnd + 1, selected))
+        # a server's own draws from numpy's or Python's global generator depend on (seed, round) only
+        seed_global_draws(seed_of("coordinator/global_draws", self.cfg.seed, rnd))
         downlinks = self.server_code(rnd, "configure", lambda: self.server.configure(rnd, selected))
         on_retry = self.events.retry_reporter(rnd)
         train_start = time.perf_counter()

@@ -58,7 +58,7 @@ from fedray.platform.runtime.local_training import LocalTraining
 from fedray.platform.runtime.page_cache import PageReleaser
 from fedray.platform.runtime.process_roles import set_up_worker, set_worker_threads
 from fedray.platform.runtime.state_store import ClientTask
-from fedray.platform.seeds import seed_of, torch_generator
+from fedray.platform.seeds import seed_global_draws, seed_of, torch_generator
 from fedray.platform.tracking.names import Metrics
 
 T = TypeVar("T")
@@ -467,7 +467,9 @@ class ClientHost:
         written = None if self.keeps_state else [t._version for t in module.state_dict().values()]
         # seeded before receive: every draw a client makes depends on (seed, round, client) only,
         # never on which worker runs it or what that worker ran before
-        seed_torch(seed_of("client/train", self.cfg.seed, rnd, task.client), self.device)
+        seed = seed_of("client/train", self.cfg.seed, rnd, task.client)
+        seed_torch(seed, self.device)
+        seed_global_draws(seed)  # numpy's and Python's too, for code that draws from them directly
         keys = frozenset(payload)
         first = keys not in self.checked_downlinks
         downlink = payload  # as sent: the checks below read it without counting a key as read
