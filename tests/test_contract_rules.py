@@ -474,7 +474,7 @@ def test_server_state_is_declared_and_a_checkpoint_with_other_keys_is_refused():
     undeclared.seen = {1: 2}  # type: ignore[attr-defined]
     with pytest.raises(ContractError) as err:
         undeclared.state_dict()
-    assert "Undeclared.seen is not in Undeclared.STATE" in one_line(err)
+    assert "algorithm 'fedavg': Undeclared.seen is not in Undeclared.STATE" in one_line(err)
 
     saved = Counter(ctx).state_dict()
     renamed = type("Renamed", (FedAvgServer,), {"STATE": (*FedAvgServer.STATE, "rounds_seen")})(ctx)

@@ -216,20 +216,21 @@ class Server:
         its own ``state_dict()``. A checkpoint holds tensors and plain values only (it is loaded with
         ``weights_only``), so an attribute of another kind needs these two methods overridden."""
         who = type(self).__name__
+        algorithm = f"algorithm {self.ctx.cfg.algorithm!r}: "
         scratch = {k for k, v in vars(self).items() if isinstance(v, RunningMean)}  # a round's working memory
         for k in sorted(k for k in scratch if getattr(self, k).added):
             raise ContractError(
-                f"{who}.{k} still holds a sum when a checkpoint is taken: a RunningMean is a round's working "
+                f"{algorithm}{who}.{k} still holds a sum when a checkpoint is taken: a RunningMean is a round's working "
                 "memory (mean() clears it); a sum kept across rounds belongs in STATE"
             )
         for k in sorted(vars(self).keys() - {"ctx", "hp"} - scratch - set(self.STATE)):
             raise ContractError(
-                f"{who}.{k} is not in {who}.STATE, the attributes a checkpoint keeps: a resumed run "
+                f"{algorithm}{who}.{k} is not in {who}.STATE, the attributes a checkpoint keeps: a resumed run "
                 "would start it afresh (add it to STATE)"
             )
         for k in self.STATE:
             if not hasattr(self, k):
-                raise ContractError(f"{who}.STATE names {k!r}, which {who} does not have")
+                raise ContractError(f"{algorithm}{who}.STATE names {k!r}, which {who} does not have")
         state = {k: getattr(self, k) for k in self.STATE}
         return {k: v.state_dict() if isinstance(v, STATEFUL) else v for k, v in state.items()}
 
