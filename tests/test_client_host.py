@@ -23,7 +23,7 @@ from fedray.platform.errors import ContractError
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.driver import federation_meta, prepare_federation
 from fedray.platform.runtime.state_store import ClientTask, state_file
-from fedray.platform.runtime.worker import ClientHost, make_client_model
+from fedray.platform.runtime.worker import ClientHost, client_model_state, make_client_model
 
 
 class DrawingClient(ClientModule):
@@ -182,6 +182,51 @@ def test_a_held_tensor_never_reaches_the_next_round_of_a_cached_module():
     # as a module built for round 1 would hold: the construction's zero, and nothing held since
     assert first.uplink["seen_at_receive"] == (0.0, False)
     assert second.uplink["seen_at_receive"] == (0.0, False)
+
+
+class PersonalClient(ClientModule):
+    """Trains a personal copy beside the shared model and is tested with it, as Ditto is."""
+
+    eval_mode = "own"
+    tested_model = "personal"
+
+    def __init__(self, model, ctx) -> None:
+        super().__init__(model, ctx)
+        self.personal = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in self.personal.parameters():
+                p.add_(1.0)  # unlike the shared model
+
+    def eval_logits(self, x):
+        return self.personal(x)
+
+
+class MisnamedClient(PersonalClient):
+    tested_model = "personnal"
+
+
+for _name, _client in [("personal_probe", PersonalClient), ("misnamed_probe", MisnamedClient)]:
+    register(_name, server=Server, client=_client)(dataclass(type(f"{_name}Config", (AlgorithmConfig,), {})))
+
+
+def test_the_model_logged_for_a_client_is_the_one_it_is_tested_with():
+    _, fed, host = host_for(algorithm="personal_probe")
+    with tempfile.TemporaryDirectory() as states:
+        task = client_task(0, fed.shards[0], states)
+        (result,) = host.train(0, [task], [[{}]])
+        assert result.error is None
+        state = storage.load_torch(task.commit_file)
+    module = host.modules[0][1]
+    logged = client_model_state(state, PersonalClient.tested_model)
+    assert logged.keys() == module.personal.state_dict().keys()
+    for key, value in module.personal.state_dict().items():
+        assert torch.equal(logged[key], value)
+    assert not torch.equal(logged["head.weight"], module.model.head.weight.detach())
+
+    _, fed, host = host_for(algorithm="misnamed_probe")
+    with tempfile.TemporaryDirectory() as states, pytest.raises(ContractError) as err:
+        host.train(0, [client_task(0, fed.shards[0], states)], [[{}]])
+    assert "MisnamedClient.tested_model='personnal' names no model like self.model" in str(err.value)
 
 
 def test_a_reused_model_reaches_a_new_clients_module_in_train_mode():

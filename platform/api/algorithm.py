@@ -299,6 +299,10 @@ class ClientModule(FitProgress, L.LightningModule):
     # one the client's own module. "own": the client's module, after load_for_eval(payload) when the
     # server sends one (a personal extractor under a global header, say).
     eval_mode: ClassVar[Literal["global", "own"]] = "global"
+    # The submodule a client is tested with under "own" (what eval_logits scores: a model of the
+    # client's architecture). The run logs its weights as the client's model (models/, client_<k>);
+    # a client that trains a personal model beside the shared one (Ditto) names it here.
+    tested_model: ClassVar[str] = "model"
 
     @classmethod
     def check_contract(cls, algorithm: str) -> None:

@@ -250,6 +250,17 @@ def check_held_tensors(name: str, module: Any) -> None:
             )
 
 
+def check_tested_model(name: str, module: Any) -> None:
+    """``tested_model`` names a model of the client's architecture, which the run logs as the
+    client's model: one line, on the first client a worker trains, if it does not."""
+    attr = type(module).tested_model
+    if not isinstance(getattr(module, attr, None), type(module.model)):
+        raise ContractError(
+            f"algorithm {name!r}: {type(module).__name__}.tested_model={attr!r} names no model like "
+            f"self.model ({type(module.model).__name__}): name the submodule eval_logits scores"
+        )
+
+
 def check_uplinks(name: str, server: Any, uplinks: Mapping[int, Any]) -> None:
     """Every uplink carries exactly the keys its server declares it reads (``Server.uplink_keys``):
     a key the client half dropped fails here, in one line, not as a KeyError inside ``aggregate``."""

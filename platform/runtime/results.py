@@ -43,4 +43,6 @@ def client_models(
     note = (
         f"{never} never-selected clients still hold their initial model and are not logged" if never else ""
     )
-    return {cid: client_model_state(s) for cid, s in store.states(trained).items()}, note
+    return {
+        cid: client_model_state(s, client_cls.tested_model) for cid, s in store.states(trained).items()
+    }, note

@@ -36,6 +36,7 @@ from fedray.platform.api.contract import (
     check_downlink_read,
     check_held_tensors,
     check_parameters_apart,
+    check_tested_model,
     storages,
 )
 from fedray.platform.api.registry import get as get_algorithm
@@ -496,6 +497,7 @@ class ClientHost:
         stats = module.pop_stats()
         if first:
             check_held_tensors(self.spec.name, module)
+            check_tested_model(self.spec.name, module)
             self.checked_downlinks.add(keys)
         stats[Metrics.TIME_CLIENT_S] = time.perf_counter() - start
         if self.keeps_state:  # on disk first: a module cached as a version no file holds could be used later
@@ -634,9 +636,11 @@ def load_client_state(module: ClientModule, state: dict[str, Any]) -> None:
     module._optimizer_state = state.get("optimizer")
 
 
-def client_model_state(state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The model part of a client state (what ``models/client_models.pt`` holds)."""
-    return {k.removeprefix("model."): v for k, v in state["module"].items() if k.startswith("model.")}
+def client_model_state(state: dict[str, Any], tested_model: str = "model") -> dict[str, torch.Tensor]:
+    """The model a client is tested with, from its state (``ClientModule.tested_model``: what
+    ``models/client_models.pt`` holds and the run logs as ``client_<k>``)."""
+    prefix = f"{tested_model}."
+    return {k.removeprefix(prefix): v for k, v in state["module"].items() if k.startswith(prefix)}
 
 
 @ray.remote
