@@ -167,8 +167,8 @@ def seed_global_draws(seed: int) -> None:
     """numpy's and Python's global generators from ``seed``: code that draws from them
     (``np.random.rand``, ``random.random``) instead of a named stream still draws the same numbers
     wherever and whenever its call runs (a worker's history, a restarted Coordinator, a resume)."""
-    np.random.seed(seed % 2**32)
-    random.seed(seed)
+    np.random.seed(derive_seed(seed, 1))  # not ``seed`` itself: torch's CPU generator is an MT19937 too,
+    random.seed(derive_seed(seed, 2))  # and the same seed would give it the same words
 
 
 # ---------------------------------------------------------------------------- the platform's streams

@@ -30,6 +30,10 @@ class DrawingClient(ClientModule):
     """Trains only when told to, never sets ``self.rnd`` itself, and draws from torch's global RNG
     where an algorithm would (dropout in FedL2G's meta-step, random crops)."""
 
+    def __init__(self, model, ctx) -> None:
+        super().__init__(model, ctx)
+        self.built_with = np.random.rand()  # a draw while the module is built, from numpy's global generator
+
     def receive(self, rnd, payload) -> None:
         pass  # no super(), no self.rnd = rnd
 
@@ -38,7 +42,13 @@ class DrawingClient(ClientModule):
 
     def upload(self):
         # numpy's and Python's global generators too, as code that skips the named streams draws
-        return {"rnd": self.rnd, "draw": torch.rand(3), "np": np.random.rand(), "py": random.random()}
+        return {
+            "rnd": self.rnd,
+            "draw": torch.rand(3),
+            "np": np.random.rand(),
+            "py": random.random(),
+            "built_with": self.built_with,
+        }
 
 
 @register("drawing_probe", server=Server, client=DrawingClient)
@@ -76,7 +86,7 @@ def test_the_platform_sets_the_round_and_seeds_every_call(epochs):
     torch.rand(100), np.random.rand(100), random.random()
     again = uplink(other, fed, 0, 5)
     assert torch.equal(again["draw"], first["draw"])
-    assert (again["np"], again["py"]) == (first["np"], first["py"])
+    assert (again["np"], again["py"], again["built_with"]) == (first["np"], first["py"], first["built_with"])
     later = uplink(other, fed, 0, 6)
     assert not torch.equal(later["draw"], first["draw"]) and later["np"] != first["np"]
 
@@ -178,6 +188,9 @@ def test_a_held_tensor_never_reaches_the_next_round_of_a_cached_module():
         tasks = [client_task(0, fed.shards[0], states, version=v) for v in (0, 1)]
         (first,) = host.train(0, tasks[:1], [[{}]])
         assert 0 in host.modules  # the next round reuses this module
+        module = host.modules[0][1]
+        host.evaluate(tasks[1:], None)  # evaluation too sees what a module built for it would hold
+        assert module.carried.item() == 0 and "late" not in dict(module.named_buffers())
         (second,) = host.train(1, tasks[1:], [[{}]])
     # as a module built for round 1 would hold: the construction's zero, and nothing held since
     assert first.uplink["seen_at_receive"] == (0.0, False)
@@ -226,7 +239,9 @@ def test_the_model_logged_for_a_client_is_the_one_it_is_tested_with():
     _, fed, host = host_for(algorithm="misnamed_probe")
     with tempfile.TemporaryDirectory() as states, pytest.raises(ContractError) as err:
         host.train(0, [client_task(0, fed.shards[0], states)], [[{}]])
-    assert "MisnamedClient.tested_model='personnal' names no model like self.model" in str(err.value)
+    assert "MisnamedClient.tested_model='personnal' names no model of self.model's architecture" in str(
+        err.value
+    )
 
 
 def test_a_reused_model_reaches_a_new_clients_module_in_train_mode():
@@ -278,6 +293,22 @@ class TwoModelClient(ClientModule):
         self.model.load_state_dict(payload["model"])
 
 
+class TeacherClient(ClientModule):
+    """Keeps nothing, rightly: a constant buffer made from its context in ``__init__``, and a teacher
+    copied from the model it received (not from the worker's shared model before it)."""
+
+    keeps_state = False
+
+    def __init__(self, model, ctx) -> None:
+        super().__init__(model, ctx)
+        self.register_buffer("prior", ctx.class_counts.float() / ctx.class_counts.sum())
+        self.teacher = copy.deepcopy(model)
+
+    def receive(self, rnd, payload) -> None:
+        self.model.load_state_dict(payload["model"])
+        self.teacher = copy.deepcopy(self.model)
+
+
 class InPlaceClient(ClientModule):
     """Keeps its state, but scales the downlink it was given in place (the worker shares it)."""
 
@@ -304,6 +335,7 @@ for _name, _client in [
     ("forgetful_probe", ForgetfulClient),
     ("inplace_probe", InPlaceClient),
     ("two_model_probe", TwoModelClient),
+    ("teacher_probe", TeacherClient),
     ("trainer_probe", TrainerClient),
     ("step_probe", StepClient),
 ]:
@@ -323,9 +355,17 @@ def test_a_client_that_keeps_nothing_may_not_keep_another_model_either():
     model = {k: v.clone() for k, v in host.arch_model("cnn_small").state_dict().items()}
     with pytest.raises(ContractError) as err:
         host.train(0, [ClientTask(0, [fed.shards[0]])], [[{"model": model}]])
-    assert "keeps_state = False, but receive() left personal.features.conv1.weight as it was" in str(
-        err.value
+    assert (
+        "keeps_state = False, but personal.features.conv1.weight copies the worker's shared model as its "
+        "previous client left it" in str(err.value)
     )
+
+
+def test_a_client_that_keeps_nothing_may_build_what_it_needs_each_round():
+    _, fed, host = host_for(algorithm="teacher_probe")
+    model = {k: v.clone() for k, v in host.arch_model("cnn_small").state_dict().items()}
+    (result,) = host.train(0, [ClientTask(0, [fed.shards[0]])], [[{"model": model}]])
+    assert result.error is None
 
 
 def test_a_downlink_changed_in_place_is_refused():

@@ -429,8 +429,8 @@ class ClientModule(FitProgress, L.LightningModule):
                 for tensor in [self._buffers.get(name)]
             }
             return
-        for name in held - built.keys():
-            del self._buffers[name]
+        for name in held - built.keys():  # (one the client deleted itself is gone already)
+            self._buffers.pop(name, None)
             self._non_persistent_buffers_set.discard(name)
         held.intersection_update(built)
         for name, (current, kept) in built.items():

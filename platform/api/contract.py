@@ -254,10 +254,16 @@ def check_tested_model(name: str, module: Any) -> None:
     """``tested_model`` names a model of the client's architecture, which the run logs as the
     client's model: one line, on the first client a worker trains, if it does not."""
     attr = type(module).tested_model
-    if not isinstance(getattr(module, attr, None), type(module.model)):
+    tested, model = getattr(module, attr, None), module.model
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    if not (
+        isinstance(tested, type(model))
+        and getattr(tested, "arch", None) == getattr(model, "arch", None)
+        and {k: v.shape for k, v in tested.state_dict().items()} == shapes
+    ):
         raise ContractError(
-            f"algorithm {name!r}: {type(module).__name__}.tested_model={attr!r} names no model like "
-            f"self.model ({type(module.model).__name__}): name the submodule eval_logits scores"
+            f"algorithm {name!r}: {type(module).__name__}.tested_model={attr!r} names no model of "
+            f"self.model's architecture and shapes: name the submodule eval_logits scores"
         )
 
 

@@ -12,6 +12,7 @@ in :mod:`fedray.platform.runtime.results`.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -199,6 +200,7 @@ def build_server(cfg: ExperimentConfig, meta: dict[str, Any]) -> Server:
         make_distinct_model=lambda i: make_client_model(cfg, i, meta, init="per_client"),
     )
     torch.manual_seed(seed_of("coordinator/server_init", cfg.seed))
+    seed_global_draws(seed_of("coordinator/server_init", cfg.seed))
     spec = get_algorithm(cfg.algorithm)
     try:
         server = spec.server_cls(ctx)
@@ -206,6 +208,7 @@ def build_server(cfg: ExperimentConfig, meta: dict[str, Any]) -> Server:
         raise
     except Exception as err:
         failure = failure_of(err, own=algorithm_files(spec.server_cls, spec.client_cls, spec.config_cls))
+        print(failure.traceback, file=sys.stderr, flush=True)  # no run to log it to yet: the console
         raise ServerFailed(f"{spec.server_cls.__name__}.__init__ failed: {failure.line}") from None
     storage.check_plain(server.state_dict(), f"{cfg.algorithm}'s server state")  # checkpointable
     return server

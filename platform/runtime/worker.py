@@ -463,14 +463,14 @@ class ClientHost:
 
     def fit_client(self, task: ClientTask, rnd: int, payload: Payload) -> tuple[Payload, dict]:
         start = time.perf_counter()
+        seed = seed_of("client/train", self.cfg.seed, rnd, task.client)
+        seed_global_draws(seed)  # numpy's and Python's, from the module's construction on
         module = self.module(task)
         sent = tensor_versions(payload)
-        written = None if self.keeps_state else [t._version for t in module.state_dict().values()]
+        written = None if self.keeps_state else unwritten_marks(module)
         # seeded before receive: every draw a client makes depends on (seed, round, client) only,
         # never on which worker runs it or what that worker ran before
-        seed = seed_of("client/train", self.cfg.seed, rnd, task.client)
         seed_torch(seed, self.device)
-        seed_global_draws(seed)  # numpy's and Python's too, for code that draws from them directly
         keys = frozenset(payload)
         first = keys not in self.checked_downlinks
         downlink = payload  # as sent: the checks below read it without counting a key as read
@@ -582,16 +582,44 @@ class ClientHost:
         return out
 
 
-def require_overwritten(algorithm: str, module: ClientModule, before: list[int]) -> None:
-    """A client that keeps nothing must load every entry of its state in ``receive``: it trains on a
-    module the worker shares, and whatever it did not overwrite (of its model, of another submodule
-    such as a personal model, of a persistent buffer) is another client's."""
-    for (name, tensor), version in zip(module.state_dict().items(), before, strict=True):
+def unwritten_marks(module: ClientModule) -> tuple[list[int], dict[str, tuple[int, int]]]:
+    """Before ``receive``, for :func:`require_overwritten`: the versions of the worker's shared model's
+    entries, and the entries outside it that copy it as its last client left it (a personal model
+    deep-copied in ``__init__``), each with its storage and version."""
+    model = module.model.state_dict()
+    copies = {}
+    for name, tensor in module.state_dict().items():
+        ref = None if name.startswith("model.") else model.get(name.split(".", 1)[-1])
+        if (
+            ref is not None
+            and ref.shape == tensor.shape
+            and ref.dtype == tensor.dtype
+            and torch.equal(ref, tensor)
+        ):
+            copies[name] = (tensor.data_ptr(), tensor._version)
+    return [t._version for t in model.values()], copies
+
+
+def require_overwritten(algorithm: str, module: ClientModule, before: tuple[list[int], dict]) -> None:
+    """A client that keeps nothing must load its whole model in ``receive``: it trains on a model the
+    worker shares, and whatever it did not overwrite is another client's. So is a copy of that model
+    made before ``receive`` (a personal model deep-copied in ``__init__``) that it left as it was."""
+    versions, copies = before
+    for (name, tensor), version in zip(module.model.state_dict().items(), versions, strict=True):
         if tensor._version == version:
             raise ContractError(
                 f"algorithm {algorithm!r}: {type(module).__name__} declares keeps_state = False, but "
-                f"receive() left {name} as it was; load it from the downlink, or keep keeps_state = True "
-                "(a client's own model or buffers outlive its round only then)"
+                f"receive() left model.{name} as it was; load the whole model from the downlink, or "
+                "keep keeps_state = True"
+            )
+    state = module.state_dict()
+    for name, mark in copies.items():
+        tensor = state.get(name)
+        if tensor is not None and (tensor.data_ptr(), tensor._version) == mark:
+            raise ContractError(
+                f"algorithm {algorithm!r}: {type(module).__name__} declares keeps_state = False, but "
+                f"{name} copies the worker's shared model as its previous client left it, and receive() "
+                "left it so; a model a client keeps of its own needs keeps_state = True"
             )
 
 
