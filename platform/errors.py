@@ -30,8 +30,8 @@ class RoundFailed(RuntimeError):
 
 
 class ServerFailed(RoundFailed):
-    """The algorithm's server half raised (in ``__init__``, ``configure``, ``uplinks_arrived`` or
-    ``aggregate``): its code is broken, so the run stops with one line naming the method and the place
+    """The algorithm's server half raised (in ``__init__``, ``configure``, ``uplinks_arrived``,
+    ``aggregate``, or ``eval_payload`` / ``global_model`` for an evaluation): its code is broken, so the run stops with one line naming the method and the place
     (the traceback goes to the run's ``failures/`` artifacts); its checkpoints stay, to resume once fixed."""
 
 

@@ -398,6 +398,58 @@ def test_a_server_whose_code_raises_ends_the_run_with_one_line(ray_session, mlfl
     assert "Traceback (most recent call last)" in text and "in aggregate" in text
 
 
+class BrokenConfigureServer(FedAvgServer):
+    def configure(self, rnd, selected):
+        raise IndexError("no such client")
+
+
+class BrokenEvalPayloadServer(FedAvgServer):
+    def eval_payload(self):
+        if self.rounds_done:  # set-up's check of the payload passes; the first evaluation's call fails
+            raise AttributeError("no global model yet")
+        return super().eval_payload()
+
+    def aggregate(self, rnd, uplinks):
+        super().aggregate(rnd, uplinks)
+        self.rounds_done = True
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.rounds_done = False
+
+    STATE = (*FedAvgServer.STATE, "rounds_done")
+
+
+# registered at import, as above: a run's processes import this module to unpickle the config
+@register("brokenconfigure_probe", server=BrokenConfigureServer, client=FedAvgClient)
+@dataclass
+class BrokenConfigureConfig(AlgorithmConfig):
+    pass
+
+
+@register("brokenevalpayload_probe", server=BrokenEvalPayloadServer, client=FedAvgClient)
+@dataclass
+class BrokenEvalPayloadConfig(AlgorithmConfig):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "method", "error"),
+    [
+        ("brokenconfigure_probe", "configure", "IndexError: no such client"),
+        ("brokenevalpayload_probe", "eval_payload", "AttributeError: no global model yet"),
+    ],
+)
+def test_every_server_method_that_raises_ends_the_run_with_its_line(
+    ray_session, mlflow_store, algorithm, method, error
+):
+    with pytest.raises(RunAborted) as err:
+        run_experiment(load_config(None, tiny_overrides(algorithm=algorithm, rounds=2)))
+    line = one_line(err)
+    assert line.startswith("round 1: "), line
+    assert f"Server.{method} failed: {error}" in line and "in " + method in line, line
+
+
 class GlobalDrawServer(FedAvgServer):
     """Shifts the global model by draws from numpy's and Python's global generators, not a named
     stream: the numbers must still depend on (seed, round) only, not on what the process ran before."""

@@ -15,6 +15,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -382,7 +383,12 @@ class RoundLoop:
         metrics[Metrics.CLIENTS_RETRIED] = retried
         if (rnd + 1) % self.cfg.eval_every == 0 or rnd + 1 == self.cfg.rounds:
             evaluation, self.record.client_acc, retried = self.evaluation.run(
-                rnd, selected, self.server, on_retry, self.events.failure_reporter(rnd)
+                rnd,
+                selected,
+                self.server,
+                on_retry,
+                self.events.failure_reporter(rnd),
+                partial(self.server_code, rnd),
             )
             metrics.update(evaluation)
             metrics[Metrics.CLIENTS_RETRIED] += retried

@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 import ray
+from torch import nn
 
-from fedray.platform.api.algorithm import Server, cpu_state
+from fedray.platform.api.algorithm import Payload, Server, cpu_state
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import RoundFailed
@@ -108,9 +109,13 @@ class Evaluation:
         server: Server,
         on_retry,
         on_failed: Callable[[Any, Failure], None],
+        server_code: Callable[[str, Callable[[], Any]], Any] = lambda method, call: call(),
     ) -> tuple[dict[str, float], dict[int, float], int]:
-        """The round's evaluation metrics, each tested client's accuracy, and the jobs retried on the way."""
-        done = self.pool.run(self.client_jobs(rnd, selected, server) + self.global_jobs(server), on_retry)
+        """The round's evaluation metrics, each tested client's accuracy, and the jobs retried on the way.
+        ``server_code(method, call)`` runs a method of the server (the Coordinator's: one line if it raises)."""
+        payload = server_code("eval_payload", server.eval_payload)
+        model = server_code("global_model", server.global_model)
+        done = self.pool.run(self.client_jobs(rnd, selected, payload) + self.global_jobs(model), on_retry)
         for key, failure in done.failed.items():
             on_failed(key, failure)
         stop_if_every_job_failed(rnd, done.failed, done.results)
@@ -130,9 +135,8 @@ class Evaluation:
             out[Metrics.LOSS_GLOBAL] = loss / max(total, 1)
         return out, client_acc, len(done.retried)
 
-    def client_jobs(self, rnd: int, selected: list[int], server: Server) -> list[Job]:
+    def client_jobs(self, rnd: int, selected: list[int], payload: Payload | None) -> list[Job]:
         """Clients grouped by the worker that caches them, a few dozen per call."""
-        payload = server.eval_payload()
         payload_ref = None if payload is None else ray.put(payload)
         by_worker: dict[Any, list[int]] = {}
         for cid in eval_clients(self.cfg, rnd, selected):
@@ -150,9 +154,8 @@ class Evaluation:
         its file unless it caches the client)."""
         return lambda: (self.store.tasks(group, self.shards, commits=False), payload_ref)
 
-    def global_jobs(self, server: Server) -> list[Job]:
+    def global_jobs(self, model: nn.Module | None) -> list[Job]:
         """One job per chunk of the global test set, for a server with a global model."""
-        model = server.global_model()
         if model is None:
             return []
         state = ray.put(cpu_state(model))
