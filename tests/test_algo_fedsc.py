@@ -281,6 +281,12 @@ def make_client(overrides=()):
     return client, data
 
 
+def receive_prototypes(client, rel, rmask, o, omask) -> None:
+    """Round 1's downlink: the client's own model, relational prototypes R and consistent ones O."""
+    payload = {"relational": rel, "relational_mask": rmask, "consistent": o, "consistent_mask": omask}
+    client.receive(1, {"model": client.model.state_dict(), **payload})
+
+
 def test_round0_client_loss_is_plain_ce():
     client, data = make_client()
     client.receive(0, {"model": client.model.state_dict()})
@@ -295,16 +301,7 @@ def test_client_loss_is_ce_plus_rpcl_plus_cpdr_with_u_from_epoch_start():
     g = torch.Generator().manual_seed(1)
     rel, rmask = torch.rand(2, 4, 128, generator=g), torch.tensor([[True, True, True, False]] * 2)
     o, omask = torch.rand(4, 128, generator=g), torch.tensor([True, True, False, False])
-    client.receive(
-        1,
-        {
-            "model": client.model.state_dict(),
-            "relational": rel,
-            "relational_mask": rmask,
-            "consistent": o,
-            "consistent_mask": omask,
-        },
-    )
+    receive_prototypes(client, rel, rmask, o, omask)
     client.on_train_epoch_start()
     loss = client.training_step((data.x, data.y), 0)
     with torch.no_grad():
@@ -323,16 +320,7 @@ def test_default_loss_on_one_batch_reads_u_from_every_local_sample_and_cpdr_as_m
     g = torch.Generator().manual_seed(2)
     rel, rmask = torch.rand(2, 4, 128, generator=g), torch.tensor([[True, True, True, False]] * 2)
     o, omask = torch.rand(4, 128, generator=g), torch.tensor([True, False, True, False])
-    client.receive(
-        1,
-        {
-            "model": client.model.state_dict(),
-            "relational": rel,
-            "relational_mask": rmask,
-            "consistent": o,
-            "consistent_mask": omask,
-        },
-    )
+    receive_prototypes(client, rel, rmask, o, omask)
     client.on_train_epoch_start()
     half = slice(0, 12)
     # Execute

@@ -31,6 +31,7 @@ from fedray.platform.api.algorithm import (
     tests_with_global_model,
 )
 from fedray.platform.api.contract import check_uplinks
+from fedray.platform.api.registry import AlgorithmSpec
 from fedray.platform.api.registry import get as get_algorithm
 from fedray.platform.config import ExperimentConfig, RayConfig, clients_per_round
 from fedray.platform.data import ArrayDataset
@@ -56,7 +57,7 @@ from fedray.platform.runtime.events import (
     RoundStarted,
     WorkerJoined,
 )
-from fedray.platform.runtime.failures import algorithm_files, failure_of
+from fedray.platform.runtime.failures import Failure, algorithm_files, failure_of
 from fedray.platform.runtime.pool import PoolClosed, WorkerPool, unplaced
 from fedray.platform.runtime.process_roles import set_up_coordinator
 from fedray.platform.runtime.state_store import STATES_DIR, StateStore
@@ -203,16 +204,28 @@ def build_server(cfg: ExperimentConfig, meta: dict[str, Any]) -> Server:
     torch.manual_seed(seed_of("coordinator/server_init", cfg.seed))
     seed_global_draws(seed_of("coordinator/server_init", cfg.seed))
     spec = get_algorithm(cfg.algorithm)
+    server = server_code(spec, f"{spec.server_cls.__name__}.__init__", lambda: spec.server_cls(ctx))
+    storage.check_plain(server.state_dict(), f"{cfg.algorithm}'s server state")  # checkpointable
+    return server
+
+
+def server_code(
+    spec: AlgorithmSpec, label: str, call: Callable[[], T], report: Callable[[Failure], None] | None = None
+) -> T:
+    """``call()``, code of the algorithm's server half: an error of its own stops the run with one line,
+    ``<label> failed: <the error> (at <where>)``, not the Coordinator's traceback through Ray; its
+    traceback goes to ``report`` (the run's events), else to the console (no run to log it to yet)."""
     try:
-        server = spec.server_cls(ctx)
-    except (ConfigError, RoundFailed):  # the platform's own lines (a broken rule, a bad value)
+        return call()
+    except (ConfigError, RoundFailed):  # the platform's own lines (a broken rule, a diverged round)
         raise
     except Exception as err:
         failure = failure_of(err, own=algorithm_files(spec.server_cls, spec.client_cls, spec.config_cls))
-        print(failure.traceback, file=sys.stderr, flush=True)  # no run to log it to yet: the console
-        raise ServerFailed(f"{spec.server_cls.__name__}.__init__ failed: {failure.line}") from None
-    storage.check_plain(server.state_dict(), f"{cfg.algorithm}'s server state")  # checkpointable
-    return server
+        if report is None:
+            print(failure.traceback, file=sys.stderr, flush=True)
+        else:
+            report(failure)
+        raise ServerFailed(f"{label} failed: {failure.line}") from None
 
 
 def check_evaluable(name: str, client_cls: type[ClientModule], commits: bool, server: Server) -> None:
@@ -406,19 +419,14 @@ class RoundLoop:
         return hand_on
 
     def server_code(self, rnd: int, method: str, call: Callable[[], T]) -> T:
-        """``call()``, a method of the algorithm's server: an error of its code stops the run with one
-        line naming the method and the place, its traceback a ``failures/`` artifact as a client's is,
-        not the Coordinator's traceback through Ray."""
-        try:
-            return call()
-        except (ConfigError, RoundFailed):  # the platform's own lines (a broken rule, a diverged round)
-            raise
-        except Exception as err:
-            spec = self.spec
-            failure = failure_of(err, own=algorithm_files(spec.server_cls, spec.client_cls, spec.config_cls))
-            name = f"{type(self.server).__name__}.{method}"
-            self.events.emit(ClientFailed(rnd + 1, f"server {method}", failure))
-            raise ServerFailed(f"round {rnd + 1}: {name} failed: {failure.line}") from None
+        """``call()``, the server's ``method`` in round ``rnd`` (:func:`server_code`); its traceback
+        goes out as a client's does, a ``failures/`` artifact."""
+        return server_code(
+            self.spec,
+            f"round {rnd + 1}: {type(self.server).__name__}.{method}",
+            call,
+            lambda failure: self.events.emit(ClientFailed(rnd + 1, f"server {method}", failure)),
+        )
 
     def checkpoint(self, done: int) -> None:
         """Taken now, once the last one has landed (the state files only it listed may then go), and

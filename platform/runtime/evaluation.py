@@ -109,7 +109,7 @@ class Evaluation:
         server: Server,
         on_retry,
         on_failed: Callable[[Any, Failure], None],
-        server_code: Callable[[str, Callable[[], Any]], Any] = lambda method, call: call(),
+        server_code: Callable[[str, Callable[[], Any]], Any],
     ) -> tuple[dict[str, float], dict[int, float], int]:
         """The round's evaluation metrics, each tested client's accuracy, and the jobs retried on the way.
         ``server_code(method, call)`` runs a method of the server (the Coordinator's: one line if it raises)."""

@@ -612,7 +612,7 @@ def require_overwritten(algorithm: str, module: ClientModule, before: tuple[list
                 f"receive() left model.{name} as it was; load the whole model from the downlink, or "
                 "keep keeps_state = True"
             )
-    state = module.state_dict()
+    state = module.state_dict() if copies else {}
     for name, mark in copies.items():
         tensor = state.get(name)
         if tensor is not None and (tensor.data_ptr(), tensor._version) == mark:
