@@ -74,7 +74,8 @@ def test_required_hyperparameters_are_in_the_spaces():
     assert {"fedl2g.server_lr", "fedl2g.variant"} <= keys["fedl2g"]
     assert {"fedsc.tau", "fedsc.neighbors"} <= keys["fedsc"]
     assert "fedprox.mu" in keys["fedprox"]
-    for algo in ("fedssa", "fedcross", "fedl2g", "fedsc", "fedprox"):
+    assert {"scaffold.server_lr", "train.momentum"} <= keys["scaffold"]
+    for algo in ("fedssa", "fedcross", "fedl2g", "fedsc", "fedprox", "scaffold"):
         assert {"train.lr", "train.local_epochs"} <= keys[algo], algo
 
 
