@@ -25,15 +25,12 @@ Choices where the paper is silent or fedray's models differ (docs/algorithms/moo
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.func import functional_call
+from torch import Tensor
 
 from fedray.algorithms.fedavg import FedAvgServer
 from fedray.platform.api import (
@@ -43,6 +40,8 @@ from fedray.platform.api import (
     ExperimentConfig,
     Metrics,
     Payload,
+    flat_state,
+    frozen_call,
     register,
 )
 
@@ -57,44 +56,6 @@ def model_contrastive_loss(z: Tensor, z_glob: Tensor, z_prev: Tensor, tau: float
         [F.cosine_similarity(z, z_glob, dim=-1), F.cosine_similarity(z, z_prev, dim=-1)], dim=1
     )
     return F.cross_entropy(logits / tau, torch.zeros(len(z), dtype=torch.long, device=z.device))
-
-
-# ------------------------------------------------------------------------------------------- frozen models
-
-
-def float_entries(module: nn.Module) -> list[tuple[str, Tensor]]:
-    """The floating entries of a module's state (weights, BatchNorm statistics), in state order."""
-    return [(k, v) for k, v in module.state_dict().items() if v.is_floating_point()]
-
-
-def flat_state(module: nn.Module) -> Tensor:
-    """The module's floating state as one detached vector (a copy)."""
-    return torch.cat([v.detach().reshape(-1) for _, v in float_entries(module)])
-
-
-def state_views(flat: Tensor, module: nn.Module) -> dict[str, Tensor]:
-    """``flat`` (from :func:`flat_state` of a module of this shape) as the module's state entries."""
-    entries = float_entries(module)
-    parts = flat.split([v.numel() for _, v in entries])
-    return {k: part.view(v.shape) for (k, v), part in zip(entries, parts, strict=True)}
-
-
-@contextlib.contextmanager
-def eval_mode(module: nn.Module) -> Iterator[None]:
-    """Every submodule in eval mode for the block, each back in its own mode after."""
-    modes = [(m, m.training) for m in module.modules()]
-    module.eval()
-    try:
-        yield
-    finally:
-        for m, mode in modes:
-            m.training = mode
-
-
-def frozen_representation(features: nn.Module, flat: Tensor, x: Tensor) -> Tensor:
-    """``features(x)`` with the weights in ``flat`` instead of its own, in eval mode, without gradient."""
-    with torch.no_grad(), eval_mode(features):
-        return functional_call(features, state_views(flat, features), (x,))
 
 
 # ------------------------------------------------------------------------------------------- client half
@@ -126,8 +87,8 @@ class MoonClient(ClientModule):
         self.record(Metrics.LOSS_TRAIN, ce)
         if not self.contrast:
             return ce
-        z_glob = frozen_representation(self.model.features, self.global_features, x)
-        z_prev = frozen_representation(self.model.features, self.previous, x)
+        z_glob = frozen_call(self.model.features, self.global_features, x)
+        z_prev = frozen_call(self.model.features, self.previous, x)
         con = model_contrastive_loss(z, z_glob, z_prev, self.hp.tau)
         self.record("loss/contrastive", con)
         return ce + self.hp.mu * con

@@ -14,9 +14,10 @@ from torch import nn
 from torch.testing import assert_close
 
 from fedray.algorithms.fedavg import FedAvgServer
-from fedray.algorithms.moon import MoonClient, flat_state, model_contrastive_loss, state_views
+from fedray.algorithms.moon import MoonClient, model_contrastive_loss
 from fedray.platform.api import registry
 from fedray.platform.api.algorithm import ClientContext
+from fedray.platform.api.frozen import flat_state, state_views
 from fedray.platform.catalog import load_config
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ConfigError
