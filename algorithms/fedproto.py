@@ -51,8 +51,8 @@ from fedray.platform.api import (
     Payload,
     Server,
     ServerContext,
-    batch_loader,
     class_prototypes,
+    eval_pass,
     register,
     scatter_rows,
 )
@@ -219,16 +219,8 @@ class FedProtoClient(ClientModule):
     def after_training(self) -> tuple[Tensor, Tensor]:
         """Each class's prototype from one eval-mode pass of the trained model over the train split
         (``collect=after``), and its sample count."""
-        was_training = self.model.training
-        self.model.eval()
-        device = next(self.model.parameters()).device
-        reps, labels = [], []
-        for x, y in batch_loader(self.training_data(), 1024, shuffle=False):
-            logits, z = self.model.forward_with_features(x.to(device))
-            reps.append(self.guided(logits, z).float())  # on the device: the platform moves the uplink
-            labels.append(y.to(device))
-        self.model.train(was_training)
-        return class_prototypes(torch.cat(reps), torch.cat(labels), self.ctx.num_classes)
+        logits, z, y = eval_pass(self.model, self.training_data())
+        return class_prototypes(self.guided(logits, z).float(), y, self.ctx.num_classes)
 
 
 @register("fedproto", server=FedProtoServer, client=FedProtoClient)

@@ -66,6 +66,7 @@ from fedray.platform.api import (
     Payload,
     class_prototypes,
     cpu_state,
+    eval_pass,
     masked_mean,
     register,
 )
@@ -246,15 +247,10 @@ class FedSCClient(FedAvgClient):
         self.hold("scale", None)
 
     @torch.no_grad()
-    def local_features(self, batch: int = 1024) -> tuple[Tensor, Tensor]:
+    def local_features(self) -> tuple[Tensor, Tensor]:
         """Eval-mode features of every local training sample with the current model: ``[N, d]``, ``[N]``."""
-        was_training = self.model.training
-        self.model.eval()
-        device = next(self.model.parameters()).device
-        data = self.training_data()
-        z = torch.cat([self.model.forward_features(xb.to(device)) for xb in data.x.split(batch)])
-        self.model.train(was_training)
-        return z, data.y.to(device)
+        _, z, y = eval_pass(self.model, self.training_data())
+        return z, y
 
     def on_train_epoch_start(self) -> None:
         if self.relational is not None and self.hp.use_u:

@@ -23,7 +23,7 @@ from fedray.platform.api.algorithm import (
 from fedray.platform.api.averaging import RunningMean, weighted_average, weighted_models
 from fedray.platform.api.frozen import flat_state, frozen_call
 from fedray.platform.api.header import header_rows, load_header_rows
-from fedray.platform.api.prototypes import class_prototypes, masked_mean, scatter_rows
+from fedray.platform.api.prototypes import class_prototypes, eval_pass, masked_mean, scatter_rows
 from fedray.platform.api.registry import register
 from fedray.platform.config import (
     AlgorithmConfig,
@@ -57,6 +57,7 @@ __all__ = [
     "client_count",
     "clients_per_round",
     "cpu_state",
+    "eval_pass",
     "flat_state",
     "frozen_call",
     "header_rows",

@@ -1,12 +1,35 @@
 """Per-class tensors that several algorithms exchange: class means of representations (FedProto's,
 FD's and FedSC's prototypes, FedL2G's averaged rows), the dense ``[K, C, ...]`` view of per-client
 class-indexed rows (FedProto's prototypes, FedSSA's header rows) and its mean over the clients that
-hold each class (FedSSA's Eq. 3, FedSC's Eq. 5)."""
+hold each class (FedSSA's Eq. 3, FedSC's Eq. 5), and one eval-mode pass of a model over a client's
+samples, where prototypes computed after training come from (FedProto's ``collect=after``, FedSC,
+FedGH)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from fedray.platform.api.algorithm import batch_loader
+from fedray.platform.api.frozen import eval_mode
+from fedray.platform.data import ArrayDataset
+from fedray.platform.models import FedModel
+
+
+@torch.no_grad()
+def eval_pass(model: FedModel, data: ArrayDataset, batch: int = 1024) -> tuple[Tensor, Tensor, Tensor]:
+    """The model's logits ``[N, C]`` and representations ``[N, d]`` of every sample of ``data``, in
+    order, in eval mode (each submodule back in its own mode after), without gradient; and the labels
+    ``[N]``. On the model's device."""
+    device = next(model.parameters()).device
+    logits, reps, labels = [], [], []
+    with eval_mode(model):
+        for x, y in batch_loader(data, batch, shuffle=False):
+            out, z = model.forward_with_features(x.to(device))
+            logits.append(out)
+            reps.append(z)
+            labels.append(y.to(device))
+    return torch.cat(logits), torch.cat(reps), torch.cat(labels)
 
 
 def class_prototypes(z: Tensor, y: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
