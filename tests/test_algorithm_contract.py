@@ -29,7 +29,7 @@ from fedray.platform.config import clients_per_round
 from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.data import ArrayDataset, normalize
 from fedray.platform.runtime.driver import federation_meta, prepare_federation
-from fedray.platform.runtime.worker import make_client_model
+from fedray.platform.runtime.worker import make_client_model, member_model, smallest_arch
 
 SHIPPED = registered_by("fedray.algorithms")
 
@@ -159,8 +159,9 @@ def strays_over_two_rounds(algorithm: str, mixing: DeviceMixing | None = None) -
     spec = get(algorithm)
     n = len(fed.shards)
     models = [make_client_model(cfg, c, meta) for c in range(n)]
+    shared = {"smallest_arch": smallest_arch(cfg, meta), "make_arch": lambda a: member_model(cfg, a, meta)}
     server = spec.server_cls(
-        ServerContext(cfg, n, meta["num_classes"], [m.arch for m in models], lambda c: models[c])
+        ServerContext(cfg, n, meta["num_classes"], [m.arch for m in models], lambda c: models[c], **shared)
     )
     selected = list(range(clients_per_round(cfg)))
     clients, strays = {}, []
@@ -168,7 +169,12 @@ def strays_over_two_rounds(algorithm: str, mixing: DeviceMixing | None = None) -
         shard = fed.shards[c]
         train = ArrayDataset(normalize(shard.train.x, meta["mean"], meta["std"]).double(), shard.train.y)
         ctx = ClientContext(
-            c, cfg, meta["num_classes"], train, torch.bincount(train.y, minlength=meta["num_classes"])
+            c,
+            cfg,
+            meta["num_classes"],
+            train,
+            torch.bincount(train.y, minlength=meta["num_classes"]),
+            **shared,
         )
         clients[c] = spec.client_cls(make_client_model(cfg, c, meta), ctx)
 

@@ -14,16 +14,17 @@ import torch
 from conftest import tiny_overrides
 from in_process import client_task
 
-from fedray.platform.api.algorithm import ClientModule, Server, ServerContext
+from fedray.platform.api.algorithm import ClientModule, Server
 from fedray.platform.api.registry import available, register
 from fedray.platform.catalog import load_config
 from fedray.platform.config import clients_per_round
 from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.errors import ContractError
 from fedray.platform.runtime import storage
+from fedray.platform.runtime.coordinator import build_server
 from fedray.platform.runtime.driver import federation_meta, prepare_federation
 from fedray.platform.runtime.state_store import ClientTask, state_file
-from fedray.platform.runtime.worker import ClientHost, client_model_state, make_client_model
+from fedray.platform.runtime.worker import ClientHost, client_model_state
 
 
 class DrawingClient(ClientModule):
@@ -96,12 +97,7 @@ def test_the_platform_sets_the_round_and_seeds_every_call(epochs):
 )
 def test_every_algorithm_trains_at_the_round_it_is_given(algorithm):
     cfg, fed, host = host_for(algorithm=algorithm, **{"train.local_epochs": 1})
-    meta = federation_meta(fed)
-    archs = [make_client_model(cfg, c, meta).arch for c in range(len(fed.shards))]
-    ctx = ServerContext(
-        cfg, len(fed.shards), meta["num_classes"], archs, lambda c: make_client_model(cfg, c, meta)
-    )
-    server = host.spec.server_cls(ctx)
+    server = build_server(cfg, federation_meta(fed))  # the Coordinator's server, context and all
     payload = server.configure(7, list(range(clients_per_round(cfg))))
     for cid in (0, 1):
         uplink(host, fed, cid, 7, payload[cid])

@@ -254,10 +254,10 @@ def test_each_architectures_first_client_model_carries_the_input_example():
 
     result = Result("run", "0", cfg, [], {}, True, 0.0)
     fresh = Recorder(set())
-    log_final(fresh, result, fed, None, states, "")
+    log_final(fresh, result, fed, (None, None), states, "")
     firsts = {archs.index(a) for a in set(archs)}
     assert fresh.calls == [(f"client_{cid}", cid in firsts) for cid in range(4)]
 
     resumed = Recorder({"client_0"})  # the last segment logged client 0, with its example
-    log_final(resumed, result, fed, None, {cid: states[cid] for cid in range(4)}, "", resumed=True)
+    log_final(resumed, result, fed, (None, None), {cid: states[cid] for cid in range(4)}, "", resumed=True)
     assert resumed.calls == [(f"client_{cid}", cid in firsts - {0}) for cid in range(1, 4)]

@@ -120,6 +120,14 @@ class ServerContext:
     make_model: Callable[[int], FedModel]  # client id -> its initial model, as ``model.init`` says
     # client id -> a model drawn from (seed, id) whatever ``model.init`` says: independent draws
     make_distinct_model: Callable[[int], FedModel] | None = None
+    # the model group's member with the fewest parameters, and a fresh model of a member: the model
+    # an algorithm shares between clients of a heterogeneous group (FML's and FedKD's small model)
+    smallest_arch: str = ""
+    make_arch: Callable[[str], FedModel] | None = None
+
+    def model_of_arch(self, arch: str) -> FedModel:
+        """A fresh model of ``arch``, a member of the run's model group (its first client's initial draw)."""
+        return model_built_by(self.make_arch, arch, "ServerContext")
 
     def distinct_model(self, i: int) -> FedModel:
         """Model ``i`` of several that must start from different weights (FedCross's K middleware
@@ -151,10 +159,23 @@ class ClientContext:
     num_classes: int
     train: ArrayDataset  # normalised float images
     class_counts: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [C] train samples per class
+    # as on ServerContext: the group's smallest member, and a fresh model of a member
+    smallest_arch: str = ""
+    make_arch: Callable[[str], FedModel] | None = None
+
+    def model_of_arch(self, arch: str) -> FedModel:
+        """A fresh model of ``arch``, a member of the run's model group (its first client's initial draw)."""
+        return model_built_by(self.make_arch, arch, "ClientContext")
 
     @property
     def num_train(self) -> int:
         return len(self.train)
+
+
+def model_built_by(make_arch: Callable[[str], FedModel] | None, arch: str, where: str) -> FedModel:
+    if make_arch is None:
+        raise ContractError(f"{where}.model_of_arch({arch!r}): this context was built without make_arch")
+    return make_arch(arch)
 
 
 # --------------------------------------------------------------------------------------------- halves

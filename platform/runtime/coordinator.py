@@ -61,7 +61,7 @@ from fedray.platform.runtime.failures import Failure, algorithm_files, failure_o
 from fedray.platform.runtime.pool import PoolClosed, WorkerPool, unplaced
 from fedray.platform.runtime.process_roles import set_up_coordinator
 from fedray.platform.runtime.state_store import STATES_DIR, StateStore
-from fedray.platform.runtime.worker import ClientActor, make_client_model
+from fedray.platform.runtime.worker import ClientActor, make_client_model, member_model, smallest_arch
 from fedray.platform.seeds import numpy_rng, seed_global_draws, seed_of
 from fedray.platform.tracking.names import Metrics
 
@@ -200,6 +200,8 @@ def build_server(cfg: ExperimentConfig, meta: dict[str, Any]) -> Server:
         [arch_for_client(cfg.model.group, cid) for cid in range(n)],
         make_model=lambda cid: make_client_model(cfg, cid, meta),
         make_distinct_model=lambda i: make_client_model(cfg, i, meta, init="per_client"),
+        smallest_arch=smallest_arch(cfg, meta),
+        make_arch=lambda arch: member_model(cfg, arch, meta),
     )
     torch.manual_seed(seed_of("coordinator/server_init", cfg.seed))
     seed_global_draws(seed_of("coordinator/server_init", cfg.seed))

@@ -652,7 +652,8 @@ def run_experiment(
         if finals is not None:
             client_models, note = finals
             resumed = resume_run_id is not None
-            log_final(tracker, result, fed, summary["global_model"], client_models, note, resumed)
+            global_model = summary["global_model"], summary.get("global_arch")
+            log_final(tracker, result, fed, global_model, client_models, note, resumed)
         result.wall_time_s = session.finish(summary["finished"])
     return result
 
@@ -661,7 +662,7 @@ def log_final(
     tracker: RunTracker,
     result: Result,
     fed: Federation,
-    global_model,
+    global_model: tuple[dict | None, str | None],
     client_models,
     note: str,
     resumed: bool = False,
@@ -679,14 +680,17 @@ def log_final(
 
     meta = federation_meta(fed)
 
-    def model_of(client: int, state: dict) -> torch.nn.Module:
-        model = model_of_arch(arch_for_client(cfg.model.group, client), meta)
+    def model_of(arch: str, state: dict) -> torch.nn.Module:
+        model = model_of_arch(arch, meta)
         model.load_state_dict(state)
         return model
 
     logged = tracker.model_names() if resumed else set()
-    if global_model is not None and "global_model" not in logged:  # the homogeneous group's one architecture
-        tracker.log_model(model_of(0, global_model), "global_model", example, step)
+    global_state, global_arch = global_model
+    if global_state is not None and "global_model" not in logged:
+        # the homogeneous group's one architecture, unless the server's model says which it is
+        arch = global_arch or arch_for_client(cfg.model.group, 0)
+        tracker.log_model(model_of(arch, global_state), "global_model", example, step)
     # the input example goes with the first client model of each architecture: its validation and
     # its file are a quarter of a model's logging, the same for every other client of that architecture
     shown: set[str] = set()
@@ -694,7 +698,7 @@ def log_final(
         arch = arch_for_client(cfg.model.group, cid)
         if f"client_{cid}" not in logged:
             tracker.log_model(
-                model_of(cid, state), f"client_{cid}", example, step, with_example=arch not in shown
+                model_of(arch, state), f"client_{cid}", example, step, with_example=arch not in shown
             )
         shown.add(arch)
     if note:

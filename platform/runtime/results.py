@@ -21,6 +21,8 @@ def run_summary(finished: bool, server: Server, record: LoopRecord) -> dict[str,
         "history": record.history,
         "client_acc": record.client_acc,
         "global_model": None if model is None else {k: v.cpu() for k, v in model.state_dict().items()},
+        # the zoo architecture it is, where it is one (FML's global model is the group's smallest)
+        "global_arch": getattr(model, "arch", None),
     }
 
 

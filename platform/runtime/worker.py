@@ -43,7 +43,7 @@ from fedray.platform.api.registry import get as get_algorithm
 from fedray.platform.config import ExperimentConfig
 from fedray.platform.data import ArrayDataset, ClientShard, normalize
 from fedray.platform.errors import ConfigError, ContractError, first_line
-from fedray.platform.models import FedModel, arch_for_client, build_for, first_client_of_arch
+from fedray.platform.models import FedModel, arch_for_client, build_for, first_client_of_arch, model_group
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.devices import (
     DeviceError,
@@ -84,6 +84,33 @@ def make_client_model(
     draw = first_client_of_arch(cfg.model.group, client_id) if init == "shared" else client_id
     seed_torch(seed_of("model/init", cfg.seed, draw))  # initial weights are drawn on the CPU
     return model_of_arch(arch_for_client(cfg.model.group, client_id), meta)
+
+
+def member_model(cfg: ExperimentConfig, arch: str, meta: dict[str, Any]) -> FedModel:
+    """A fresh model of ``arch``, a member of the run's model group: the initial model of the first
+    client that has it (a function of the seed and the architecture)."""
+    members = model_group(cfg.model.group)
+    if arch not in members:
+        raise ContractError(
+            f"model {arch!r} is not in model.group={cfg.model.group!r} ({', '.join(members)})"
+        )
+    return make_client_model(cfg, members.index(arch), meta)
+
+
+_SMALLEST: dict[tuple[str, str, int], str] = {}
+
+
+def smallest_arch(cfg: ExperimentConfig, meta: dict[str, Any]) -> str:
+    """The member of the run's model group with the fewest parameters (the first of equals), counted on
+    models built on the meta device (no memory, no init)."""
+    key = (cfg.model.group, repr(meta["inputs"]), meta["num_classes"])
+    if key not in _SMALLEST:
+        sizes = {}
+        for arch in dict.fromkeys(model_group(cfg.model.group)):
+            with torch.device("meta"):
+                sizes[arch] = sum(p.numel() for p in model_of_arch(arch, meta).parameters())
+        _SMALLEST[key] = min(sizes, key=lambda a: sizes[a])
+    return _SMALLEST[key]
 
 
 def model_of_arch(arch: str, meta: dict[str, Any]) -> FedModel:
@@ -322,7 +349,15 @@ class ClientHost:
         """The client's module at its committed state: from the cache, else loaded into a spare model
         in place, else at its initial weights (:meth:`initial_model`)."""
         data = self.client_data(task)
-        ctx = ClientContext(task.client, self.cfg, self.meta["num_classes"], data.train, data.class_counts)
+        ctx = ClientContext(
+            task.client,
+            self.cfg,
+            self.meta["num_classes"],
+            data.train,
+            data.class_counts,
+            smallest_arch=smallest_arch(self.cfg, self.meta),
+            make_arch=lambda arch: member_model(self.cfg, arch, self.meta),
+        )
         if not self.keeps_state:
             model = self.arch_model(arch_for_client(self.cfg.model.group, task.client))
             module = self.spec.client_cls(model.train(), ctx)  # as a fresh build: the author sets modes
