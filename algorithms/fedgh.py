@@ -13,8 +13,9 @@ per client and class, with SGD (``server_lr``) for ``server_epochs`` epochs of s
 of ``train.batch_size``, and sends it back.
 
 Choices where the paper is silent (docs/algorithms/fedgh.md):
-- The server's optimiser is HtFLlib's: plain SGD at lr 0.01, one epoch per round (the FedL2G paper:
-  "even with one server epoch per iteration"), batches of the clients' batch size.
+- The server's optimiser: plain SGD at lr 0.01 (HtFLlib's) in batches of the clients' batch size, for
+  one epoch per round (the FedL2G paper: "even with one server epoch per iteration"; HtFLlib's
+  ``--server_epochs`` defaults to 100).
 - The initial global header is LG-FedAvg's, drawn from the run seed (docs/algorithms/fedssa.md,
   Initial global header); HtFLlib copies client 0's.
 - Clients are tested with their own extractor under the current global header (HtFLlib's evaluation

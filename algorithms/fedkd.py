@@ -13,8 +13,8 @@ mentor's,
 (the mentor minimises ``L_t``, the mentee ``L_s``; the distillations are weighted down when the two
 models predict badly). The mentee travels compressed: every weight matrix (a convolution's as
 ``[out, in * k * k]``) as its truncated SVD, keeping the fewest singular values whose squared sum
-exceeds the fraction ``T_r`` of the total, ``T_r`` rising linearly from ``energy_start`` to
-``energy_end`` over the run. The server averages the recovered mentees and compresses the mean for the
+exceeds the fraction ``T_r`` of the total, ``T_r`` rising linearly from ``energy_start`` at the first round to
+``energy_end`` at the last. The server averages the recovered mentees and compresses the mean for the
 next downlink. Clients are tested with their mentor; the mean mentee is tested on the global test set.
 
 Choices where the papers are silent (docs/algorithms/fedkd.md):
@@ -43,10 +43,10 @@ from fedray.platform.api import (
     ExperimentConfig,
     Metrics,
     Payload,
-    RunningMean,
     Server,
     cpu_state,
     register,
+    weighted_average,
 )
 
 # ------------------------------------------------------------------------------------------- the math
@@ -66,8 +66,9 @@ def adaptive_losses(
 
 
 def energy_at(rnd: int, rounds: int, start: float, end: float) -> float:
-    """``T_r``: ``start`` at round 0, rising linearly by ``(end - start) / rounds`` a round (HtFLlib's)."""
-    return start + rnd / rounds * (end - start)
+    """``T_r``: ``start`` at round 0, rising linearly to ``end`` at the last round ``rounds - 1`` (as
+    HtFLlib's, whose loop runs one round more than it divides by)."""
+    return start + rnd / max(rounds - 1, 1) * (end - start)
 
 
 def compress(tensor: Tensor, energy: float) -> Tensor | dict[str, Tensor]:
@@ -118,7 +119,6 @@ class FedKDServer(Server):
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
         self.mentee = ctx.model_of_arch(ctx.smallest_arch)
-        self.summed = RunningMean()  # this round's recovered mentees, summed as they arrive
 
     def energy(self, rnd: int) -> float:
         return energy_at(rnd, self.ctx.cfg.rounds, self.hp.energy_start, self.hp.energy_end)
@@ -129,15 +129,12 @@ class FedKDServer(Server):
             selected, {"mentee": compress_state(state, self.energy(rnd)), "energy": self.energy(rnd)}
         )
 
-    def recovered(self, uplinks: dict[int, Payload]) -> dict[Any, tuple[dict[str, Tensor], float]]:
-        return {cid: (recover_state(u["mentee"]), 1.0) for cid, u in uplinks.items()}
-
-    def uplinks_arrived(self, rnd: int, uplinks: dict[int, Payload]) -> None:
-        self.summed.add(rnd, self.recovered(uplinks))
-
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
+        # (not summed early in uplinks_arrived: the recovered states are new objects each time, which a
+        # RunningMean would sum again)
         if uplinks:
-            self.mentee.load_state_dict(self.summed.mean(rnd, self.recovered(uplinks)))
+            recovered = [recover_state(u["mentee"]) for u in uplinks.values()]
+            self.mentee.load_state_dict(weighted_average(recovered, [1.0] * len(recovered)))
 
     def global_model(self) -> nn.Module:
         return self.mentee
@@ -183,7 +180,7 @@ class FedKDClient(ClientModule):
 @dataclass
 class FedKDConfig(AlgorithmConfig):
     energy_start: float = 0.95  # T at the first round (HtFLlib's T_start)
-    energy_end: float = 0.98  # T reached at the last round (HtFLlib's T_end)
+    energy_end: float = 0.98  # T at the last round (HtFLlib's T_end)
 
     def validate(self, cfg: ExperimentConfig) -> None:
         for name in ("energy_start", "energy_end"):

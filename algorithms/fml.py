@@ -22,7 +22,8 @@ Choices where the papers are silent (docs/algorithms/fml.md):
 - ``alpha = beta = 0.5``: FML's setting. HtFLlib's defaults (1.0) would switch the mutual terms off.
 - The KL divergence is averaged over the batch (HtFLlib's ``nn.KLDivLoss()`` averages over batch and
   classes, a factor 1/C smaller), and its target is detached (HtFLlib lets both losses reach both models).
-- The server's mean is unweighted over the uploaders, as HtFLlib's.
+- The server's mean is unweighted over the uploaders, as HtFLlib's, and covers the meme model's whole
+  state (HtFLlib averages its parameters only, leaving each client its own BatchNorm statistics).
 - Both models train with one optimiser from ``train.*`` (the same step for both: the two losses touch
   disjoint parameters once the targets are detached).
 """

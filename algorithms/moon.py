@@ -17,8 +17,9 @@ Choices where the paper is silent or fedray's models differ (docs/algorithms/moo
 - [Frozen models] ``z_glob`` and ``z_prev`` come from the round's global weights and the client's
   last trained weights in eval mode (BatchNorm's running statistics, no dropout), without gradients.
 - [A client's first round] a client that has never trained has no previous model: its contrastive
-  term is 0 and it trains with cross-entropy alone, as the official code's first round (an empty pool
-  of previous models).
+  term is 0 and it trains with cross-entropy alone, as in the official code's first round (an empty
+  pool of previous models). Under partial participation the official code would contrast a client
+  that has not trained yet with its untrained network of round 0; fedray waits for its first round.
 - [What a client keeps] only its feature extractor's weights as last trained (MOON's model buffer
   of size 1); the head is never read for ``z``.
 """

@@ -95,3 +95,23 @@ def test_the_client_trains_under_the_global_header_and_uploads_eval_mode_class_m
 def test_bad_settings_are_one_line_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["algorithm=fedgh", *overrides])
+
+
+def test_the_servers_shuffle_is_drawn_from_the_seed_and_the_round():
+    """Batches of one: the header depends on the order, which a resumed run must draw again."""
+    cfg = load_config(
+        None, ["algorithm=fedgh", "fedgh.server_lr=0.5", "train.batch_size=1", "data.num_clients=3"]
+    )
+
+    def header_after(rnd: int) -> torch.Tensor:
+        server = FedGHServer(ServerContext(cfg, 3, 3, ["flat_bn"] * 3, lambda cid: bn_model(cid)))
+        gen = torch.Generator().manual_seed(5)
+        ups = {
+            c: {"classes": torch.tensor([0, 1, 2]), "protos": torch.randn(3, 3, generator=gen)}
+            for c in range(3)
+        }
+        server.aggregate(rnd, ups)
+        return server.header
+
+    assert torch.equal(header_after(4), header_after(4))  # the same round again: the same batches
+    assert not torch.equal(header_after(4), header_after(5))  # another round: another order

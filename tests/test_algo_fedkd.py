@@ -52,9 +52,10 @@ def test_the_adaptive_losses_by_hand_and_where_their_gradients_go():
 
 
 def test_the_energy_rises_linearly_from_start_to_end():
-    assert energy_at(0, 10, 0.95, 0.98) == 0.95
-    assert_close(torch.tensor(energy_at(5, 10, 0.95, 0.98)), torch.tensor(0.965))
-    assert_close(torch.tensor(energy_at(10, 10, 0.95, 0.98)), torch.tensor(0.98))
+    assert energy_at(0, 11, 0.95, 0.98) == 0.95
+    assert_close(torch.tensor(energy_at(5, 11, 0.95, 0.98)), torch.tensor(0.965))
+    assert_close(torch.tensor(energy_at(10, 11, 0.95, 0.98)), torch.tensor(0.98))  # the last of 11 rounds
+    assert energy_at(0, 1, 0.95, 0.98) == 0.95  # a one-round run
 
 
 def test_compression_keeps_the_fewest_singular_values_past_the_energy_and_recovers():
@@ -88,14 +89,14 @@ def setup(cfg):
 
 
 def test_the_server_sends_the_compressed_mean_and_averages_what_it_recovers():
-    cfg = small_hetero_cfg("fedkd.energy_start=0.5", "fedkd.energy_end=1.0", "rounds=4", "algorithm=fedkd")
+    cfg = small_hetero_cfg("fedkd.energy_start=0.5", "fedkd.energy_end=1.0", "rounds=5", "algorithm=fedkd")
     meta, small, shared = setup(cfg)
     n = cfg.data.num_clients
     archs = [arch_for_client(cfg.model.group, c) for c in range(n)]
     server = FedKDServer(ServerContext(cfg, n, meta["num_classes"], archs, lambda c: None, **shared))  # type: ignore[arg-type, return-value]
     assert server.mentee.arch == small and server.eval_payload() is None
     down = server.configure(2, [0, 1])[0]
-    assert down["energy"] == 0.75  # 0.5 + 2/4 * 0.5
+    assert down["energy"] == 0.75  # 0.5 + 2/4 * 0.5: round 2 of 0..4
     state = {k: v.clone() for k, v in server.mentee.state_dict().items()}
     for k, v in compress_state(state, 0.75).items():
         if isinstance(v, dict):

@@ -126,3 +126,23 @@ def test_the_server_is_fedavgs():
 def test_bad_settings_are_one_line_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["algorithm=moon", *overrides])
+
+
+def test_a_round_without_training_keeps_the_last_trained_extractor_and_a_reload_keeps_it_too():
+    client = make_client()
+    loop = LocalTraining(client.ctx.cfg.train, torch.device("cpu"))
+    client.begin_round(0, {"model": bn_model(1).state_dict()})
+    loop.fit(client, 1)
+    trained0 = flat_state(client.model.features)
+    client.begin_round(1, {"model": bn_model(2).state_dict()})  # selected, but no step (local_epochs 0)
+    client.upload()
+    assert torch.equal(client.previous, trained0)
+    # the state a worker commits, loaded into a module built afresh (another worker, a resumed run)
+    rebuilt = make_client()
+    rebuilt.load_state_dict(client.state_dict())
+    assert torch.equal(rebuilt.previous, trained0) and bool(rebuilt.has_previous)
+    rebuilt.begin_round(2, {"model": bn_model(3).state_dict()})
+    assert rebuilt.contrast  # round 2 contrasts with the extractor of round 0
+    assert "loss/contrastive" not in rebuilt.pop_stats()
+    rebuilt.training_step((X, Y), 0)
+    assert "loss/contrastive" in rebuilt.pop_stats()

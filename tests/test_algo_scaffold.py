@@ -64,7 +64,9 @@ def test_the_client_corrects_every_step_and_updates_its_control_variate_by_optio
         assert_close(up["model"]["head.weight"], w)
         assert_close(up["delta_control"], new_c_i - c_i)  # Delta c_i = c_i+ - c_i
         assert_close(client.control, new_c_i)  # kept for the next round
-        assert "control" in client.state_dict()  # ... and in the client's committed state
+        rebuilt = make_client("train.local_epochs=2")  # the committed state in a module built afresh
+        rebuilt.load_state_dict(client.state_dict())
+        assert torch.equal(rebuilt.control, client.control)
         assert payload_nbytes(up) == 2 * P * 4  # y_i and Delta c_i, as the FedCross paper counts it
         c_i = new_c_i
         # the next round starts from another global model, not from where this client ended
