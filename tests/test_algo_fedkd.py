@@ -84,7 +84,7 @@ def test_compression_keeps_the_fewest_singular_values_past_the_energy_and_recove
 def setup(cfg):
     meta = federation_meta(prepare_federation(cfg))
     small = smallest_arch(cfg, meta)
-    shared = {"smallest_arch": small, "make_arch": lambda a: member_model(cfg, a, meta)}
+    shared = {"find_smallest": lambda: small, "make_arch": lambda a: member_model(cfg, a, meta)}
     return meta, small, shared
 
 

@@ -63,7 +63,7 @@ def contexts(cfg, meta):
         meta["num_classes"],
         archs,
         lambda c: model_of_arch(archs[c], meta),
-        smallest_arch=small,
+        find_smallest=lambda: small,
         make_arch=lambda a: member_model(cfg, a, meta),
     )
     return server_ctx, small
@@ -99,7 +99,7 @@ def test_the_client_trains_both_models_and_uploads_the_meme_one():
     torch.manual_seed(0)
     x, y = torch.randn(6, 1, 8, 8), torch.tensor([0, 1, 2, 3, 4, 5])
     ctx = ClientContext(
-        0, cfg, meta["num_classes"], ArrayDataset(x, y), smallest_arch=small,
+        0, cfg, meta["num_classes"], ArrayDataset(x, y), find_smallest=lambda: small,
         make_arch=lambda a: member_model(cfg, a, meta),
     )  # fmt: skip
     client = FMLClient(model_of_arch(arch_for_client(cfg.model.group, 0), meta), ctx)
@@ -146,3 +146,28 @@ def test_log_final_logs_a_global_model_of_its_own_architecture():
 def test_weights_outside_zero_one_are_one_line_errors(key):
     with pytest.raises(ConfigError, match=f"fml.{key}=1.5: must be in \\[0, 1\\]"):
         load_config(None, ["algorithm=fml", f"fml.{key}=1.5"])
+
+
+def test_the_smallest_member_is_found_only_when_an_algorithm_asks():
+    """A model that cannot be built on the meta device must not break the algorithms that never ask."""
+    from fedray.algorithms.fedavg import FedAvgClient
+
+    def unbuildable() -> str:
+        raise RuntimeError("no meta-device build for this model")
+
+    cfg = load_config(None, ["algorithm=fedavg"])
+    ctx = ClientContext(
+        0,
+        cfg,
+        10,
+        ArrayDataset(torch.zeros(2, 1, 8, 8), torch.zeros(2, dtype=torch.long)),
+        find_smallest=unbuildable,
+    )
+    FedAvgClient(build_model("cnn_small", 1, 8, 10), ctx)  # built without asking
+    with pytest.raises(RuntimeError, match="no meta-device build"):
+        _ = ctx.smallest_arch
+    bare = ClientContext(0, cfg, 10, ArrayDataset(torch.zeros(2, 1, 8, 8), torch.zeros(2, dtype=torch.long)))
+    with pytest.raises(
+        ContractError, match=r"ClientContext\.smallest_arch: this context was built without find_smallest"
+    ):
+        _ = bare.smallest_arch

@@ -159,7 +159,10 @@ def strays_over_two_rounds(algorithm: str, mixing: DeviceMixing | None = None) -
     spec = get(algorithm)
     n = len(fed.shards)
     models = [make_client_model(cfg, c, meta) for c in range(n)]
-    shared = {"smallest_arch": smallest_arch(cfg, meta), "make_arch": lambda a: member_model(cfg, a, meta)}
+    shared = {
+        "find_smallest": lambda: smallest_arch(cfg, meta),
+        "make_arch": lambda a: member_model(cfg, a, meta),
+    }
     server = spec.server_cls(
         ServerContext(cfg, n, meta["num_classes"], [m.arch for m in models], lambda c: models[c], **shared)
     )

@@ -120,10 +120,15 @@ class ServerContext:
     make_model: Callable[[int], FedModel]  # client id -> its initial model, as ``model.init`` says
     # client id -> a model drawn from (seed, id) whatever ``model.init`` says: independent draws
     make_distinct_model: Callable[[int], FedModel] | None = None
-    # the model group's member with the fewest parameters, and a fresh model of a member: the model
-    # an algorithm shares between clients of a heterogeneous group (FML's and FedKD's small model)
-    smallest_arch: str = ""
+    # the model group's member with the fewest parameters (found when first asked), and a fresh model
+    # of a member: the model an algorithm shares between clients of a heterogeneous group (FML's and
+    # FedKD's small model)
+    find_smallest: Callable[[], str] | None = None
     make_arch: Callable[[str], FedModel] | None = None
+
+    @property
+    def smallest_arch(self) -> str:
+        return smallest_found_by(self.find_smallest, "ServerContext")
 
     def model_of_arch(self, arch: str) -> FedModel:
         """A fresh model of ``arch``, a member of the run's model group (its first client's initial draw)."""
@@ -160,8 +165,12 @@ class ClientContext:
     train: ArrayDataset  # normalised float images
     class_counts: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [C] train samples per class
     # as on ServerContext: the group's smallest member, and a fresh model of a member
-    smallest_arch: str = ""
+    find_smallest: Callable[[], str] | None = None
     make_arch: Callable[[str], FedModel] | None = None
+
+    @property
+    def smallest_arch(self) -> str:
+        return smallest_found_by(self.find_smallest, "ClientContext")
 
     def model_of_arch(self, arch: str) -> FedModel:
         """A fresh model of ``arch``, a member of the run's model group (its first client's initial draw)."""
@@ -170,6 +179,12 @@ class ClientContext:
     @property
     def num_train(self) -> int:
         return len(self.train)
+
+
+def smallest_found_by(find_smallest: Callable[[], str] | None, where: str) -> str:
+    if find_smallest is None:
+        raise ContractError(f"{where}.smallest_arch: this context was built without find_smallest")
+    return find_smallest()
 
 
 def model_built_by(make_arch: Callable[[str], FedModel] | None, arch: str, where: str) -> FedModel:

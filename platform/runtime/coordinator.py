@@ -200,7 +200,7 @@ def build_server(cfg: ExperimentConfig, meta: dict[str, Any]) -> Server:
         [arch_for_client(cfg.model.group, cid) for cid in range(n)],
         make_model=lambda cid: make_client_model(cfg, cid, meta),
         make_distinct_model=lambda i: make_client_model(cfg, i, meta, init="per_client"),
-        smallest_arch=smallest_arch(cfg, meta),
+        find_smallest=lambda: smallest_arch(cfg, meta),
         make_arch=lambda arch: member_model(cfg, arch, meta),
     )
     torch.manual_seed(seed_of("coordinator/server_init", cfg.seed))

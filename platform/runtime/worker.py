@@ -355,7 +355,7 @@ class ClientHost:
             self.meta["num_classes"],
             data.train,
             data.class_counts,
-            smallest_arch=smallest_arch(self.cfg, self.meta),
+            find_smallest=lambda: smallest_arch(self.cfg, self.meta),
             make_arch=lambda arch: member_model(self.cfg, arch, self.meta),
         )
         if not self.keeps_state:
