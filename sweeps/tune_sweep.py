@@ -244,9 +244,12 @@ def trial_status(metrics: dict[str, Any], error: Any, base_rounds: int, point: d
     training loss went non-finite: its run stopped, :class:`Diverged`) or ``error``."""
     if error:
         return "diverged" if is_divergence(str(error)) else "error"
-    if not metrics.get("done"):
+    short = metrics.get("round", 0) < rounds_planned(base_rounds, point)
+    # a trial that reported its last round is done even where Tune's ``done`` is missing: a resume
+    # on a loaded machine restored a finished trial's results from a state saved just before its end
+    if not metrics.get("done") and short:
         return "interrupted"
-    return "stopped early" if metrics.get("round", 0) < rounds_planned(base_rounds, point) else "ok"
+    return "stopped early" if short else "ok"
 
 
 NOT_RUN_AGAIN = " (before the resume; not run again: the same settings diverge again)"

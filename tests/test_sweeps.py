@@ -501,6 +501,8 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
         ({"round": 3, "done": True}, None, {}, "stopped early"),  # Tune counts a stopped trial as done
         ({"round": 3, "done": True}, None, {"rounds": 3}, "ok"),  # the space sweeps the rounds
         ({"round": 3}, None, {}, "interrupted"),
+        # its last round reported, Tune's done flag not in the results a loaded resume restored
+        ({"round": 5}, None, {}, "ok"),
         ({"round": 5, "done": True}, RuntimeError("x"), {}, "error"),
         # what Tune keeps of a run that stopped on Diverged: its line, in the trial's error
         (
