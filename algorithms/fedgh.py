@@ -31,13 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedray.algorithms.lgfedavg import LGFedAvgClient, global_header
+from fedray.algorithms.lgfedavg import LGFedAvgClient, LGFedAvgServer
 from fedray.platform.api import (
     AlgorithmConfig,
     ConfigError,
     ExperimentConfig,
     Payload,
-    Server,
     class_prototypes,
     eval_pass,
     register,
@@ -73,19 +72,12 @@ def train_header(
 # ------------------------------------------------------------------------------------------- server half
 
 
-class FedGHServer(Server):
-    """Holds the global header ``[C, d+1]``; trains it on the uploaded class prototypes each round."""
+class FedGHServer(LGFedAvgServer):
+    """LG-FedAvg's server (the global header ``[C, d+1]``, sent whole), training it on the uploaded
+    class prototypes each round instead of averaging headers."""
 
-    hp: FedGHConfig
+    hp: FedGHConfig  # type: ignore[assignment]
     UPLINK_KEYS = ("classes", "protos")
-    STATE = ("header",)
-
-    def __init__(self, ctx) -> None:
-        super().__init__(ctx)
-        self.header = global_header(ctx)
-
-    def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
-        return self.broadcast(selected, {"header": self.header.clone()})
 
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
         pairs = [(u["protos"], u["classes"]) for u in uplinks.values() if len(u["classes"])]

@@ -124,9 +124,9 @@ class FedKDServer(Server):
         return energy_at(rnd, self.ctx.cfg.rounds, self.hp.energy_start, self.hp.energy_end)
 
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
-        state = cpu_state(self.mentee)
+        energy = self.energy(rnd)
         return self.broadcast(
-            selected, {"mentee": compress_state(state, self.energy(rnd)), "energy": self.energy(rnd)}
+            selected, {"mentee": compress_state(cpu_state(self.mentee), energy), "energy": energy}
         )
 
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
