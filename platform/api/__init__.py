@@ -25,6 +25,7 @@ from fedray.platform.api.frozen import flat_state, frozen_call
 from fedray.platform.api.header import header_rows, load_header_rows
 from fedray.platform.api.prototypes import class_prototypes, eval_pass, masked_mean, scatter_rows
 from fedray.platform.api.registry import register
+from fedray.platform.api.views import check_views_fit, crop_flip_views
 from fedray.platform.config import (
     AlgorithmConfig,
     ExperimentConfig,
@@ -53,10 +54,12 @@ __all__ = [
     "Server",
     "ServerContext",
     "batch_loader",
+    "check_views_fit",
     "class_prototypes",
     "client_count",
     "clients_per_round",
     "cpu_state",
+    "crop_flip_views",
     "eval_pass",
     "flat_state",
     "frozen_call",
