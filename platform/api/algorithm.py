@@ -395,8 +395,16 @@ class ClientModule(FitProgress, L.LightningModule):
 
     def eval_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Class scores ``[B, C]`` for the platform's evaluation: accuracy is their argmax, the loss
-        their cross-entropy. Default: the model's head."""
-        return self.model(x)
+        their cross-entropy. Default: :meth:`model_scores` of the client's model."""
+        return self.model_scores(self.model, x)
+
+    @staticmethod
+    def model_scores(model: FedModel, x: torch.Tensor) -> torch.Tensor:
+        """Class scores ``[B, C]`` of a model of this algorithm, however it came to be: a client's, or
+        the server's global model that the worker rebuilds from its state to test on the global test
+        set and, under ``eval_mode = "global"``, on each client's split. Default: its forward pass
+        (``head(features(x))``); FedNH's scores are its head on unit-length features."""
+        return model(x)
 
     def local_epochs(self, rnd: int) -> int:
         """Epochs of local training this round (0 skips training, e.g. FedL2G's warm-up)."""

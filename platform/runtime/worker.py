@@ -12,6 +12,7 @@ together; the new state of a client that keeps one is written to its file before
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 from collections import OrderedDict
@@ -573,7 +574,10 @@ class ClientHost:
         for task in tasks:
             data = self.client_data(task)
             if shared is not None:
-                out.append((task.client, *evaluate_model(shared, data.test_x, data.test_y, self.device)))
+                scored = evaluate_model(
+                    shared, data.test_x, data.test_y, self.device, scores=self.scores_of(shared)
+                )
+                out.append((task.client, *scored))
                 continue
             module = self.module(task)
             saved = None if payload is None else {k: v.clone() for k, v in module.state_dict().items()}
@@ -586,7 +590,7 @@ class ClientHost:
                 module.load_state_dict(saved)  # evaluation never changes a committed state
         return out
 
-    def global_model(self, arch: str, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    def global_model(self, arch: str, state: dict[str, torch.Tensor]) -> FedModel:
         model = self.arch_model(arch)
         model.load_state_dict(state)
         return model
@@ -613,8 +617,12 @@ class ClientHost:
                 chunk = (self.on_device(raw.x), raw.y.to(self.device))
                 self.global_chunks.keep(index, chunk)
             x, y = chunk
-            out.append((index, *evaluate_model(model, x, y, self.device)))
+            out.append((index, *evaluate_model(model, x, y, self.device, scores=self.scores_of(model))))
         return out
+
+    def scores_of(self, model: FedModel) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The class scores the algorithm gives a model it did not train here (the server's global one)."""
+        return functools.partial(self.spec.client_cls.model_scores, model)
 
 
 def unwritten_marks(module: ClientModule) -> tuple[list[int], dict[str, tuple[int, int]]]:
