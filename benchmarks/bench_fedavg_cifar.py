@@ -55,13 +55,12 @@ import torch.nn.functional as F
 from process_names import process_label
 
 from fedray.platform.api import weighted_average
-from fedray.platform.api.algorithm import batch_loader
+from fedray.platform.api.algorithm import batch_loader, sample_clients
 from fedray.platform.catalog import load_config
 from fedray.platform.config import clients_per_round
 from fedray.platform.data import ArrayDataset, normalize
 from fedray.platform.data.archive import cifar10_jpeg_archive, unpack_image_archive
 from fedray.platform.models import build_model
-from fedray.platform.runtime.coordinator import sample_clients
 from fedray.platform.runtime.driver import Result, ensure_ray, prepare_federation, run_experiment
 from fedray.platform.runtime.memory import retain_freed_memory
 from fedray.platform.runtime.worker import evaluate_model

@@ -26,10 +26,11 @@ from typing import Any
 import torch
 from gpu_check import CROSS_DEVICE, SYNTHETIC
 
+from fedray.platform.api.algorithm import sample_clients
 from fedray.platform.catalog import load_config
 from fedray.platform.config import clients_per_round
 from fedray.platform.runtime import devices
-from fedray.platform.runtime.coordinator import build_server, sample_clients
+from fedray.platform.runtime.coordinator import build_server
 from fedray.platform.runtime.driver import federation_meta, prepare_federation
 from fedray.platform.runtime.state_store import ClientTask
 from fedray.platform.runtime.worker import ClientHost, tensors_of, with_tensors

@@ -11,7 +11,7 @@ import tempfile
 import torch
 
 from fedray.platform.config import ExperimentConfig, clients_per_round
-from fedray.platform.runtime.coordinator import build_server, sample_clients
+from fedray.platform.runtime.coordinator import build_server, checked_selection
 from fedray.platform.runtime.driver import federation_meta, prepare_federation
 from fedray.platform.runtime.state_store import STATES_DIR, ClientTask, state_file
 from fedray.platform.runtime.worker import ClientHost
@@ -30,7 +30,7 @@ def train_rounds(cfg: ExperimentConfig, rounds: int, first: int = 0) -> list[tup
     n = len(fed.shards)
     states = tempfile.TemporaryDirectory(prefix="fedray-test-states-")
     for rnd in range(first, first + rounds):
-        selected = sample_clients(cfg.seed, rnd, n, clients_per_round(cfg))
+        selected = checked_selection(server, rnd, server.select(rnd, clients_per_round(cfg)), n)
         payloads = server.configure(rnd, selected)
         tasks = [client_task(c, fed.shards[c], states.name) for c in selected]
         results = host.train(rnd, tasks, [[payloads[c]] for c in selected])

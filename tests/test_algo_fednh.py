@@ -21,13 +21,13 @@ from fedray.algorithms.fednh import (
     initial_prototypes,
     smoothed_prototypes,
 )
-from fedray.platform.api.algorithm import ClientContext, ServerContext
+from fedray.platform.api.algorithm import ClientContext, ServerContext, sample_clients
 from fedray.platform.catalog import load_config
 from fedray.platform.config import clients_per_round
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ConfigError
 from fedray.platform.models import arch_for_client
-from fedray.platform.runtime.coordinator import build_server, sample_clients
+from fedray.platform.runtime.coordinator import build_server
 from fedray.platform.runtime.driver import federation_meta, prepare_federation
 from fedray.platform.runtime.worker import ClientHost
 

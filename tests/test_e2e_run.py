@@ -141,7 +141,7 @@ def test_eval_policies_pick_clients_and_say_so_in_the_metric_name():
 
 @pytest.mark.usefixtures("ray_session")
 def test_selected_only_evaluation_and_a_checkpoint_of_current_states_only(mlflow_store):
-    from fedray.platform.runtime.coordinator import sample_clients
+    from fedray.platform.api.algorithm import sample_clients
 
     cfg = load_config(
         None,

@@ -26,7 +26,7 @@ from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import CheckpointError, ContractError
 from fedray.platform.models import FedModel
-from fedray.platform.seeds import seed_of
+from fedray.platform.seeds import numpy_rng, seed_of
 from fedray.platform.tracking.names import Metrics
 
 Payload = dict[str, Any]
@@ -125,6 +125,7 @@ class ServerContext:
     # FedKD's small model)
     find_smallest: Callable[[], str] | None = None
     make_arch: Callable[[str], FedModel] | None = None
+    train_sizes: list[int] = field(default_factory=list)  # client id -> its train samples (n_k)
 
     @property
     def smallest_arch(self) -> str:
@@ -196,6 +197,12 @@ def model_built_by(make_arch: Callable[[str], FedModel] | None, arch: str, where
 # --------------------------------------------------------------------------------------------- halves
 
 
+def sample_clients(seed: int, rnd: int, num_clients: int, k: int) -> list[int]:
+    """K distinct clients, a pure function of (seed, round) so a resumed run samples the same ones."""
+    rng = numpy_rng("coordinator/sample", seed, rnd)
+    return sorted(rng.choice(num_clients, size=k, replace=False).tolist())
+
+
 class Server:
     """Server half. Lives in the Coordinator; holds whatever the algorithm keeps between rounds.
 
@@ -213,6 +220,14 @@ class Server:
         assert ctx.cfg.algo is not None, "a ServerContext is built from a resolved config"
         self.ctx = ctx
         self.hp = ctx.cfg.algo
+
+    def select(self, rnd: int, k: int) -> list[int]:
+        """The round's clients: ``k`` distinct ids of ``0 .. N-1`` (``train.fraction`` of N, or what
+        the config's ``participants`` fixes). Default: uniformly without replacement, a function of
+        (seed, round) alone (:func:`sample_clients`). A server that samples by its own state (CluSamp's
+        clusters) draws from a stream of its own, so a resumed run draws the same clients; a client it
+        draws twice is selected once and weighed twice in its ``aggregate``."""
+        return sample_clients(self.ctx.cfg.seed, rnd, self.ctx.num_clients, k)
 
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
         """Downlink per selected client; :meth:`broadcast` when every client gets the same one."""

@@ -62,7 +62,7 @@ from fedray.platform.runtime.pool import PoolClosed, WorkerPool, unplaced
 from fedray.platform.runtime.process_roles import set_up_coordinator
 from fedray.platform.runtime.state_store import STATES_DIR, StateStore
 from fedray.platform.runtime.worker import ClientActor, make_client_model, member_model, smallest_arch
-from fedray.platform.seeds import numpy_rng, seed_global_draws, seed_of
+from fedray.platform.seeds import seed_global_draws, seed_of
 from fedray.platform.tracking.names import Metrics
 
 T = TypeVar("T")
@@ -92,10 +92,25 @@ def check_workers_see(workers: list, checkpoint_dir: str) -> None:
         )
 
 
-def sample_clients(seed: int, rnd: int, num_clients: int, k: int) -> list[int]:
-    """K distinct clients, a pure function of (seed, round) so a resumed run samples the same ones."""
-    rng = numpy_rng("coordinator/sample", seed, rnd)
-    return sorted(rng.choice(num_clients, size=k, replace=False).tolist())
+def checked_selection(server: Server, rnd: int, selected: Any, num_clients: int) -> list[int]:
+    """``Server.select``'s clients, sorted; a ContractError (one line) unless they are distinct client
+    ids, at least one."""
+    where = f"round {rnd + 1}: {type(server).__name__}.select"
+    ids = list(selected) if isinstance(selected, (list, tuple)) else None
+    if not ids or not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in ids):
+        raise ContractError(
+            f"{where} returned {type(selected).__name__} {selected!r:.60}: a non-empty list of client ids"
+        )
+    bad = next((c for c in ids if not 0 <= c < num_clients), None)
+    if bad is not None:
+        raise ContractError(f"{where} returned client {bad}: ids run from 0 to {num_clients - 1}")
+    twice = next((c for c in ids if ids.count(c) > 1), None)
+    if twice is not None:
+        raise ContractError(
+            f"{where} returned client {twice} twice: a round's clients are distinct (weigh a client drawn "
+            "twice in aggregate)"
+        )
+    return sorted(int(c) for c in ids)
 
 
 def mean_stats(per_client: list[dict[str, float]]) -> dict[str, float]:
@@ -202,6 +217,7 @@ def build_server(cfg: ExperimentConfig, meta: dict[str, Any]) -> Server:
         make_distinct_model=lambda i: make_client_model(cfg, i, meta, init="per_client"),
         find_smallest=lambda: smallest_arch(cfg, meta),
         make_arch=lambda arch: member_model(cfg, arch, meta),
+        train_sizes=list(meta["train_sizes"]),
     )
     torch.manual_seed(seed_of("coordinator/server_init", cfg.seed))
     seed_global_draws(seed_of("coordinator/server_init", cfg.seed))
@@ -342,7 +358,10 @@ class RoundLoop:
         if stop_after_round is not None and stop_after_round <= self.start_round < cfg.rounds:
             return results.run_summary(False, self.server, self.record)  # a resume already that far
         for rnd in range(self.start_round, cfg.rounds):
-            metrics = self.run_round(rnd, sample_clients(cfg.seed, rnd, cfg.data.num_clients, k))
+            # a server's own draws from numpy's or Python's global generator depend on (seed, round) only
+            seed_global_draws(seed_of("coordinator/global_draws", cfg.seed, rnd))
+            selected = self.server_code(rnd, "select", lambda: self.server.select(rnd, k))  # noqa: B023
+            metrics = self.run_round(rnd, checked_selection(self.server, rnd, selected, cfg.data.num_clients))
             self.record.history.append(metrics)
             done = rnd + 1
             # a stop asked for (--stop-after: a job's time limit) is resumed from this round, whatever
@@ -368,8 +387,6 @@ class RoundLoop:
     def run_round(self, rnd: int, selected: list[int]) -> dict[str, float]:
         start = time.perf_counter()
         self.events.emit(RoundStarted(rnd + 1, selected))
-        # a server's own draws from numpy's or Python's global generator depend on (seed, round) only
-        seed_global_draws(seed_of("coordinator/global_draws", self.cfg.seed, rnd))
         downlinks = self.server_code(rnd, "configure", lambda: self.server.configure(rnd, selected))
         on_retry = self.events.retry_reporter(rnd)
         train_start = time.perf_counter()
