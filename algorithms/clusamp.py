@@ -23,6 +23,8 @@ The server averages the drawn clients' models with weights ``1/m`` each (a clien
 ``c/m``), renormalised over those that arrived, and stores their new representative gradients.
 
 Choices where the paper is silent (docs/algorithms/clusamp.md):
+- A client drawn twice trains once, as it would from the same global model, and weighs twice (the
+  authors' code trains it twice).
 - Ward's linkage reads the rows of the distance matrix as observations, as the authors' code passes it
   to ``scipy.cluster.hierarchy.linkage``; gradients are of the parameters only (not BatchNorm's
   statistics), the authors' ``model.parameters()``.
@@ -62,12 +64,12 @@ def gradient_distances(grads: Tensor, kind: str) -> Tensor:
     """``[N, N]`` distances between the rows of ``grads [N, P]``: ``arccos`` of their cosine (0 where
     either row is zero), ``l1`` the sum of absolute differences, ``l2`` the sum of squared ones (no
     square root, as the authors' code). In float64."""
-    g = grads.double()
-    if kind == "l1":
-        return torch.cdist(g, g, p=1)
+    g = grads.float()
+    if kind == "l1":  # N^2 P additions without BLAS: slower than the others on a large model
+        return torch.cdist(g, g, p=1).double()
     if kind == "l2":
-        return torch.cdist(g, g, p=2) ** 2
-    gram = g @ g.T
+        return torch.cdist(g, g, p=2).double() ** 2
+    gram = (g @ g.T).double()  # no float64 copy of the [N, P] gradients
     norms = gram.diagonal().sqrt()
     cos = (gram / (norms[:, None] * norms[None, :])).clamp(-1, 1)
     zero = (norms == 0)[:, None] | (norms == 0)[None, :]
@@ -93,9 +95,12 @@ def cluster_distributions(
     labels = np.arange(1, clusters.max() + 1)
     members = [np.flatnonzero(clusters == c) for c in labels]
     order = np.argsort(np.array([sum(mass[i] for i in mem) for mem in members]))  # lightest first
+    # the m heaviest clusters keep a distribution each; a client holding more than 1/m of the data
+    # can leave fewer than m clusters, and then every cluster keeps one
+    cut = max(len(order) - m, 0)
     rows = np.zeros((m, n), dtype=np.int64)
     spill: list[tuple[int, int]] = []  # (client, mass) beyond a full distribution of its own
-    for row, c in enumerate(order[len(order) - m :]):
+    for row, c in enumerate(order[cut:]):
         for i in members[c]:
             rows[row, i] = mass[i]
         excess = rows[row].sum() - SCALE
@@ -104,7 +109,7 @@ def cluster_distributions(
             rows[row, i] = SCALE
             spill.append((i, int(excess)))
     pour: list[tuple[int, int]] = []
-    for c in order[: len(order) - m]:
+    for c in order[:cut]:
         clients = members[c].copy()
         rng.shuffle(clients)
         pour += [(int(i), mass[i]) for i in clients]
@@ -137,9 +142,16 @@ class CluSampServer(FedAvgServer):
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
+        if len(ctx.train_sizes) != ctx.num_clients:
+            raise ValueError(
+                f"CluSamp draws by data shares: ServerContext.train_sizes has {len(ctx.train_sizes)} sizes for "
+                f"{ctx.num_clients} clients"
+            )
         size = sum(p.numel() for p in self.model.parameters())
         self.gradients = torch.zeros(ctx.num_clients, size)  # each client's last representative gradient
-        self.draws = torch.zeros(ctx.num_clients, dtype=torch.int64)  # this round's draws per client
+        # this round's draws per client, from select to aggregate (state to the platform, as every
+        # attribute is; a resumed run draws its next round afresh)
+        self.draws = torch.zeros(ctx.num_clients, dtype=torch.int64)
 
     def select(self, rnd: int, k: int) -> list[int]:
         sizes = np.asarray(self.ctx.train_sizes, dtype=np.float64)
@@ -165,7 +177,8 @@ class CluSampServer(FedAvgServer):
 
 
 def flat_parameters(model: torch.nn.Module, state: dict[str, Tensor]) -> Tensor:
-    """The entries of ``state`` that are ``model``'s parameters (not its buffers), flat, in float32."""
+    """The entries of ``state`` that are ``model``'s parameters (not its buffers), flat, in float32: the
+    authors' gradients read ``model.parameters()`` (``flat_state`` also takes BatchNorm's statistics)."""
     return torch.cat([state[name].detach().reshape(-1).float() for name, _ in model.named_parameters()])
 
 

@@ -18,9 +18,10 @@ loss of Khosla et al. (2020) over the ``2B`` representations: for an anchor ``i`
            \\sum_{p \\in P(i)} \\log \\frac{\\exp(z_i \\cdot z_p / \\tau)}{\\sum_{a \\in A(i)} \\exp(z_i \\cdot z_a / \\tau)}
 
 Choices where the paper is silent or fedray's models differ (docs/algorithms/fedclassavg.md):
-- [Loss] as the authors' code computes it: representations not normalised, ``tau = 100`` and
-  ``tau_b = 0.07`` (its ``SupConLoss(temperature=100.0)``), the proximal term over the classifier as
-  ``mu/2`` times the sum of ``MSELoss`` (a mean per tensor) with ``mu = 0.1`` (its README's run).
+- [Loss] ``l_SupCon`` on unit-length representations with ``tau = tau_b = 0.07``, Khosla et al.'s:
+  the authors' form (not normalised, ``tau = 100``: ``normalize=false temperature=100``) does not
+  learn under SGD. The proximal term is the authors': ``mu/2`` times the sum of ``MSELoss`` (a mean per
+  tensor), ``mu = 0.1`` (their README's run).
 - [Views] two ``crop_flip`` draws of each batch (fedray's CIFAR recipe, drawn from the client's own
   stream), not SimCLR's colour jitter and resized crops; the run's ``data.augment`` must be ``none``.
 - [Warm-up] the authors' code trains every client one local epoch before round 1; fedray does not.

@@ -64,8 +64,8 @@ stream("fednh/prototypes")  # the server's initial prototypes
 
 
 def initial_prototypes(num_classes: int, feature_dim: int, gen: torch.Generator) -> Tensor:
-    """``[C, d]`` random orthonormal rows (orthonormalised again to unit length where ``C > d``, when
-    no ``C`` rows of ``d`` can be orthogonal)."""
+    """``[C, d]`` random orthonormal rows; where ``C > d``, when no ``C`` rows of ``d`` can be
+    orthogonal, the orthogonal draw's rows scaled to unit length."""
     rows = nn.init.orthogonal_(torch.empty(num_classes, feature_dim), generator=gen)
     return F.normalize(rows, dim=1)
 
@@ -91,10 +91,16 @@ def smoothed_prototypes(prototypes: Tensor, uploads: Tensor, counts: Tensor, rho
     return F.normalize(rho * prototypes + (1 - rho) * F.normalize(weighted, dim=1), dim=1)
 
 
-def head_rows(head: nn.Linear) -> tuple[Tensor, Tensor]:
-    """A FedNH head ``s P`` (bias 0) split into its unit prototypes ``P [C, d]`` and scale ``s``."""
-    norms = head.weight.detach().norm(dim=1)
+def prototypes_and_scale(head: nn.Linear) -> tuple[Tensor, Tensor]:
+    """A FedNH head ``s P`` (bias 0) split into unit prototypes ``P [C, d]`` and the scale ``|s|``. A
+    negative ``s`` comes back as ``-P`` and ``|s|``: the same scores, ``|s| <z_hat, -P_c>``."""
+    norms = head.weight.detach().norm(dim=1).clamp(min=1e-12)
     return head.weight.detach() / norms[:, None], norms.mean()
+
+
+def scale_along(head: nn.Linear, prototypes: Tensor) -> Tensor:
+    """The signed scale ``s`` of a head ``s P`` whose prototypes ``P`` are known (the server's)."""
+    return (head.weight.detach() * prototypes).sum(1).mean()
 
 
 @torch.no_grad()
@@ -128,7 +134,7 @@ class FedNHServer(FedAvgServer):
         if not uplinks:
             return
         self.model.load_state_dict(self.summed.mean(rnd, equal_models(uplinks)))
-        _, scale = head_rows(self.model.head)  # the clients' mean s: each head is s_k P
+        scale = scale_along(self.model.head, self.prototypes)  # the clients' mean s: each head is s_k P
         uploads, present = scatter_rows(
             [u["protos"] for u in uplinks.values()],
             [u["classes"] for u in uplinks.values()],
@@ -143,7 +149,8 @@ class FedNHServer(FedAvgServer):
 
 
 def equal_models(uplinks: dict[int, Payload]) -> dict[Hashable, tuple[dict[str, Tensor], float]]:
-    """Uplinks' models, each of weight 1: the authors' unweighted mean over the round's clients."""
+    """Uplinks' models, each of weight 1: the authors' unweighted mean over the round's clients (FedAvg's
+    ``weighted_models`` weighs by train sizes)."""
     return {cid: (u["model"], 1.0) for cid, u in uplinks.items()}
 
 
@@ -164,7 +171,7 @@ class FedNHClient(ClientModule):
 
     def receive(self, rnd: int, payload: Payload) -> None:
         super().receive(rnd, payload)
-        prototypes, scale = head_rows(self.model.head)
+        prototypes, scale = prototypes_and_scale(self.model.head)
         self.hold("prototypes", prototypes)
         with torch.no_grad():
             self.scale.copy_(scale)
@@ -173,7 +180,7 @@ class FedNHClient(ClientModule):
         x, y = batch
         loss = F.cross_entropy(cosine_scores(self.model.features(x), self.prototypes, self.scale), y)
         self.record(Metrics.LOSS_TRAIN, loss)
-        self.record("scale", self.scale)
+        self.record("scale", self.scale.detach().clone())  # a copy: SGD changes the parameter in place
         return loss
 
     def upload(self) -> Payload:

@@ -212,3 +212,21 @@ def test_a_run_trains_the_clients_its_server_draws(mlflow_store):
     assert [h["clients/selected"] for h in result.history] == [len(s) for s in replay]
     # not the uniform draw every other algorithm makes
     assert replay != [sample_clients(cfg.seed, rnd, 8, 4) for rnd in range(3)]
+
+
+def test_select_reads_the_gradients_aggregate_stored_and_a_reloaded_server_draws_the_same():
+    server = server_of((25, 25, 25, 25))
+    sent = server.model.state_dict()
+    # clients 0 and 2 moved one way, 1 and 3 the other: two groups (not in id order, which is how
+    # zero gradients would group them), one draw from each
+    server.draws = torch.ones(4, dtype=torch.int64)
+    ups = {c: {"model": shifted(server, by)} for c, by in enumerate((1.0, -1.0, 1.1, -0.9))}
+    server.aggregate(0, ups)
+    assert (server.gradients[0] > 0).all() and (server.gradients[1] < 0).all()
+    for rnd in range(1, 9):
+        picked = server.select(rnd, 2)
+        assert len(picked) == 2 and len(set(picked) & {0, 2}) == 1, (rnd, picked)
+    resumed = server_of((25, 25, 25, 25))
+    resumed.load_state_dict(server.state_dict())
+    assert resumed.select(9, 2) == server.select(9, 2)
+    assert sent.keys() == server.model.state_dict().keys()

@@ -77,7 +77,16 @@ def test_the_classifier_proximal_term_is_a_mean_per_tensor():
 
 def make_client(*overrides: str) -> FedClassAvgClient:
     cfg = load_config(
-        None, ["algorithm=fedclassavg", "train.batch_size=4", "fedclassavg.mu=2", "seed=3", *overrides]
+        None,
+        [
+            "algorithm=fedclassavg",
+            "train.batch_size=4",
+            "fedclassavg.mu=2",
+            "fedclassavg.temperature=0.5",
+            "fedclassavg.base_temperature=0.2",
+            "seed=3",
+            *overrides,
+        ],
     )
     return FedClassAvgClient(bn_model(0), ClientContext(1, cfg, 3, ArrayDataset(X, Y)))
 
@@ -93,7 +102,9 @@ def independent_step(client: FedClassAvgClient, global_rows: torch.Tensor, step:
     v1, v2 = crop_flip_views(X, gen)
     z = model.features(torch.cat([v1, v2]))
     ce = F.cross_entropy(model.head(z[:4]), Y)
-    con = loop_supcon(F.normalize(z, dim=1).detach(), Y.tolist(), 0.07, 0.07)
+    hp = client.hp
+    zc = F.normalize(z, dim=1) if hp.normalize else z
+    con = loop_supcon(zc.detach(), Y.tolist(), hp.temperature, hp.base_temperature)
     w_g, b_g = global_rows[:, :3], global_rows[:, 3]
     prox = ((model.head.weight - w_g) ** 2).mean() + ((model.head.bias - b_g) ** 2).mean()
     return model, ce + 2 / 2 * prox, con
@@ -175,3 +186,14 @@ def test_the_server_is_lgfedavgs_and_clients_are_tested_with_the_classifier_they
 def test_bad_settings_are_one_line_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["algorithm=fedclassavg", *overrides])
+
+
+def test_the_authors_form_reads_the_representations_as_they_are():
+    client = make_client("fedclassavg.normalize=false", "fedclassavg.temperature=100")
+    global_rows = torch.zeros(3, 4)
+    client.begin_round(0, {"header": global_rows})
+    _, ce_prox, con = independent_step(client, global_rows)
+    assert_close(client.training_step((X, Y), 0), ce_prox + con, rtol=1e-5, atol=1e-5)
+    normalized = make_client("fedclassavg.temperature=100")
+    normalized.begin_round(0, {"header": global_rows})
+    assert not torch.isclose(normalized.training_step((X, Y), 0), ce_prox + con)

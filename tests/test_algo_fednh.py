@@ -218,3 +218,29 @@ def test_the_worker_tests_the_global_model_by_fednhs_scores():
 def test_bad_settings_are_one_line_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["algorithm=fednh", *overrides])
+
+
+def test_a_negative_mean_scale_keeps_its_sign_and_a_reloaded_server_keeps_the_prototypes():
+    server = server_of()
+    p0 = server.prototypes.clone()
+    model = bn_model(10)
+    with torch.no_grad():
+        model.head.weight.copy_(-2.0 * p0)  # a client whose learned scale went negative: the same scores
+        model.head.bias.zero_()
+    up = {
+        "model": model.state_dict(),
+        "classes": torch.tensor([0]),
+        "protos": p0[:1],
+        "counts": torch.tensor([1]),
+    }
+    server.aggregate(0, {0: up})
+    assert_close(server.model.head.weight, -2.0 * server.prototypes)  # not turned around to +2 P
+    resumed = server_of()
+    resumed.load_state_dict(server.state_dict())
+    assert torch.equal(resumed.prototypes, server.prototypes)
+    client = make_client()
+    client.begin_round(1, resumed.configure(1, [0])[0])
+    z = client.model.features(X)
+    assert_close(
+        cosine_scores(z, client.prototypes, client.scale), -2.0 * F.normalize(z, dim=1) @ server.prototypes.T
+    )
