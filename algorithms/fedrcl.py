@@ -1,0 +1,107 @@
+"""FedRCL: Seo, Kim, Kim and Han, "Relaxed Contrastive Learning for Federated Learning" (CVPR 2024,
+arXiv:2401.04928); a baseline of the FedSC paper (Sec. 5.1, Table 1), in the form of the authors' code
+(github.com/skynbe/FedRCL: ``clients/rcl_client.py``, ``utils/loss.py``, ``configs/client/fedrcl.yaml``).
+
+FedAvg, with each client adding to cross-entropy a supervised contrastive term and a penalty on
+representations of one class that grow too alike (the collapse the paper's relaxation prevents). With
+``S = Z Z^T`` the cosine similarities of the batch's unit-length representations, for each sample ``i``:
+
+- its positive ``p_i`` is its *least* similar sample of its own class (itself, ``S_ii = 1``, when it is
+  alone), its negatives ``n_i`` the ``negatives`` *most* similar samples of other classes, and
+
+  .. math::  \\ell^{scl}_i = -\\log \\frac{e^{p_i/\\tau}}{e^{p_i/\\tau} + \\sum_{n \\in n_i} e^{n/\\tau}}
+
+- its penalty reads the same least similar classmate ``s_i`` (other than itself) when ``s_i`` is at
+  least ``threshold``, i.e. when every classmate of the batch is that close:
+
+  .. math::  \\ell^{div}_i = -\\log \\frac{e^{1/\\tau}}{e^{1/\\tau} + e^{s_i/\\tau}} = \\mathrm{softplus}((s_i - 1)/\\tau)
+
+and ``l = l_CE + scl_weight * mean_i l^scl_i + penalty_weight * mean_i l^div_i``. The server is FedAvg's.
+
+Choices where the paper is silent or fedray's models differ (docs/algorithms/fedrcl.md):
+- [One level] the loss reads the model's representation ``z`` (the head's input) only; the authors'
+  code averages it over five levels of their ResNet (the stem's and each stage's pooled output),
+  which fedray's models do not expose.
+- [A pair left out] a sample with no classmate in the batch has no penalty, and a sample with fewer
+  negatives than ``negatives`` uses those it has (the authors' code scores the missing ones 0).
+- The optimiser is the run's ``train.*`` (the authors': SGD lr 0.1 decayed by 0.998 a round, no
+  momentum, weight decay 1e-3, gradient clip 10).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer
+from fedray.platform.api import AlgorithmConfig, ConfigError, ExperimentConfig, Metrics, register
+
+# ------------------------------------------------------------------------------------------- the math
+
+
+def relaxed_contrastive_terms(
+    z: Tensor, y: Tensor, tau: float, threshold: float, negatives: int
+) -> tuple[Tensor, Tensor]:
+    """``(mean_i l^scl_i, mean_i l^div_i)`` (the module docstring's equations) for the batch's
+    representations ``z [B, d]`` and labels ``y [B]``."""
+    zn = F.normalize(z, dim=1)
+    sim = zn @ zn.T
+    same = y[:, None] == y[None, :]
+    itself = torch.eye(len(y), dtype=torch.bool, device=z.device)
+    inf = torch.tensor(float("inf"), dtype=sim.dtype, device=sim.device)
+    positive = torch.where(same, sim, inf).min(dim=1).values  # itself included: 1 when alone
+    k = min(negatives, len(y) - 1)
+    top = torch.where(same, -inf, sim).topk(k, dim=1).values if k > 0 else sim.new_empty(len(y), 0)
+    logits = torch.cat([positive[:, None], top], dim=1) / tau  # a missing negative is -inf: e^-inf = 0
+    scl = -torch.log_softmax(logits, dim=1)[:, 0]
+    classmate = torch.where(same & ~itself, sim, inf).min(dim=1).values
+    relaxed = classmate.isfinite() & (classmate >= threshold)
+    div = torch.where(relaxed, F.softplus((classmate - 1) / tau), torch.zeros_like(classmate))
+    return scl.mean(), div.mean()
+
+
+# ------------------------------------------------------------------------------------------- client half
+
+
+class FedRCLClient(FedAvgClient):
+    """FedAvg's client with the relaxed contrastive terms added to cross-entropy."""
+
+    hp: FedRCLConfig
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        logits, z = self.model.forward_with_features(x)
+        ce = F.cross_entropy(logits, y)
+        hp = self.hp
+        scl, div = relaxed_contrastive_terms(z, y, hp.tau, hp.threshold, hp.negatives)
+        self.record(Metrics.LOSS_TRAIN, ce)
+        self.record("loss/scl", scl)
+        self.record("loss/penalty", div)
+        return ce + hp.scl_weight * scl + hp.penalty_weight * div
+
+
+@register("fedrcl", server=FedAvgServer, client=FedRCLClient)
+@dataclass
+class FedRCLConfig(AlgorithmConfig):
+    WHOLE_MODEL: ClassVar[bool] = True  # FedAvg's server: one architecture for all clients
+
+    tau: float = 0.05  # temperature of both terms (the authors')
+    threshold: float = 0.7  # classmates at least this similar are penalised (the authors')
+    negatives: int = 2  # hardest other-class samples per anchor (the authors' topk_neg)
+    scl_weight: float = 1.0  # the authors' pair weights: 1 and 1
+    penalty_weight: float = 1.0
+
+    def validate(self, cfg: ExperimentConfig) -> None:
+        if not self.tau > 0:
+            raise ConfigError(f"fedrcl.tau={self.tau}: must be > 0")
+        if not -1 <= self.threshold <= 1:
+            raise ConfigError(f"fedrcl.threshold={self.threshold}: a cosine similarity, in [-1, 1]")
+        if self.negatives < 1:
+            raise ConfigError(f"fedrcl.negatives={self.negatives}: must be >= 1")
+        for name in ("scl_weight", "penalty_weight"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"fedrcl.{name}={getattr(self, name)}: must be >= 0")
