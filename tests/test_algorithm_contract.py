@@ -28,6 +28,7 @@ from fedray.platform.catalog import load_config
 from fedray.platform.config import clients_per_round
 from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.data import ArrayDataset, normalize
+from fedray.platform.runtime.coordinator import checked_selection
 from fedray.platform.runtime.driver import federation_meta, prepare_federation
 from fedray.platform.runtime.worker import make_client_model, member_model, smallest_arch
 
@@ -164,11 +165,18 @@ def strays_over_two_rounds(algorithm: str, mixing: DeviceMixing | None = None) -
         "make_arch": lambda a: member_model(cfg, a, meta),
     }
     server = spec.server_cls(
-        ServerContext(cfg, n, meta["num_classes"], [m.arch for m in models], lambda c: models[c], **shared)
+        ServerContext(
+            cfg,
+            n,
+            meta["num_classes"],
+            [m.arch for m in models],
+            lambda c: models[c],
+            train_sizes=meta["train_sizes"],
+            **shared,
+        )
     )
-    selected = list(range(clients_per_round(cfg)))
     clients, strays = {}, []
-    for c in selected:
+    for c in range(n):
         shard = fed.shards[c]
         train = ArrayDataset(normalize(shard.train.x, meta["mean"], meta["std"]).double(), shard.train.y)
         ctx = ClientContext(
@@ -182,9 +190,11 @@ def strays_over_two_rounds(algorithm: str, mixing: DeviceMixing | None = None) -
         clients[c] = spec.client_cls(make_client_model(cfg, c, meta), ctx)
 
     for rnd in (0, 1):  # round 1's downlinks carry what round 0's uplinks built (prototypes, guides)
+        selected = checked_selection(server, rnd, server.select(rnd, clients_per_round(cfg)), n)
         payloads = server.configure(rnd, selected)
         uplinks = {}
-        for c, module in clients.items():
+        for c in selected:
+            module = clients[c]
             module.float()
             with watching:
                 module.begin_round(rnd, payloads[c])
@@ -199,7 +209,7 @@ def strays_over_two_rounds(algorithm: str, mixing: DeviceMixing | None = None) -
         server.aggregate(rnd, uplinks)
 
     payload = server.eval_payload()
-    for module in clients.values():
+    for module in (clients[c] for c in selected):
         if payload is not None and "model" not in payload:  # a client-specific evaluation payload
             module.load_for_eval(payload)
             module.double()

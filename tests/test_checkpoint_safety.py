@@ -18,6 +18,7 @@ import torch
 from conftest import store_in, tiny_overrides
 from mlflow.tracking import MlflowClient
 
+from fedray.platform.api import registry
 from fedray.platform.api.algorithm import Server, ServerContext
 from fedray.platform.catalog import load_config
 from fedray.platform.errors import CheckpointError, ContractError
@@ -182,6 +183,9 @@ class LiveServer:
     def load_state_dict(self, state: dict) -> None:
         self.w = state["w"]
 
+    def select(self, rnd: int, k: int) -> list[int]:
+        return list(range(k))
+
     def global_model(self) -> None:
         return None
 
@@ -262,6 +266,7 @@ def test_a_run_returns_once_its_last_checkpoint_has_landed(tmp_path, monkeypatch
     loop.cfg = load_config(None, tiny_overrides(rounds=2, checkpoint_every=1))
     loop.server, loop.store, loop.record = LiveServer(), StateStore(), LoopRecord()
     loop.start_round, loop.halting, loop.commits = 0, False, False
+    loop.spec = registry.get("fedavg")  # whose server code the loop would name, were select to fail
     loop.run_round = lambda rnd, selected: {"loss": float(rnd)}
     loop.run(str(tmp_path))
     assert storage.load_torch(str(tmp_path / "checkpoint.pt"))["round"] == 2

@@ -25,6 +25,8 @@ from fedray.platform.runtime.coordinator import build_server
 from fedray.platform.runtime.driver import federation_meta, prepare_federation
 
 SHIPPED = registered_by("fedray.algorithms")
+# algorithms that crop and flip their own views of images: on text, one line says so instead
+IMAGE_ONLY = {"fedclassavg"}
 # the model each modality's run trains: small enough for two CPU rounds of every algorithm
 MODEL = {"femnist": "cnn_small", "shakespeare": "leaf_lstm@64", "sent140": "sent140_lstm"}
 
@@ -66,6 +68,10 @@ def test_every_shipped_algorithm_is_covered():
 @pytest.mark.parametrize("algorithm", SHIPPED)
 def test_every_algorithm_trains_two_rounds_on_each_modality(algorithm, dataset, leaf_roots):
     extra = {"fedl2g.warmup_rounds": 0} if algorithm == "fedl2g" else {}
+    if algorithm in IMAGE_ONLY and dataset == "shakespeare":
+        with pytest.raises(ConfigError, match=f"algorithm '{algorithm}' draws cropped and flipped views"):
+            leaf_config(dataset, leaf_roots[dataset], algorithm=algorithm, **extra)
+        return
     cfg = leaf_config(dataset, leaf_roots[dataset], algorithm=algorithm, **extra)
     scores = train_rounds(cfg, 2)
     assert scores and all(total > 0 and 0 <= correct <= total for _, correct, total, _ in scores)
