@@ -24,6 +24,7 @@ Choices where the paper is silent or fedray's models differ (docs/algorithms/fed
   tensor), ``mu = 0.1`` (their README's run).
 - [Views] two ``crop_flip`` draws of each batch (fedray's CIFAR recipe, drawn from the client's own
   stream), not SimCLR's colour jitter and resized crops; the run's ``data.augment`` must be ``none``.
+  ``flip: false`` keeps them unmirrored, for digits (the digits configs set it).
 - [Warm-up] the authors' code trains every client one local epoch before round 1; fedray does not.
 - [Evaluation] each client is tested with its own extractor and the classifier it last trained, as
   the authors' code tests it (``fedclassavg.eval_head: local``).
@@ -107,7 +108,7 @@ class FedClassAvgClient(LGFedAvgClient):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         z = self.model.features(
-            torch.cat(crop_flip_views(x, self.views))
+            torch.cat(crop_flip_views(x, self.views, flip=self.hp.flip))
         )  # one pass: BatchNorm sees both views
         zc = F.normalize(z, dim=1) if self.hp.normalize else z
         ce = F.cross_entropy(self.model.head(z[: len(y)]), y)
@@ -128,6 +129,7 @@ class FedClassAvgConfig(AlgorithmConfig):
     temperature: float = 0.07  # tau of l_SupCon (Khosla et al.'s; the authors' code: 100, unnormalised)
     base_temperature: float = 0.07  # tau_b: l_SupCon is scaled by tau / tau_b (SupConLoss's default)
     normalize: bool = True  # l_SupCon on unit-length representations (Khosla et al.'s; not the authors' code)
+    flip: bool = True  # views mirrored half the time (the authors'); false where a mirror changes the class
     eval_head: Literal["global", "local"] = "local"  # the classifier clients are tested with
 
     def validate(self, cfg: ExperimentConfig) -> None:

@@ -98,8 +98,8 @@ def independent_step(client: FedClassAvgClient, global_rows: torch.Tensor, step:
     model = copy.deepcopy(client.model)
     gen = torch_generator("fedclassavg/views", 3, client.rnd, 1)
     for _ in range(step):  # the steps before take their views first
-        crop_flip_views(X, gen)
-    v1, v2 = crop_flip_views(X, gen)
+        crop_flip_views(X, gen, flip=client.hp.flip)
+    v1, v2 = crop_flip_views(X, gen, flip=client.hp.flip)
     z = model.features(torch.cat([v1, v2]))
     ce = F.cross_entropy(model.head(z[:4]), Y)
     hp = client.hp
@@ -142,6 +142,19 @@ def test_the_views_are_drawn_step_after_step_from_seed_round_and_client():
     assert torch.equal(client.training_step((X, Y), 0), first)
     client.begin_round(2, {"header": global_rows})  # another round, other draws
     assert not torch.equal(client.training_step((X, Y), 0), first)
+
+
+def test_views_without_flips_are_never_mirrored_and_the_client_draws_them_so():
+    x = torch.zeros(64, 1, 8, 8)
+    x[:, 0, 3, 2] = 1.0  # off the centre line: a mirror would move it to column 5
+    for view in crop_flip_views(x, torch.Generator().manual_seed(0), flip=False):
+        cols = view[:, 0].nonzero()[:, 2]
+        assert len(cols) == 64 and ((cols - 2).abs() <= 1).all()
+    client = make_client("fedclassavg.flip=false")
+    global_rows = torch.zeros(3, 4)
+    client.begin_round(0, {"header": global_rows})
+    _, ce_prox, con = independent_step(client, global_rows)
+    assert_close(client.training_step((X, Y), 0), ce_prox + con, rtol=1e-5, atol=1e-5)
 
 
 def test_an_eighth_of_the_side_bounds_the_shift_of_a_view():

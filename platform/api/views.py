@@ -14,12 +14,13 @@ from fedray.platform.data.sources import source_of
 from fedray.platform.errors import ConfigError
 
 
-def crop_flip_views(x: Tensor, gen: torch.Generator, views: int = 2) -> list[Tensor]:
+def crop_flip_views(x: Tensor, gen: torch.Generator, views: int = 2, flip: bool = True) -> list[Tensor]:
     """``views`` independent ``crop_flip`` draws of the batch ``x [B, C, H, W]``, in order, from ``gen``,
     padded by an eighth of the image's side (CIFAR's 4 pixels of 32; 1 pixel of the 8x8 digits, which
-    a 4-pixel shift would push half out of the frame)."""
+    a 4-pixel shift would push half out of the frame); mirrored half the time with ``flip``, never
+    without (digits: a mirrored 2 is no 2)."""
     pad = max(1, min(x.shape[-2:]) // 8)
-    return [crop_flip(x, gen, pad) for _ in range(views)]
+    return [crop_flip(x, gen, pad, 0.5 if flip else 0.0) for _ in range(views)]
 
 
 def check_views_fit(cfg: ExperimentConfig) -> None:

@@ -14,13 +14,14 @@ import torch.nn.functional as F
 PAD = 4
 
 
-def crop_flip(x: torch.Tensor, gen: torch.Generator, pad: int = PAD) -> torch.Tensor:
+def crop_flip(x: torch.Tensor, gen: torch.Generator, pad: int = PAD, flip_share: float = 0.5) -> torch.Tensor:
     """Each image of ``x [B, C, H, W]`` shifted by a random crop of its ``pad``-padded self (offsets
-    uniform in ``0..2*pad`` each way) and mirrored left-right with probability 1/2. Draws come from
-    ``gen`` (a CPU generator), so the result depends only on its seed."""
+    uniform in ``0..2*pad`` each way) and mirrored left-right with probability ``flip_share`` (0 for
+    images a mirror changes the class of: digits, letters). Draws come from ``gen`` (a CPU generator),
+    so the result depends only on its seed."""
     b, _, h, w = x.shape
     dy, dx = (torch.randint(0, 2 * pad + 1, (b,), generator=gen) for _ in range(2))
-    flip = torch.rand(b, generator=gen) < 0.5
+    flip = torch.rand(b, generator=gen) < flip_share
     rows = dy[:, None] + torch.arange(h)  # [B, H] rows of the padded image
     cols = dx[:, None] + torch.arange(w)  # [B, W]
     cols = torch.where(flip[:, None], cols.flip(1), cols)
