@@ -161,19 +161,14 @@ class CluSampServer(FedAvgServer):
         self.draws = torch.bincount(torch.from_numpy(drawn), minlength=self.ctx.num_clients)
         return sorted(set(drawn.tolist()))
 
-    def uplinks_arrived(self, rnd: int, uplinks: dict[int, Payload]) -> None:
-        self.summed.add(rnd, self.by_draws(uplinks))
+    def models_weighted(self, uplinks: dict[int, Payload]) -> dict:
+        return {cid: (u["model"], float(self.draws[cid])) for cid, u in uplinks.items()}  # c/m per client
 
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
-        if not uplinks:
-            return
-        sent = flat_parameters(self.model, self.model.state_dict())
+        sent = flat_parameters(self.model, self.model.state_dict())  # before the mean replaces it
         for cid, u in uplinks.items():
             self.gradients[cid] = flat_parameters(self.model, u["model"]) - sent
-        self.model.load_state_dict(self.summed.mean(rnd, self.by_draws(uplinks)))
-
-    def by_draws(self, uplinks: dict[int, Payload]) -> dict:
-        return {cid: (u["model"], float(self.draws[cid])) for cid, u in uplinks.items()}
+        super().aggregate(rnd, uplinks)
 
 
 def flat_parameters(model: torch.nn.Module, state: dict[str, Tensor]) -> Tensor:

@@ -38,12 +38,17 @@ class FedAvgServer(Server):
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
         return self.broadcast(selected, {"model": cpu_state(self.model)})
 
+    def models_weighted(self, uplinks: dict[int, Payload]) -> dict:
+        """The uploaded models and their weights in the mean: train sizes (FedAvg's ``n_k``). A server
+        that weighs otherwise (FedNH: equally; CluSamp: by draws) overrides this alone."""
+        return weighted_models(uplinks)
+
     def uplinks_arrived(self, rnd: int, uplinks: dict[int, Payload]) -> None:
-        self.summed.add(rnd, weighted_models(uplinks))
+        self.summed.add(rnd, self.models_weighted(uplinks))
 
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
         if uplinks:
-            self.model.load_state_dict(self.summed.mean(rnd, weighted_models(uplinks)))
+            self.model.load_state_dict(self.summed.mean(rnd, self.models_weighted(uplinks)))
 
     def global_model(self) -> nn.Module:
         return self.model

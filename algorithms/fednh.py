@@ -32,7 +32,6 @@ Choices where the paper is silent or fedray's models differ (docs/algorithms/fed
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -56,6 +55,7 @@ from fedray.platform.api import (
     scatter_rows,
     stream,
     torch_generator,
+    unweighted_models,
 )
 
 stream("fednh/prototypes")  # the server's initial prototypes
@@ -127,31 +127,28 @@ class FedNHServer(FedAvgServer):
         self.prototypes = initial_prototypes(ctx.num_classes, self.model.head.in_features, gen)
         write_head(self.model.head, self.prototypes, self.hp.scale_init)
 
-    def uplinks_arrived(self, rnd: int, uplinks: dict[int, Payload]) -> None:
-        self.summed.add(rnd, equal_models(uplinks))
+    def models_weighted(self, uplinks: dict[int, Payload]) -> dict:
+        return unweighted_models(uplinks)  # the authors' plain mean over the round's clients
 
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
         if not uplinks:
             return
-        self.model.load_state_dict(self.summed.mean(rnd, equal_models(uplinks)))
+        super().aggregate(rnd, uplinks)
         scale = scale_along(self.model.head, self.prototypes)  # the clients' mean s: each head is s_k P
-        uploads, present = scatter_rows(
+        uploads, _ = scatter_rows(
             [u["protos"] for u in uplinks.values()],
             [u["classes"] for u in uplinks.values()],
             self.ctx.num_classes,
         )
-        counts = torch.zeros(present.shape, dtype=uploads.dtype)
-        counts[present] = torch.cat([u["counts"] for u in uplinks.values()]).to(uploads.dtype)
+        counts, _ = scatter_rows(
+            [u["counts"][:, None].to(uploads.dtype) for u in uplinks.values()],
+            [u["classes"] for u in uplinks.values()],
+            self.ctx.num_classes,
+        )
         self.prototypes = smoothed_prototypes(
-            self.prototypes, uploads.to(self.prototypes.dtype), counts, self.hp.rho
+            self.prototypes, uploads.to(self.prototypes.dtype), counts.squeeze(2), self.hp.rho
         )
         write_head(self.model.head, self.prototypes, scale)
-
-
-def equal_models(uplinks: dict[int, Payload]) -> dict[Hashable, tuple[dict[str, Tensor], float]]:
-    """Uplinks' models, each of weight 1: the authors' unweighted mean over the round's clients (FedAvg's
-    ``weighted_models`` weighs by train sizes)."""
-    return {cid: (u["model"], 1.0) for cid, u in uplinks.items()}
 
 
 # ------------------------------------------------------------------------------------------- client half

@@ -36,9 +36,8 @@ Choices where the paper is silent:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -54,6 +53,7 @@ from fedray.platform.api import (
     Server,
     cpu_state,
     register,
+    unweighted_models,
 )
 
 # ------------------------------------------------------------------------------------------- the math
@@ -114,11 +114,6 @@ class ScaffoldServer(Server):
 
     def global_model(self) -> nn.Module:
         return self.model
-
-
-def unweighted_models(uplinks: Mapping[Any, Payload]) -> dict[Any, tuple[dict[str, Tensor], float]]:
-    """The uploaded models, each of weight 1: Alg. 1 averages over the uploaders, not their samples."""
-    return {cid: (uplink["model"], 1.0) for cid, uplink in uplinks.items()}
 
 
 # ------------------------------------------------------------------------------------------- client half

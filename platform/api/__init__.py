@@ -20,7 +20,7 @@ from fedray.platform.api.algorithm import (
     batch_loader,
     cpu_state,
 )
-from fedray.platform.api.averaging import RunningMean, weighted_average, weighted_models
+from fedray.platform.api.averaging import RunningMean, unweighted_models, weighted_average, weighted_models
 from fedray.platform.api.frozen import flat_state, frozen_call
 from fedray.platform.api.header import header_rows, load_header_rows
 from fedray.platform.api.prototypes import class_prototypes, eval_pass, masked_mean, scatter_rows
@@ -73,6 +73,7 @@ __all__ = [
     "seed_of",
     "stream",
     "torch_generator",
+    "unweighted_models",
     "weighted_average",
     "weighted_models",
 ]

@@ -135,3 +135,8 @@ def weighted_average(states: list[State], weights: list[float]) -> State:
 def weighted_models(uplinks: Mapping[Any, Mapping[str, Any]]) -> dict[Any, tuple[State, float]]:
     """Uplinks' ``model`` states and their ``num_samples``, as ``RunningMean`` takes them."""
     return {cid: (uplink["model"], float(uplink["num_samples"])) for cid, uplink in uplinks.items()}
+
+
+def unweighted_models(uplinks: Mapping[Any, Mapping[str, Any]]) -> dict[Any, tuple[State, float]]:
+    """Uplinks' ``model`` states, each of weight 1 (a plain mean over the uploaders: SCAFFOLD, FedNH)."""
+    return {cid: (uplink["model"], 1.0) for cid, uplink in uplinks.items()}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
@@ -104,7 +105,7 @@ def checked_selection(server: Server, rnd: int, selected: Any, num_clients: int)
     bad = next((c for c in ids if not 0 <= c < num_clients), None)
     if bad is not None:
         raise ContractError(f"{where} returned client {bad}: ids run from 0 to {num_clients - 1}")
-    twice = next((c for c in ids if ids.count(c) > 1), None)
+    twice = next((c for c, n in Counter(ids).items() if n > 1), None)  # one pass, not a count per id
     if twice is not None:
         raise ContractError(
             f"{where} returned client {twice} twice: a round's clients are distinct (weigh a client drawn "
