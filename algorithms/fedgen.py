@@ -9,23 +9,30 @@ the server trains ``G`` so that the clients' heads, the ensemble, recognise its 
 ``y`` drawn uniformly from the labels some client of the round holds, ``a_ky = (c_ky + 1) /
 sum_j (c_jy + 1)`` client ``k``'s share of label ``y`` (``c_ky`` its count), and ``h_k`` its head,
 
-.. math::  J(G) = \\sum_k \\mathrm{mean}_i \\big[ a_{k y_i} \\, \\mathrm{CE}(h_k(G(\\epsilon_i, y_i)), y_i) \\big]
+.. math::  J(G) = \\sum_k \\mathrm{mean}_i \\, a_{k y_i} \\cdot \\mathrm{mean}_j
+           \\mathrm{CE}(h_k(G(\\epsilon_j, y_j)), y_j)
            + \\eta \\, \\exp\\big(-\\mathrm{mean}_{ij} \\lVert \\epsilon_i - \\epsilon_j \\rVert_2^2 / n_\\epsilon
            \\cdot \\lVert z_i - z_j \\rVert_1 / d \\big)
 
-(the second term rewards outputs that differ as their noise does), then averages the models. From
+(the first term is what the authors' code computes: it multiplies a ``[B]`` loss by ``[B, 1]`` shares,
+and the mean of the broadcast ``[B, B]`` product is the product of the means; the second term rewards
+outputs that differ as their noise does), then averages the models. From
 round 1 on, a client adds two terms to its cross-entropy: its head's cross-entropy on ``B_g``
-representations drawn from ``G`` for uniform labels, weighted ``alpha_t B_g / B``, and the KL
-divergence from its prediction on each real sample to its head's prediction on ``G``'s representation
-of the sample's label, weighted ``beta_t``; ``alpha_t = max(1e-4, alpha 0.98^t)`` and ``beta_t`` alike.
+representations drawn from ``G`` for uniform labels, weighted ``alpha_t B_g / B``, and
+``KL(p_G || p)``, ``p_G`` its head's prediction on ``G``'s representation of a sample's label (held
+fixed) and ``p`` the model's on the sample, weighted ``beta_t``; ``alpha_t = max(1e-4, alpha 0.98^t)``
+and ``beta_t`` alike (``B`` the configured batch size, as the authors' ``gen_ratio``).
 
 Choices where the paper is silent or fedray's platform differs (docs/algorithms/fedgen.md):
-- [Label counts] a client uploads its training split's class counts; the authors' code counts the
-  labels of the batches it trained on in the round, which fedray's full passes make a multiple of them.
+- [Label counts] a client uploads its training split's class counts; the authors' clients count the
+  labels of the fixed number of batches they train on (20 of 32), so their shares follow each client's
+  label proportions, while fedray's also grow with the client's size.
 - [Labels a client draws] all ``C`` classes (the authors' ``available_labels``: every label of the
   training data, which holds every class in each dataset fedray ships).
 - [The adversarial student term] not implemented: the authors' ``ensemble_beta`` is 0 in every config.
 - [Optimiser] the run's ``train.*`` for clients; the authors' code decays the client lr by 0.99 a round.
+- [Representations] fedray's extractors end with a ReLU, so real representations are non-negative; the
+  authors' head input has no activation. The generator's output is unconstrained in both.
 """
 
 from __future__ import annotations
@@ -99,11 +106,13 @@ def qualified_labels(counts: Tensor) -> Tensor:
 
 
 def ensemble_loss(z: Tensor, y: Tensor, weights: Tensor, heads_w: Tensor, heads_b: Tensor) -> Tensor:
-    """``sum_k mean_i a_{k y_i} CE(h_k(z_i), y_i)`` (the first term of ``J``): representations ``z [B, d]``,
-    labels ``y [B]``, shares ``weights [C, K]``, the clients' heads ``heads_w [K, C, d]``, ``heads_b [K, C]``."""
+    """``sum_k mean_i a_{k y_i} * mean_j CE(h_k(z_j), y_j)`` (the first term of ``J``: each head's batch
+    cross-entropy weighted by its batch-mean share, as the authors' broadcast computes it):
+    representations ``z [B, d]``, labels ``y [B]``, shares ``weights [C, K]``, the clients' heads
+    ``heads_w [K, C, d]``, ``heads_b [K, C]``."""
     logits = torch.einsum("bd,kcd->kbc", z, heads_w) + heads_b[:, None, :]  # [K, B, C]
     ce = F.cross_entropy(logits.transpose(1, 2), y.expand(len(heads_w), -1), reduction="none")  # [K, B]
-    return (ce * weights[y].T).mean(1).sum()
+    return (ce.mean(1) * weights[y].mean(0)).sum()
 
 
 def diversity_loss(eps: Tensor, z: Tensor) -> Tensor:
@@ -171,10 +180,11 @@ class FedGenServer(FedAvgServer):
         for group in self.generator_optimizer.param_groups:
             group["lr"] = hp.generator_lr * hp.generator_lr_decay**rnd
         draws = torch_generator("fedgen/generator", self.ctx.cfg.seed, rnd)
+        batch = self.ctx.cfg.train.batch_size if hp.generator_batch is None else hp.generator_batch
         self.generator.train()
         for _ in range(hp.generator_steps):
-            y = labels[torch.randint(len(labels), (hp.generator_batch,), generator=draws)]
-            eps = torch.rand(hp.generator_batch, hp.noise_dim, generator=draws)
+            y = labels[torch.randint(len(labels), (batch,), generator=draws)]
+            eps = torch.rand(batch, hp.noise_dim, generator=draws)
             z = self.generator(y, eps)
             loss = hp.teacher_weight * ensemble_loss(z, y, weights, heads_w, heads_b)
             loss = loss + hp.diversity_weight * diversity_loss(eps, z)
@@ -209,9 +219,7 @@ class FedGenClient(FedAvgClient):
         logits = self.model(x)
         ce = F.cross_entropy(logits, y)
         self.record(Metrics.LOSS_TRAIN, ce)
-        if (
-            self.rnd == 0
-        ):  # the generator has not been trained yet (the authors' regularization=glob_iter > 0)
+        if self.rnd == 0:  # G is untrained (the authors' regularization = glob_iter > 0)
             return ce
         hp = self.hp
         drawn = torch.randint(self.ctx.num_classes, (hp.synthetic_batch,), device=y.device)
@@ -243,7 +251,7 @@ class FedGenConfig(AlgorithmConfig):
     generator_lr_decay: float = 0.98  # per round
     generator_weight_decay: float = 1e-2
     generator_steps: int = 50  # Adam steps a round (the authors' 10 epochs of 5 iterations)
-    generator_batch: int = 32  # labels a step (the authors' client batch size, 32)
+    generator_batch: int | None = None  # labels a step; null: the clients' train.batch_size (the authors')
     teacher_weight: float = 1.0  # the ensemble's cross-entropy (the authors' ensemble_alpha)
     diversity_weight: float = 1.0  # the diversity term (ensemble_eta)
     # the clients' terms
@@ -256,8 +264,11 @@ class FedGenConfig(AlgorithmConfig):
         for name in ("noise_dim", "hidden_dim", "generator_steps", "synthetic_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"fedgen.{name}={getattr(self, name)}: must be >= 1")
-        if self.generator_batch < 2:  # BatchNorm and the diversity term compare samples of a batch
-            raise ConfigError(f"fedgen.generator_batch={self.generator_batch}: must be >= 2")
+        batch = cfg.train.batch_size if self.generator_batch is None else self.generator_batch
+        if batch < 2:  # BatchNorm and the diversity term compare samples of a batch
+            raise ConfigError(
+                f"fedgen.generator_batch={self.generator_batch}: the server's generator batch ({batch}) must be >= 2"
+            )
         for name in ("generator_lr", "generator_lr_decay", "decay"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"fedgen.{name}={getattr(self, name)}: must be > 0")

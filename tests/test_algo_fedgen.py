@@ -57,14 +57,16 @@ def test_label_shares_are_smoothed_counts_over_the_round_and_labels_nobody_holds
 
 
 def loop_ensemble_loss(z, y, weights, heads_w, heads_b) -> float:
+    """The authors' ``torch.mean(nll [B] * weight [B, 1])`` written out: the mean over every pair
+    (i, j) of sample i's share times sample j's cross-entropy, summed over the heads."""
     total = 0.0
     for k in range(len(heads_w)):
-        per_sample = []
-        for i in range(len(y)):
-            logits = (heads_w[k].double() @ z[i].double() + heads_b[k].double()).tolist()
-            log_norm = math.log(sum(math.exp(v) for v in logits))
-            per_sample.append(float(weights[y[i], k]) * (log_norm - logits[int(y[i])]))
-        total += sum(per_sample) / len(per_sample)
+        ce = []
+        for j in range(len(y)):
+            logits = (heads_w[k].double() @ z[j].double() + heads_b[k].double()).tolist()
+            ce.append(math.log(sum(math.exp(v) for v in logits)) - logits[int(y[j])])
+        pairs = [float(weights[y[i], k]) * ce[j] for i in range(len(y)) for j in range(len(y))]
+        total += sum(pairs) / len(pairs)
     return total
 
 
@@ -77,6 +79,15 @@ def test_the_ensemble_term_weighs_each_clients_cross_entropy_by_its_share_of_the
     weights = label_weights(torch.randint(0, 9, (2, 3), generator=gen).float())
     got = ensemble_loss(z, y, weights, heads_w, heads_b)
     assert_close(got, torch.tensor(loop_ensemble_loss(z, y, weights, heads_w, heads_b), dtype=torch.float32))
+    # the authors' line itself (serverpFedGen.py), head by head
+    authors = sum(
+        torch.mean(
+            F.nll_loss(F.log_softmax(z @ heads_w[k].T + heads_b[k], dim=1), y, reduction="none")
+            * weights[y][:, k].reshape(-1, 1)
+        )
+        for k in range(2)
+    )
+    assert_close(got, authors)
 
 
 def test_the_diversity_term_by_a_loop():
@@ -159,6 +170,36 @@ def test_the_server_trains_the_generator_on_the_rounds_heads_then_averages_the_m
     assert set(server.state_dict()) == {"model", "generator", "generator_optimizer"}
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["fedgen.teacher_weight=0"],
+        ["fedgen.diversity_weight=0"],
+        ["fedgen.teacher_weight=3", "fedgen.diversity_weight=2"],
+    ],
+)
+def test_each_term_of_the_generators_objective_counts_with_its_weight(overrides):
+    # one step at a time, against the same step with the weights applied by hand
+    server = server_of("fedgen.generator_steps=1", "train.batch_size=5", *overrides)  # 5 labels a step
+    gen = torch.Generator().manual_seed(2)
+    heads = [(torch.randn(3, 3, generator=gen), torch.randn(3, generator=gen))]
+    uplinks = uplinks_of(heads, [[1.0, 2, 3]], [4])
+    hp = server.hp
+    expected = FeatureGenerator(2, 3, 5, 3, torch_generator("fedgen/init", 0))
+    adam = torch.optim.Adam(expected.parameters(), lr=3e-4, weight_decay=1e-2)
+    draws = torch_generator("fedgen/generator", 0, 0)
+    y = torch.arange(3)[torch.randint(3, (5,), generator=draws)]
+    eps = torch.rand(5, 2, generator=draws)
+    z = expected(y, eps)
+    weights = label_weights(torch.tensor([[1.0, 2, 3]]))
+    loss = hp.teacher_weight * ensemble_loss(z, y, weights, heads[0][0][None], heads[0][1][None])
+    (loss + hp.diversity_weight * diversity_loss(eps, z)).backward()
+    adam.step()
+    server.aggregate(0, uplinks)
+    for got, want in zip(server.generator.parameters(), expected.parameters(), strict=True):
+        assert_close(got, want)
+
+
 def test_training_makes_the_ensemble_recognise_the_generators_representations():
     server = server_of("fedgen.generator_lr=0.01", "fedgen.diversity_weight=0")
     heads = [(torch.eye(3) * 3, torch.zeros(3)), (torch.eye(3) * 3, torch.zeros(3))]  # class c: coordinate c
@@ -212,23 +253,31 @@ def test_round_zero_is_plain_cross_entropy_and_the_upload_carries_the_class_coun
     assert set(up) == {"model", "num_samples", "label_counts"} and up["label_counts"].tolist() == [2, 0, 2]
 
 
-def test_later_rounds_add_the_generated_cross_entropy_and_the_latent_kl_with_decayed_weights():
+@pytest.mark.parametrize(("rnd", "rows"), [(1, 4), (3, 4), (3, 3)])
+def test_later_rounds_add_the_generated_cross_entropy_and_the_latent_kl_with_decayed_weights(rnd, rows):
     server, client = server_of(), make_client()
-    rnd = 3
     client.begin_round(rnd, server.configure(rnd, [0])[0])
+    x, y = X[:rows], Y[:rows]  # a last, shorter batch keeps the configured batch size's ratio
     torch.manual_seed(11)
-    loss = client.training_step((X, Y), 0)
+    loss = client.training_step((x, y), 0)
+    got = torch.autograd.grad(loss, list(client.model.parameters()))
     # the same draws, in the same order, by hand: six labels, then G(y)'s noise, then G(drawn)'s
     torch.manual_seed(11)
     drawn = torch.randint(3, (6,))
     g, head = server.generator.eval(), client.model.head
-    target = head(g(Y, torch.rand(4, 2)))
-    generated = F.cross_entropy(head(g(drawn, torch.rand(6, 2))), drawn)
-    logits = client.model(X)
+    with torch.no_grad():
+        target = head(g(y, torch.rand(rows, 2)))
+        z_drawn = g(drawn, torch.rand(6, 2))
+    generated = F.cross_entropy(head(z_drawn), drawn)
+    logits = client.model(x)
     p = F.softmax(target, 1)
-    kl = (p * (p.log() - F.log_softmax(logits, 1))).sum() / 4
+    kl = (p * (p.log() - F.log_softmax(logits, 1))).sum() / rows
     a, b = 2 * 0.98**rnd, 3 * 0.98**rnd
-    assert_close(loss, F.cross_entropy(logits, Y) + 6 / 4 * a * generated + b * kl)
+    want = F.cross_entropy(logits, y) + 6 / 4 * a * generated + b * kl
+    assert_close(loss, want)
+    # and its gradient: both terms train the model (the KL through the real samples' predictions)
+    for g_got, g_want in zip(got, torch.autograd.grad(want, list(client.model.parameters())), strict=True):
+        assert_close(g_got, g_want)
 
 
 def test_the_client_draws_from_the_servers_generator_and_never_trains_it():
@@ -256,7 +305,14 @@ def test_the_client_draws_from_the_servers_generator_and_never_trains_it():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["fedgen.generator_batch=1"], "fedgen.generator_batch=1: must be >= 2"),
+        (
+            ["fedgen.generator_batch=1"],
+            r"fedgen.generator_batch=1: the server's generator batch \(1\) must be >= 2",
+        ),
+        (
+            ["train.batch_size=1"],
+            r"fedgen.generator_batch=None: the server's generator batch \(1\) must be >= 2",
+        ),
         (["fedgen.noise_dim=0"], "fedgen.noise_dim=0: must be >= 1"),
         (["fedgen.generator_lr=0"], "fedgen.generator_lr=0.0: must be > 0"),
         (["fedgen.alpha=-1"], "fedgen.alpha=-1.0: must be >= 0"),
