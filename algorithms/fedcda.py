@@ -20,8 +20,9 @@ model is the plain mean of the selected models of every client seen so far.
 Choices where the paper is silent (docs/algorithms/fedcda.md):
 - [Unequal batches] the round's clients in a random order, cut into ``min(B, P)`` batches whose sizes
   differ by at most one (4 clients in 3 batches: 2, 1, 1).
-- [The norms] over the model's parameters (not BatchNorm's running statistics); the mean is over the
-  whole state, statistics included.
+- [The norms] over the model's parameters (not BatchNorm's running statistics), measured from the
+  round's global model; the mean is over the whole state, statistics included.
+- [No batch trained] a client reports its uploaded model's loss on its training data (eval mode).
 - [Clients never seen] out of ``S`` and of the mean; a client in its first rounds searches the models it
   has. During the warm-up each client's newest model is its selected one.
 - [Ties] the newer model wins.
@@ -46,6 +47,8 @@ from fedray.platform.api import (
     ExperimentConfig,
     Metrics,
     Payload,
+    clients_per_round,
+    eval_pass,
     numpy_rng,
     register,
     stream,
@@ -55,6 +58,8 @@ from fedray.platform.api import (
 stream("fedcda/batches", "rnd")  # the order the round's clients are cut into batches
 
 State = Mapping[str, Tensor]
+CHUNK = 1 << 15  # combinations scored at once
+MAX_COMBINATIONS = 10**6  # per batch (K^ceil(P/B)): beyond, a round's search takes minutes
 
 # ------------------------------------------------------------------------------------------- the math
 
@@ -81,20 +86,27 @@ class SelectionPool:
         fixed: list[State],
         fixed_losses: list[float],
         keys: list[str],
+        origin: State | None = None,
     ) -> SelectionPool:
-        """The pool of ``candidates`` beside ``fixed``, over the entries ``keys`` (the parameters)."""
+        """The pool of ``candidates`` beside ``fixed``, over the entries ``keys`` (the parameters),
+        measured from ``origin`` (``J`` is the same from any point; from one near the models, the
+        global model, its two large terms cancel less)."""
         v = len(candidates)
         cross, with_fixed = torch.zeros(v, v, dtype=torch.float64), torch.zeros(v, dtype=torch.float64)
         fixed_square = fixed_norms = 0.0
         for key in keys:  # one entry at a time: no copy of whole flattened models
-            c = torch.stack([s[key].reshape(-1) for s in candidates]).double()
+            shift = (
+                torch.zeros((), dtype=torch.float64) if origin is None else origin[key].reshape(-1).double()
+            )
+            c = torch.stack([s[key].reshape(-1).double() - shift for s in candidates])
             cross += c @ c.T
-            if fixed:
-                f = torch.stack([s[key].reshape(-1) for s in fixed]).double()
-                total = f.sum(0)
-                with_fixed += c @ total
-                fixed_square += float(total @ total)
-                fixed_norms += float((f * f).sum())
+            total = torch.zeros(c.shape[1], dtype=torch.float64)
+            for state in fixed:  # summed one model at a time
+                f = state[key].reshape(-1).double() - shift
+                total += f
+                fixed_norms += float(f @ f)
+            with_fixed += c @ total
+            fixed_square += float(total @ total)
         return cls(
             cross,
             with_fixed,
@@ -137,7 +149,9 @@ def select_by_batches(pool: SelectionPool, batches: list[list[list[int]]], smoot
     chosen: list[int] = []
     for batch in batches:
         combinations = torch.tensor(list(itertools.product(*batch)), dtype=torch.long)
-        best = int(pool.objectives(chosen, combinations, smoothness).argmin())  # the first of equals
+        parts = combinations.split(CHUNK)  # a chunk at a time: each holds [rows, b, b] inner products
+        values = torch.cat([pool.objectives(chosen, part, smoothness) for part in parts])
+        best = int(values.argmin())  # the first of equals
         chosen.extend(combinations[best].tolist())
     return chosen
 
@@ -193,6 +207,11 @@ class FedCDAServer(FedAvgServer):
         del models[: -self.hp.cache_size], losses[: -self.hp.cache_size]
         self.selected[cid] = len(models) - 1
 
+    def batches_of(self, rnd: int, clients: list[int]) -> list[list[int]]:
+        """The round's clients cut into batches, in an order drawn from (seed, round) alone."""
+        rng = numpy_rng("fedcda/batches", self.ctx.cfg.seed, rnd)
+        return cut_into_batches(clients, self.hp.num_batches, rng)
+
     def reselect(self, rnd: int, clients: list[int]) -> None:
         """Eq. 8 over the round's ``clients``: their new selected models (``self.selected``)."""
         fixed = sorted(self.selected.keys() - set(clients))
@@ -204,10 +223,10 @@ class FedCDAServer(FedAvgServer):
             [self.cache[cid][self.selected[cid]] for cid in fixed],
             [self.cache_losses[cid][self.selected[cid]] for cid in fixed],
             keys,
+            origin=self.model.state_dict(),  # the round's global model
         )
         index = {pair: i for i, pair in enumerate(candidates)}
-        rng = numpy_rng("fedcda/batches", self.ctx.cfg.seed, rnd)
-        batches = cut_into_batches(clients, self.hp.num_batches, rng)
+        batches = self.batches_of(rnd, clients)
         options = [
             [[index[cid, slot] for slot in reversed(range(len(self.cache[cid])))] for cid in b]
             for b in batches
@@ -241,7 +260,11 @@ class FedCDAClient(FedAvgClient):
         return loss
 
     def upload(self) -> Payload:
-        mean = float(self.last_epoch_loss) / max(self.last_epoch_samples, 1)
+        if self.last_epoch_samples:
+            mean = float(self.last_epoch_loss) / self.last_epoch_samples
+        else:  # no batch trained (fewer samples than train.batch_size with drop_last): F at the model
+            logits, _, y = eval_pass(self.model, self.training_data())
+            mean = float(F.cross_entropy(logits.float(), y))
         return {**super().upload(), "train_loss": mean}
 
 
@@ -258,6 +281,14 @@ class FedCDAConfig(AlgorithmConfig):
     warmup_rounds: int = 50  # rounds of FedAvg first (the paper's 50 of 200)
 
     def validate(self, cfg: ExperimentConfig) -> None:
+        per_round = clients_per_round(cfg)
+        largest = -(-per_round // max(1, min(self.num_batches, per_round)))  # clients in the first batch
+        if self.cache_size >= 1 and self.num_batches >= 1 and self.cache_size**largest > MAX_COMBINATIONS:
+            raise ConfigError(
+                f"fedcda.cache_size={self.cache_size} with {per_round} clients a round in fedcda.num_batches="
+                f"{self.num_batches}: {self.cache_size}^{largest} combinations a batch, over {MAX_COMBINATIONS:,}; "
+                "raise num_batches or lower cache_size"
+            )
         if self.cache_size < 1:
             raise ConfigError(f"fedcda.cache_size={self.cache_size}: must be >= 1")
         if self.num_batches < 1:

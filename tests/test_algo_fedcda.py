@@ -1,7 +1,7 @@
 """FedCDA's selection objective, its batch-wise search and its server and client halves, against
 direct and brute-force computations; no Ray."""
 
-import copy
+import io
 import itertools
 
 import numpy as np
@@ -23,6 +23,7 @@ from fedray.platform.api.algorithm import ClientContext, ServerContext
 from fedray.platform.catalog import load_config
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ConfigError
+from fedray.platform.runtime.storage import torch_bytes
 from fedray.platform.seeds import numpy_rng
 
 KEYS = ["a", "b"]  # the "parameters"; "stat" stands for a BatchNorm statistic, outside the norms
@@ -143,7 +144,9 @@ def server_of(*overrides: str, clients: int = 3) -> FedCDAServer:
 
 
 def uplink(seed: int, loss: float, samples: int = 4) -> dict:
-    return {"model": dict(bn_model(seed).state_dict()), "num_samples": samples, "train_loss": loss}
+    state = dict(bn_model(seed).state_dict())
+    state["features.2.num_batches_tracked"] = torch.tensor(seed)  # tells the models' counters apart
+    return {"model": state, "num_samples": samples, "train_loss": loss}
 
 
 def test_the_warmup_is_fedavg_and_every_client_keeps_its_last_k_uploads():
@@ -193,6 +196,8 @@ def test_after_the_warmup_the_model_is_the_plain_mean_of_every_seen_clients_sele
     selected = [states[0][chosen[0]], states[1][chosen[1]], uplink(12, 0)["model"]]
     for key in ("features.1.weight", "features.2.running_mean"):  # unweighted, statistics too
         assert_close(server.model.state_dict()[key], sum(s[key] for s in selected) / 3)
+    counter = "features.2.num_batches_tracked"  # an integer: the lowest client id's, as FedAvg's
+    assert torch.equal(server.model.state_dict()[counter], selected[0][counter])
     assert set(server.state_dict()) == {"model", "cache", "cache_losses", "selected"}
 
 
@@ -221,6 +226,36 @@ def test_the_fixed_clients_and_the_parameters_alone_decide_the_selection(key, by
     assert server.selected == {0: slot, 1: 0, 2: 0}
 
 
+def test_a_client_out_of_the_round_counts_with_its_selected_model_not_its_newest():
+    server = server_of()
+    key = "features.2.weight"
+    server.aggregate(0, {0: moved(key, 0.0, 0.5), 1: moved(key, 0.0, 0.3), 2: moved(key, 0.0, 0.3)})
+    server.aggregate(1, {0: moved(key, 2.0, 0.0)})  # too far from the others: client 0 keeps the base model
+    assert server.selected[0] == 0
+    # client 1 alone: beside client 0's base model (selected) and client 2's, its far model loses; beside
+    # client 0's far one (its newest), both of client 1's would spread alike and the lower loss would win
+    server.aggregate(2, {1: moved(key, 2.0, 0.0)})
+    assert server.selected == {0: 0, 1: 0, 2: 0}
+
+
+def test_the_round_batches_follow_the_seed_and_the_round():
+    server = server_of("seed=5", clients=6)
+    got = server.batches_of(4, [0, 1, 2, 3, 4, 5])
+    assert got == cut_into_batches([0, 1, 2, 3, 4, 5], 3, numpy_rng("fedcda/batches", 5, 4))
+    others = {tuple(itertools.chain(*server.batches_of(rnd, list(range(6))))) for rnd in range(5)}
+    others |= {
+        tuple(itertools.chain(*server_of(f"seed={s}", clients=6).batches_of(4, list(range(6)))))
+        for s in range(5)
+    }
+    assert len(others) > 2
+
+
+def test_ties_between_several_clients_keep_the_newest_of_each():
+    same = random_states(1, 0)[0]
+    pool = SelectionPool.of([same] * 4, [0.2] * 4, [], [], KEYS)
+    assert select_by_batches(pool, [[[1, 0], [3, 2]]], 1.0) == [1, 3]
+
+
 def test_a_tie_between_a_clients_models_keeps_its_newest():
     server = server_of()
     server.aggregate(0, {0: moved("features.1.weight", 0.0, 0.5), 1: moved("features.1.weight", 0.5, 0.2)})
@@ -231,9 +266,16 @@ def test_a_tie_between_a_clients_models_keeps_its_newest():
 def test_a_reloaded_server_selects_and_averages_the_same():
     server = server_of("seed=4")
     server.aggregate(0, {0: uplink(10, 0.9), 1: uplink(11, 0.2)})
-    server.aggregate(1, {0: uplink(20, 0.1), 1: uplink(21, 0.8)})
+    sent = uplink(20, 0.1)
+    server.aggregate(1, {0: sent, 1: uplink(21, 0.8)})
+    with torch.no_grad():
+        sent["model"]["features.1.weight"].add_(1.0)  # the round's payload reused: the cache has its own
+    assert torch.equal(
+        server.cache[0][-1]["features.1.weight"], bn_model(20).state_dict()["features.1.weight"]
+    )
     resumed = server_of("seed=4")
-    resumed.load_state_dict(copy.deepcopy(server.state_dict()))
+    saved = torch.load(io.BytesIO(torch_bytes(server.state_dict())), weights_only=True)  # as a checkpoint
+    resumed.load_state_dict(saved)
     for s in (server, resumed):
         s.aggregate(2, {0: uplink(30, 0.5), 1: uplink(31, 0.05), 2: uplink(32, 0.4)})
     assert resumed.selected == server.selected
@@ -244,11 +286,13 @@ def test_a_reloaded_server_selects_and_averages_the_same():
 
 
 def test_the_client_uploads_its_mean_loss_over_the_last_epoch_alone():
-    cfg = load_config(None, ["algorithm=fedcda", "train.local_epochs=2"])
+    cfg = load_config(None, ["algorithm=fedcda", "train.local_epochs=3"])
     client = FedCDAClient(bn_model(0), ClientContext(0, cfg, 3, ArrayDataset(X, Y)))
     client.begin_round(0, {"model": bn_model(1).state_dict()})
-    client.training_step((X, Y), 0)  # epoch 0: not counted
-    client.__dict__["_fit_epoch"] = 1  # the last of two epochs, as the worker's loop counts them
+    for epoch in (0, 1):  # not counted
+        client.__dict__["_fit_epoch"] = epoch
+        client.training_step((X, Y), 0)
+    client.__dict__["_fit_epoch"] = 2  # the last of three epochs, as the worker's loop counts them
     first, second = (X[:3], Y[:3]), (X[3:], Y[3:])
     l1 = F.cross_entropy(client.model(first[0]), first[1]).detach()
     client.training_step(first, 0)
@@ -260,6 +304,24 @@ def test_the_client_uploads_its_mean_loss_over_the_last_epoch_alone():
     assert set(up) == {"model", "num_samples", "train_loss"}
     client.begin_round(1, {"model": bn_model(1).state_dict()})  # a new round starts from nothing
     assert float(client.last_epoch_loss) == 0 and client.last_epoch_samples == 0
+
+
+def test_a_client_that_trained_no_batch_reports_its_models_loss_on_its_training_data():
+    cfg = load_config(None, ["algorithm=fedcda"])
+    client = FedCDAClient(bn_model(0), ClientContext(0, cfg, 3, ArrayDataset(X, Y)))
+    client.begin_round(0, {"model": bn_model(1).state_dict()})  # no training_step: drop_last left none
+    client.model.eval()
+    want = F.cross_entropy(client.model(X), Y).item()
+    client.model.train()
+    assert client.upload()["train_loss"] == pytest.approx(want, rel=1e-6)
+
+
+def test_a_search_too_large_for_a_round_is_a_one_line_error():
+    with pytest.raises(ConfigError, match=r"3\^20 combinations a batch"):
+        load_config(
+            None, ["algorithm=fedcda", "data.num_clients=20", "train.fraction=1.0", "fedcda.num_batches=1"]
+        )
+    load_config(None, ["algorithm=fedcda", "data.num_clients=20", "train.fraction=1.0"])  # 3^7 a batch: fine
 
 
 @pytest.mark.parametrize(
