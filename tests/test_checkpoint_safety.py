@@ -5,6 +5,7 @@ run code in the driver or the Coordinator on ``--resume``."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -101,6 +102,18 @@ def test_a_server_holding_another_kind_of_value_is_a_contract_error_naming_it(tm
     with pytest.raises(ContractError, match=r"checkpoint\.server\.prototypes\.3 is a numpy\.ndarray") as info:
         storage.save_torch({"server": server.state_dict()}, str(tmp_path / "c.pt"))
     assert "\n" not in str(info.value)
+    assert not (tmp_path / "c.pt").exists()
+
+
+@pytest.mark.parametrize("value", [np.float64(0.5), np.int64(3), np.float32(1.5)])
+def test_a_numpy_number_in_a_servers_state_is_named_before_a_checkpoint_that_could_not_load(tmp_path, value):
+    # np.float64 is a Python float, so it would pass as a plain number, yet torch.load(weights_only=True)
+    # refuses it: the run would checkpoint happily and fail on resume
+    torch.load(io.BytesIO(storage.torch_bytes({"ok": float(value)})), weights_only=True)
+    with pytest.raises(
+        ContractError, match=rf"checkpoint\.server\.losses\[0\] is a numpy\.{type(value).__name__}, which"
+    ):
+        storage.save_torch({"server": {"losses": [value]}}, str(tmp_path / "c.pt"))
     assert not (tmp_path / "c.pt").exists()
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedray.platform.errors import CheckpointError, ContractError, first_line
@@ -173,6 +174,10 @@ PLAIN = (torch.Tensor, int, float, str, bool, bytes, type(None), torch.Size, tor
 
 def check_plain(obj: Any, where: str) -> None:
     """ContractError naming the first value in ``obj`` that is not a tensor or a plain value."""
+    if isinstance(obj, np.generic):  # np.float64 is a float, yet a weights_only load refuses it
+        raise ContractError(
+            f"{where} is a numpy.{type(obj).__name__}, which a checkpoint cannot load back: store float() or int() of it"
+        )
     if isinstance(obj, PLAIN):
         return
     if isinstance(obj, dict):
