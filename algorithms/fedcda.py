@@ -235,6 +235,8 @@ class FedCDAServer(FedAvgServer):
         for i in chosen:
             cid, slot = candidates[i]
             self.selected[cid] = slot
+        self.record("fedcda/objective", pool.objective(chosen, self.hp.smoothness))  # J of the selection
+        self.record("fedcda/kept_older", sum(self.selected[c] < len(self.cache[c]) - 1 for c in clients))
 
 
 # ------------------------------------------------------------------------------------------- client half

@@ -186,8 +186,10 @@ class FedGenServer(FedAvgServer):
             y = labels[torch.randint(len(labels), (batch,), generator=draws)]
             eps = torch.rand(batch, hp.noise_dim, generator=draws)
             z = self.generator(y, eps)
-            loss = hp.teacher_weight * ensemble_loss(z, y, weights, heads_w, heads_b)
-            loss = loss + hp.diversity_weight * diversity_loss(eps, z)
+            teacher, diversity = ensemble_loss(z, y, weights, heads_w, heads_b), diversity_loss(eps, z)
+            loss = hp.teacher_weight * teacher + hp.diversity_weight * diversity
+            self.record("fedgen/teacher_loss", teacher.detach())  # means over the round's steps, in MLflow
+            self.record("fedgen/diversity_loss", diversity.detach())
             self.generator_optimizer.zero_grad()
             loss.backward()
             self.generator_optimizer.step()

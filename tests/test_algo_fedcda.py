@@ -234,8 +234,14 @@ def test_a_client_out_of_the_round_counts_with_its_selected_model_not_its_newest
     assert server.selected[0] == 0
     # client 1 alone: beside client 0's base model (selected) and client 2's, its far model loses; beside
     # client 0's far one (its newest), both of client 1's would spread alike and the lower loss would win
+    server.pop_stats()
     server.aggregate(2, {1: moved(key, 2.0, 0.0)})
     assert server.selected == {0: 0, 1: 0, 2: 0}
+    stats = server.pop_stats()  # logged with the round: one of its one client kept an older model, and J
+    assert stats["fedcda/kept_older"] == 1
+    assert stats["fedcda/objective"] == pytest.approx(
+        np.mean([0.5, 0.3, 0.3])
+    )  # three equal models: no spread
 
 
 def test_the_round_batches_follow_the_seed_and_the_round():

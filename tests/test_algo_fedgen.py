@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_overrides
+from mlflow.tracking import MlflowClient
 from test_algo_fedproto import X, Y
 from test_algo_moon import bn_model
 from torch.testing import assert_close
@@ -26,6 +28,7 @@ from fedray.platform.api.algorithm import ClientContext, ServerContext
 from fedray.platform.catalog import load_config
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ConfigError
+from fedray.platform.runtime.driver import run_experiment
 from fedray.platform.seeds import torch_generator
 
 
@@ -149,11 +152,14 @@ def test_the_server_trains_the_generator_on_the_rounds_heads_then_averages_the_m
     draws = torch_generator("fedgen/generator", 3, rnd)
     weights = label_weights(torch.tensor([[4.0, 0, 1], [0, 0, 3]]))
     stacked_w, stacked_b = torch.stack([w for w, _ in heads]), torch.stack([b for _, b in heads])
+    teachers, diversities = [], []
     for _ in range(7):
         y = torch.tensor([0, 2])[torch.randint(2, (6,), generator=draws)]
         eps = torch.rand(6, 2, generator=draws)
         z = expected(y, eps)
-        loss = ensemble_loss(z, y, weights, stacked_w, stacked_b) + diversity_loss(eps, z)
+        teachers.append(ensemble_loss(z, y, weights, stacked_w, stacked_b))
+        diversities.append(diversity_loss(eps, z))
+        loss = teachers[-1] + diversities[-1]
         adam.zero_grad()
         loss.backward()
         adam.step()
@@ -168,6 +174,9 @@ def test_the_server_trains_the_generator_on_the_rounds_heads_then_averages_the_m
         0.25 * uplinks[0]["model"][key] + 0.75 * uplinks[1]["model"][key],
     )
     assert set(server.state_dict()) == {"model", "generator", "generator_optimizer"}
+    stats = server.pop_stats()  # the round's means over the steps, logged with the round's metrics
+    assert stats["fedgen/teacher_loss"] == pytest.approx(float(torch.stack(teachers).mean()), rel=1e-5)
+    assert stats["fedgen/diversity_loss"] == pytest.approx(float(torch.stack(diversities).mean()), rel=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -300,6 +309,17 @@ def test_the_client_draws_from_the_servers_generator_and_never_trains_it():
     optimizer.step()
     assert all(torch.equal(a, b) for a, b in zip(client.generator.parameters(), before))
     assert not torch.equal(client.model.head.weight, head)
+
+
+def test_a_run_logs_the_generators_losses_each_round(mlflow_store):
+    cfg = load_config(None, ["algorithm=fedgen", *tiny_overrides(rounds=2)])
+    result = run_experiment(cfg)
+    assert all(h["fedgen/teacher_loss"] > 0 and 0 < h["fedgen/diversity_loss"] <= 1 for h in result.history)
+    logged = MlflowClient().get_metric_history(result.run_id, "fedgen/teacher_loss")
+    assert sorted(m.step for m in logged) == [1, 2]
+    assert [m.value for m in sorted(logged, key=lambda m: m.step)] == [
+        h["fedgen/teacher_loss"] for h in result.history
+    ]
 
 
 @pytest.mark.parametrize(

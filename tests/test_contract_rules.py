@@ -26,7 +26,7 @@ from fedray.platform.api.contract import check_parameters_apart, check_uplinks, 
 from fedray.platform.api.registry import available, get
 from fedray.platform.catalog import load_config
 from fedray.platform.errors import CheckpointError, ConfigError
-from fedray.platform.runtime.coordinator import check_evaluable
+from fedray.platform.runtime.coordinator import check_evaluable, server_stats
 from fedray.platform.runtime.driver import run_experiment
 from fedray.platform.runtime.session import RunAborted
 from fedray.platform.runtime.state_store import ClientTask
@@ -566,3 +566,42 @@ def test_a_global_evaluation_without_a_model_is_refused_when_the_run_is_set_up()
     assert "ClientModule.eval_mode is 'global', but the server's eval_payload has no 'model'" in one_line(err)
     check_evaluable("header_only", OwnEval, True, server)  # a client tested with its own module
     check_evaluable("fedavg", FedAvgClient, False, FedAvgServer(server_ctx()))
+
+
+def stats_server() -> Server:
+    return Server(ServerContext(load_config(None, []), 2, 2, ["a", "a"], lambda cid: None))  # type: ignore[arg-type]
+
+
+def test_a_servers_statistics_are_the_rounds_means_and_leave_no_state_behind():
+    server = stats_server()
+    server.record("algo/loss", torch.tensor(2.0))
+    server.record("algo/loss", 4)
+    server.record("algo/kept", 1.5)
+    server.state_dict()  # recorded but not yet popped: not an attribute a checkpoint must keep
+    assert server.pop_stats() == {"algo/loss": 3.0, "algo/kept": 1.5}
+    assert server.pop_stats() == {}  # the next round starts from none
+
+
+@pytest.mark.parametrize("value", [torch.ones(2), "high", True, None])
+def test_a_server_statistic_that_is_not_one_number_is_one_line(value):
+    with pytest.raises(ContractError, match="Server: statistic 'algo/x' must be one number") as info:
+        stats_server().record("algo/x", value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "taken"),
+    [
+        ("loss/train", "a client statistic"),
+        ("acc/global", "a platform metric"),
+        ("time/generator_s", "a platform metric"),
+    ],
+)
+def test_a_server_statistic_may_not_take_a_name_the_round_already_logs(name, taken):
+    server = stats_server()
+    server.record(name, 1.0)
+    with pytest.raises(ContractError, match=f"records '{name}', which is {taken} of the round") as info:
+        server_stats("probe", server, {"loss/train": 0.5})
+    assert "\n" not in str(info.value)
+    server.record("probe/generator_loss", 1.0)
+    assert server_stats("probe", server, {"loss/train": 0.5}) == {"probe/generator_loss": 1.0}

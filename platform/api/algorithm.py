@@ -249,6 +249,21 @@ class Server:
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
         """Fold this round's uplinks (sorted by client id) into the server state."""
 
+    def record(self, name: str, value: torch.Tensor | float) -> None:
+        """Add ``value`` to this round's server statistic ``name`` (FedGen's generator losses, say):
+        its mean over the round's calls is logged with the round's metrics, under ``name``. Call it
+        from ``aggregate`` or ``uplinks_arrived``."""
+        number = value.item() if torch.is_tensor(value) and value.numel() == 1 else value
+        if not isinstance(number, (int, float)) or isinstance(number, bool):
+            shown = " ".join(repr(value).split())[:60]
+            raise ContractError(f"{type(self).__name__}: statistic {name!r} must be one number, got {shown}")
+        self.__dict__.setdefault("_stats", {}).setdefault(name, []).append(float(number))
+
+    def pop_stats(self) -> dict[str, float]:
+        """What the platform calls after ``aggregate``: each statistic's mean over the round's calls."""
+        stats = self.__dict__.pop("_stats", {})
+        return {name: float(np.mean(values)) for name, values in stats.items()}
+
     def uplink_keys(self) -> tuple[str, ...]:
         """The keys of every uplink: ``UPLINK_KEYS``, or an override where they follow a hyperparameter."""
         return self.UPLINK_KEYS
@@ -274,7 +289,7 @@ class Server:
                 f"{algorithm}{who}.{k} still holds a sum when a checkpoint is taken: a RunningMean is a round's working "
                 "memory (mean() clears it); a sum kept across rounds belongs in STATE"
             )
-        for k in sorted(vars(self).keys() - {"ctx", "hp"} - scratch - set(self.STATE)):
+        for k in sorted(vars(self).keys() - {"ctx", "hp", "_stats"} - scratch - set(self.STATE)):
             raise ContractError(
                 f"{algorithm}{who}.{k} is not in {who}.STATE, the attributes a checkpoint keeps: a resumed run "
                 "would start it afresh (add it to STATE)"

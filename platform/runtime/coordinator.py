@@ -121,6 +121,31 @@ def mean_stats(per_client: list[dict[str, float]]) -> dict[str, float]:
     return {name: float(np.mean([s[name] for s in per_client if name in s])) for name in names}
 
 
+# the names the platform logs itself, and the prefixes it gives meanings (timings, end-of-run summaries)
+PLATFORM_METRICS = frozenset(v for k, v in vars(Metrics).items() if k.isupper() and isinstance(v, str))
+RESERVED_PREFIXES = tuple(v for v in PLATFORM_METRICS if v.endswith("/"))
+
+
+def server_stats(algorithm: str, server: Server, client_stats: dict[str, float]) -> dict[str, float]:
+    """The server's statistics of the round (:meth:`Server.record`), checked not to take a name the
+    clients' statistics or the platform's metrics use."""
+    stats = server.pop_stats()
+    for name in sorted(stats):
+        taken = (
+            "a client statistic"
+            if name in client_stats
+            else "a platform metric"
+            if name in PLATFORM_METRICS or name.startswith(RESERVED_PREFIXES)
+            else None
+        )
+        if taken is not None:
+            raise ContractError(
+                f"algorithm {algorithm!r}: {type(server).__name__} records {name!r}, which is {taken} of the round; "
+                "name the server's statistic apart (e.g. with the algorithm's name: 'fedgen/teacher_loss')"
+            )
+    return stats
+
+
 def divergence(rnd: int, stats: dict[int, dict[str, float]]) -> str | None:
     """The line a run stops with when every client that reported a training loss this round
     reported a non-finite one (:class:`Diverged`); None while any is finite, or none was reported."""
@@ -410,6 +435,7 @@ class RoundLoop:
         self.server_code(rnd, "aggregate", lambda: self.server.aggregate(rnd, uplinks))
         aggregate_s = time.perf_counter() - aggregate_start
         metrics = mean_stats([stats[cid] for cid in sorted(stats)])
+        metrics.update(server_stats(self.spec.name, self.server, metrics))
         metrics[Metrics.TIME_TRAIN_S], metrics[Metrics.TIME_AGGREGATE_S] = train_s, aggregate_s
         metrics.update(self.record.count_traffic(uplinks.values(), [downlinks[cid] for cid in selected]))
         metrics[Metrics.CLIENTS_SELECTED], metrics[Metrics.CLIENTS_FAILED] = len(selected), len(failed)
