@@ -30,7 +30,7 @@ Choices where the paper is silent or fedray's platform differs (docs/algorithms/
 - [Labels a client draws] all ``C`` classes (the authors' ``available_labels``: every label of the
   training data, which holds every class in each dataset fedray ships).
 - [The adversarial student term] not implemented: the authors' ``ensemble_beta`` is 0 in every config.
-- [Optimiser] the run's ``train.*`` for clients; the authors' code decays the client lr by 0.99 a round.
+- [Optimiser] the run's ``train.*`` for clients; the authors' decay of 0.99 a round is ``train.lr_decay=0.99``.
 - [Representations] fedray's extractors end with a ReLU, so real representations are non-negative; the
   authors' head input has no activation. The generator's output is unconstrained in both.
 """

@@ -239,7 +239,7 @@ class FedL2GClient(ClientModule):
             self.guide,
             study,
             quiz,
-            self.ctx.cfg.train.lr,
+            self.round_lr(),
             self.hp.variant,
         )
         self.model.train(was_training)

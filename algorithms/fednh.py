@@ -26,8 +26,8 @@ Choices where the paper is silent or fedray's models differ (docs/algorithms/fed
   config's), drawn from the run seed; ``s`` starts at 1 (their CNN's) and is learned.
 - [Uploaded prototypes] from one eval-mode pass of the trained model over the client's training
   samples (``eval_pass``), without augmentation (the authors' pass reads their augmented loader).
-- [Optimiser] the run's ``train.*``: the authors' code decays lr by 0.99 a round, which fedray's
-  ``train.lr`` does not.
+- [Optimiser] the run's ``train.*``: the authors' code decays lr by 0.99 a round (``train.lr_decay=0.99``;
+  the default is constant).
 """
 
 from __future__ import annotations

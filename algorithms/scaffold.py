@@ -151,7 +151,7 @@ class ScaffoldClient(ClientModule):
         if steps == 0:
             return
         trained = parameters_to_vector(self.model.parameters()).detach()
-        new_control = updated_control(self.anchor, trained, self.correction, steps, self.ctx.cfg.train.lr)
+        new_control = updated_control(self.anchor, trained, self.correction, steps, self.round_lr())
         self.hold("delta_control", new_control - self.control)
         self.control.copy_(new_control)
 

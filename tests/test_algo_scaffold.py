@@ -23,7 +23,7 @@ P = 4 * 3 + 3  # head.weight [3, 4] then head.bias [3], in model.parameters() or
 
 
 def hand_round(
-    w: torch.Tensor, b: torch.Tensor, c: torch.Tensor, c_i: torch.Tensor, steps: int
+    w: torch.Tensor, b: torch.Tensor, c: torch.Tensor, c_i: torch.Tensor, steps: int, lr: float = LR
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Alg. 1's client: ``steps`` full-batch steps ``y -= lr (g(y) - c_i + c)`` from ``x = (w, b)``,
     then option II's ``c_i+ = c_i - c + (x - y) / (K lr)``. Returns ``(w, b, c_i+)``."""
@@ -33,8 +33,8 @@ def hand_round(
         y_ = y.clone().requires_grad_(True)
         logits = X.flatten(1) @ y_[:12].view(3, 4).T + y_[12:]
         (g,) = torch.autograd.grad(F.cross_entropy(logits, Y), y_)
-        y = y - LR * (g - c_i + c)
-    return y[:12].view(3, 4), y[12:], c_i - c + (x - y) / (steps * LR)
+        y = y - lr * (g - c_i + c)
+    return y[:12].view(3, 4), y[12:], c_i - c + (x - y) / (steps * lr)
 
 
 def make_client(*overrides: str) -> ScaffoldClient:
@@ -45,16 +45,18 @@ def make_client(*overrides: str) -> ScaffoldClient:
     return ScaffoldClient(flatten_model(), ClientContext(0, cfg, 3, ArrayDataset(X, Y)))
 
 
-def test_the_client_corrects_every_step_and_updates_its_control_variate_by_option_two():
-    # two epochs of one full batch: K = 2 steps a round, the shuffle changes nothing
-    client = make_client("train.local_epochs=2")
+@pytest.mark.parametrize("decay", [1.0, 0.5])
+def test_the_client_corrects_every_step_and_updates_its_control_variate_by_option_two(decay):
+    # two epochs of one full batch: K = 2 steps a round, the shuffle changes nothing; with
+    # train.lr_decay the steps and option II's 1 / (K eta_l) both take the round's lr
+    client = make_client("train.local_epochs=2", f"train.lr_decay={decay}")
     loop = LocalTraining(client.ctx.cfg.train, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     c_i = torch.zeros(P)  # every client's control variate starts at 0
     x = client.model.state_dict()
     for rnd in range(3):
         c = torch.randn(P, generator=gen)  # the server's control variate this round
-        w, b, new_c_i = hand_round(x["head.weight"], x["head.bias"], c, c_i, steps=2)
+        w, b, new_c_i = hand_round(x["head.weight"], x["head.bias"], c, c_i, steps=2, lr=LR * decay**rnd)
         client.begin_round(rnd, {"model": x, "control": c})
         loop.fit(client, 2)
         assert_close(client.model.head.weight.detach(), w)
@@ -64,7 +66,9 @@ def test_the_client_corrects_every_step_and_updates_its_control_variate_by_optio
         assert_close(up["model"]["head.weight"], w)
         assert_close(up["delta_control"], new_c_i - c_i)  # Delta c_i = c_i+ - c_i
         assert_close(client.control, new_c_i)  # kept for the next round
-        rebuilt = make_client("train.local_epochs=2")  # the committed state in a module built afresh
+        rebuilt = make_client(
+            "train.local_epochs=2", f"train.lr_decay={decay}"
+        )  # the committed state in a module built afresh
         rebuilt.load_state_dict(client.state_dict())
         assert torch.equal(rebuilt.control, client.control)
         assert payload_nbytes(up) == 2 * P * 4  # y_i and Delta c_i, as the FedCross paper counts it

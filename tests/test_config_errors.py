@@ -46,6 +46,8 @@ def no_proxy_for_loopback(monkeypatch):
         (["fedprox.nope=1"], "unknown config key 'fedprox.nope'"),  # another algorithm's section too
         (["fedprox.mu=abc"], "fedprox.mu='abc': expected a number"),
         (["train.lr=inf"], "train.lr='inf': expected a finite number"),  # inf > 0 would pass
+        (["train.lr_decay=0"], "train.lr_decay=0.0: the per-round factor must be in (0, 1]"),
+        (["train.lr_decay=1.01"], "train.lr_decay=1.01: the per-round factor must be in (0, 1]"),
         (["data.partition.alpha=nan"], "data.partition.alpha='nan': expected a finite number"),
         (["name="], "name: must not be empty"),
         (["storage_path="], "storage_path: must not be empty"),

@@ -17,11 +17,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedray.platform.api.algorithm import FitProgress
+from fedray.algorithms.fedavg import FedAvgClient
+from fedray.platform.api.algorithm import ClientContext, FitProgress
 from fedray.platform.api.lightning_import import lightning as L
+from fedray.platform.catalog import load_config
 from fedray.platform.config import TrainConfig
+from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ContractError
-from fedray.platform.runtime.local_training import LocalTraining
+from fedray.platform.models import FedModel
+from fedray.platform.runtime.local_training import LocalTraining, carry_optimizer_state
 
 RECORDED = (
     "setup", "configure_optimizers", "on_fit_start", "train_dataloader", "on_train_start",
@@ -329,3 +333,20 @@ def test_a_statistic_that_is_not_one_number_is_refused_where_it_is_recorded(valu
     module.record("loss/x", torch.tensor([2.0]))  # one number, whatever its shape
     module.record("loss/x", 4)
     assert module.pop_stats() == {"loss/x": 3.0}
+
+
+def test_the_clients_lr_decays_by_round_and_a_carried_optimizer_state_keeps_the_rounds_lr():
+    cfg = load_config(None, ["train.lr=0.08", "train.lr_decay=0.5", "train.keep_optimizer_state=true"])
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    fed = FedModel(model, 3, 3, arch="flat", in_channels=1, image_size=2)
+    client = FedAvgClient(
+        fed, ClientContext(0, cfg, 3, ArrayDataset(torch.zeros(2, 1, 2, 2), torch.tensor([0, 1])))
+    )
+    client.begin_round(1, {"model": fed.state_dict()})
+    earlier = client.configure_optimizers()
+    assert earlier.param_groups[0]["lr"] == pytest.approx(0.04)
+    client.begin_round(3, {"model": fed.state_dict()})
+    now = client.configure_optimizers()
+    assert client.round_lr() == pytest.approx(0.01) and now.param_groups[0]["lr"] == pytest.approx(0.01)
+    carry_optimizer_state(now, earlier.state_dict())  # round 1's momentum, round 3's lr
+    assert now.param_groups[0]["lr"] == pytest.approx(0.01)

@@ -443,7 +443,15 @@ class ClientModule(FitProgress, L.LightningModule):
     # ---- Lightning hooks the worker's loop calls
     def configure_optimizers(self) -> torch.optim.Optimizer:
         t = self.ctx.cfg.train
-        return torch.optim.SGD(self.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+        return torch.optim.SGD(
+            self.parameters(), lr=self.round_lr(), momentum=t.momentum, weight_decay=t.weight_decay
+        )
+
+    def round_lr(self) -> float:
+        """This round's client learning rate: ``train.lr * train.lr_decay ** rnd`` (what a client
+        whose math reads the step size, SCAFFOLD's or FedL2G's, takes as it)."""
+        t = self.ctx.cfg.train
+        return t.lr * t.lr_decay**self.rnd
 
     def train_dataloader(self) -> ShuffledBatches:
         t = self.ctx.cfg.train

@@ -111,6 +111,9 @@ class TrainConfig:
     # train (the FedL2G paper's setting); false trains on every sample
     drop_last: bool = False
     lr: float = 0.05
+    # the clients' lr at round t is lr * lr_decay^t (1 = constant); the reference codes of FedGen and
+    # FedNH decay it by 0.99 a round, FedRCL's by 0.998
+    lr_decay: float = 1.0
     momentum: float = 0.9
     weight_decay: float = 0.0
     grad_clip: float | None = None  # max global grad norm; None = no clipping
@@ -379,6 +382,7 @@ def check_fields(cfg: ExperimentConfig) -> None:
     _check(t.local_epochs >= 0, f"train.local_epochs={t.local_epochs}: must be >= 0")
     _check(t.batch_size >= 1, f"train.batch_size={t.batch_size}: must be >= 1")
     _check(t.lr > 0, f"train.lr={t.lr}: must be > 0")
+    _check(0 < t.lr_decay <= 1, f"train.lr_decay={t.lr_decay}: the per-round factor must be in (0, 1]")
     _check(0 <= t.momentum < 1, f"train.momentum={t.momentum}: must be in [0, 1)")
     _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay}: must be >= 0")
     _check(t.grad_clip is None or t.grad_clip > 0, f"train.grad_clip={t.grad_clip}: must be > 0 or null")

@@ -53,7 +53,7 @@ def run_description(cfg: ExperimentConfig) -> str:
         f"{s.train:g}/{s.val:g}/{s.test:g} ({s.convention}); model group {cfg.model.group} "
         f"({_init(cfg)}); "
         f"{cfg.rounds} rounds with {clients_per_round(cfg)} clients per round, {t.local_epochs} local "
-        f"epoch(s) of batch {t.batch_size}, SGD lr {t.lr:g} momentum {t.momentum:g}; seed {cfg.seed}; "
+        f"epoch(s) of batch {t.batch_size}, SGD lr {t.lr:g}{f' x {t.lr_decay:g}^round' if t.lr_decay != 1 else ''} momentum {t.momentum:g}; seed {cfg.seed}; "
         f"evaluated every {cfg.eval_every} round(s) on {cfg.eval.clients} clients."
     )
 
