@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
+import fedray.algorithms.fedl2g as fedl2g_module
 from fedray.algorithms.fedl2g import (
     FedL2GClient,
     FedL2GServer,
@@ -293,3 +294,18 @@ def test_client_upload_sends_the_meta_gradient_rows_of_its_study_classes_and_lea
         assert torch.equal(value, before[key]), key
     again = client.upload()  # the study batch is a function of (seed, round, client)
     assert torch.equal(up["classes"], again["classes"]) and torch.equal(up["rows"], again["rows"])
+
+
+def test_the_meta_gradient_steps_with_the_rounds_lr(monkeypatch):
+    # train.lr_decay: the SGD step the meta-gradient differentiates through is the round's own
+    client = make_client("train.lr=0.2", "train.lr_decay=0.5")
+    client.begin_round(2, {"guide": torch.zeros(3, client.model.feature_dim)})
+    seen = []
+
+    def spy(model, params, guide, study, quiz, lr, variant):
+        seen.append(lr)
+        return torch.zeros_like(guide)
+
+    monkeypatch.setattr(fedl2g_module, "meta_gradient", spy)
+    client.upload()
+    assert seen == [pytest.approx(0.2 * 0.5**2)]
