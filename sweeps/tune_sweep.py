@@ -252,6 +252,19 @@ def trial_status(metrics: dict[str, Any], error: Any, base_rounds: int, point: d
     return "stopped early" if short else "ok"
 
 
+def all_trials_ended(results: list[Any], base_rounds: int, num_trials: int) -> bool:
+    """Whether the sweep is over (its parent run FINISHED, not KILLED): every trial of the space ended,
+    by the trial table's rule (:func:`trial_status`), under which a trial that reported its last round
+    is done though Tune's ``done`` is missing; Tune's flag alone left a resumed sweep KILLED beside a
+    table of "ok" trials on a loaded machine."""
+    ended = sum(
+        1
+        for r in results
+        if trial_status(r.metrics or {}, r.error, base_rounds, dict(r.config or {})) != "interrupted"
+    )
+    return ended >= num_trials
+
+
 NOT_RUN_AGAIN = " (before the resume; not run again: the same settings diverge again)"
 # a run's own line when it diverged (Diverged); a client's error that only mentions the words is not
 DIVERGED_LINE = re.compile(r"(\w+: )?round \d+: " + re.escape(Diverged.MARK))
@@ -548,8 +561,7 @@ def run_sweep(
             ) from None
         # Ctrl-C makes Tune save its state and return early: unfinished trials mean "interrupted"
         trials = [grid[i] for i in range(len(grid))]
-        finished = sum(1 for r in trials if (r.metrics or {}).get("done") or r.error)
-        status = "FINISHED" if finished >= space.num_trials() else "KILLED"
+        status = "FINISHED" if all_trials_ended(trials, base_cfg.rounds, space.num_trials()) else "KILLED"
         unreported = unreported_metric(space, [r.metrics or {} for r in trials], base_cfg.eval.clients)
         if unreported is not None:
             status = "FAILED"

@@ -34,6 +34,7 @@ from fedray.sweeps.tune_sweep import (
     _close_stopped_children,
     _scheduler,
     _TrialLines,
+    all_trials_ended,
     best_row,
     failed_otherwise,
     is_divergence,
@@ -515,6 +516,20 @@ def test_an_asha_sweep_closes_stopped_trials_as_killed_and_resumes_without_redoi
 )
 def test_a_trial_status_says_how_it_ended(metrics, error, point, status):
     assert trial_status(metrics, error, 5, point) == status
+
+
+def test_a_sweep_is_over_when_every_trial_ended_by_the_trial_tables_rule():
+    def trial(metrics, error=None, config=None):
+        return SimpleNamespace(metrics=metrics, error=error, config=config)
+
+    # a resumed trial whose last round is in its results but Tune's done flag is not: over (the parent
+    # run FINISHED, as its table says "ok"), not KILLED
+    done = [trial({"round": 5, "done": True}), trial({"round": 5})]
+    assert all_trials_ended(done, 5, 2)
+    assert not all_trials_ended([trial({"round": 5}), trial({"round": 3})], 5, 2)  # interrupted
+    assert all_trials_ended([trial({"round": 3, "done": True}), trial({}, RuntimeError("x"))], 5, 2)
+    assert not all_trials_ended(done[:1], 5, 2)  # a trial never started
+    assert all_trials_ended([trial({"round": 3}, config={"rounds": 3})], 5, 1)  # the space sweeps rounds
 
 
 def test_the_trial_table_keeps_each_value_as_the_trial_had_it(tmp_path):
