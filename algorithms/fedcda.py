@@ -48,6 +48,7 @@ from fedray.platform.api import (
     Metrics,
     Payload,
     clients_per_round,
+    cpu_state,
     eval_pass,
     numpy_rng,
     register,
@@ -202,7 +203,7 @@ class FedCDAServer(FedAvgServer):
         """The upload joins the client's cache (the oldest beyond ``K`` leaves) and is its selected
         model until a selection says otherwise."""
         models, losses = self.cache.setdefault(cid, []), self.cache_losses.setdefault(cid, [])
-        models.append({k: v.clone() for k, v in uplink["model"].items()})  # kept past the round's payloads
+        models.append(cpu_state(uplink["model"]))  # a copy of its own, kept past the round's payloads
         losses.append(float(uplink["train_loss"]))
         del models[: -self.hp.cache_size], losses[: -self.hp.cache_size]
         self.selected[cid] = len(models) - 1
@@ -215,7 +216,12 @@ class FedCDAServer(FedAvgServer):
     def reselect(self, rnd: int, clients: list[int]) -> None:
         """Eq. 8 over the round's ``clients``: their new selected models (``self.selected``)."""
         fixed = sorted(self.selected.keys() - set(clients))
-        candidates = [(cid, slot) for cid in clients for slot in reversed(range(len(self.cache[cid])))]
+        # (client, slot), each client's newest first (a tie keeps the newer), and each client's indices
+        candidates: list[tuple[int, int]] = []
+        options_of: dict[int, list[int]] = {}
+        for cid in clients:
+            options_of[cid] = list(range(len(candidates), len(candidates) + len(self.cache[cid])))
+            candidates += [(cid, slot) for slot in reversed(range(len(self.cache[cid])))]
         keys = [name for name, _ in self.model.named_parameters()]
         pool = SelectionPool.of(
             [self.cache[cid][slot] for cid, slot in candidates],
@@ -225,12 +231,7 @@ class FedCDAServer(FedAvgServer):
             keys,
             origin=self.model.state_dict(),  # the round's global model
         )
-        index = {pair: i for i, pair in enumerate(candidates)}
-        batches = self.batches_of(rnd, clients)
-        options = [
-            [[index[cid, slot] for slot in reversed(range(len(self.cache[cid])))] for cid in b]
-            for b in batches
-        ]
+        options = [[options_of[cid] for cid in batch] for batch in self.batches_of(rnd, clients)]
         chosen = select_by_batches(pool, options, self.hp.smoothness)
         for i in chosen:
             cid, slot = candidates[i]
@@ -283,14 +284,6 @@ class FedCDAConfig(AlgorithmConfig):
     warmup_rounds: int = 50  # rounds of FedAvg first (the paper's 50 of 200)
 
     def validate(self, cfg: ExperimentConfig) -> None:
-        per_round = clients_per_round(cfg)
-        largest = -(-per_round // max(1, min(self.num_batches, per_round)))  # clients in the first batch
-        if self.cache_size >= 1 and self.num_batches >= 1 and self.cache_size**largest > MAX_COMBINATIONS:
-            raise ConfigError(
-                f"fedcda.cache_size={self.cache_size} with {per_round} clients a round in fedcda.num_batches="
-                f"{self.num_batches}: {self.cache_size}^{largest} combinations a batch, over {MAX_COMBINATIONS:,}; "
-                "raise num_batches or lower cache_size"
-            )
         if self.cache_size < 1:
             raise ConfigError(f"fedcda.cache_size={self.cache_size}: must be >= 1")
         if self.num_batches < 1:
@@ -299,3 +292,11 @@ class FedCDAConfig(AlgorithmConfig):
             raise ConfigError(f"fedcda.smoothness={self.smoothness}: must be >= 0")
         if self.warmup_rounds < 0:
             raise ConfigError(f"fedcda.warmup_rounds={self.warmup_rounds}: must be >= 0")
+        per_round = clients_per_round(cfg)
+        largest = -(-per_round // min(self.num_batches, per_round))  # clients in the first batch
+        if self.cache_size**largest > MAX_COMBINATIONS:
+            raise ConfigError(
+                f"fedcda.cache_size={self.cache_size} with {per_round} clients a round in fedcda.num_batches="
+                f"{self.num_batches}: {self.cache_size}^{largest} combinations a batch, over {MAX_COMBINATIONS:,}; "
+                "raise num_batches or lower cache_size"
+            )
