@@ -238,6 +238,13 @@ def test_an_epoch_is_floor_n_over_b_steps_with_drop_last_as_the_paper_and_its_co
         assert load_config(str(path), ["data.root=/nonexistent"]).train.drop_last, name
 
 
+def test_paper_configs_normalise_as_pfllibs_generators_do():
+    # PFLlib's generators apply ToTensor + Normalize(0.5, 0.5) to every dataset of the paper's Table 1
+    for name in ("paper_fedl2g_cifar10", "paper_fedl2g_flowers102", "paper_fedl2g_tinyimagenet"):
+        path = Path(__file__).parents[1] / "configs" / f"{name}.yaml"
+        assert load_config(str(path), ["data.root=/nonexistent"]).data.normalize == "0.5,0.5", name
+
+
 def test_quiz_on_class_sorted_data_holds_several_classes():
     # imagefolder shards are stored class by class: the first 10 samples would all be class 0
     labels = torch.tensor([0] * 12 + [1] * 12 + [2] * 12)
