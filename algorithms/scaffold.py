@@ -29,7 +29,8 @@ Choices where the paper is silent:
 - The correction is added to each parameter's gradient before the optimizer's step, so weight decay
   and gradient clipping act on the corrected gradient, as on any gradient.
 - A client that takes no step in a round (``local_epochs`` 0, or fewer samples than one batch with
-  ``train.drop_last``) keeps its ``c_i`` and uploads ``Delta c_i = 0``.
+  ``train.drop_last``) keeps its ``c_i`` and uploads ``Delta c_i = 0``. K counts the optimizer's
+  steps: a ``16-mixed`` step the loss scaler skips for an inf gradient is not one.
 - ``train.keep_optimizer_state`` is refused: a momentum buffer carried in from the last round moves
   the model by more than the round's own gradients, and option II would count it as this round's.
 """
@@ -138,6 +139,17 @@ class ScaffoldClient(ClientModule):
         self.hold("correction", payload["control"].to(self.control.device) - self.control)
         self.hold("delta_control", torch.zeros_like(self.control))  # unless it trains
 
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # K is the steps the optimizer took: a 16-mixed step the loss scaler skips (an inf gradient)
+        # moves nothing, and Lightning's global_step, which counts it, would shrink option II's c_i^+
+        optimizer = super().configure_optimizers()
+        self.steps_taken = 0
+        optimizer.register_step_post_hook(self.count_step)
+        return optimizer
+
+    def count_step(self, optimizer, args, kwargs) -> None:
+        self.steps_taken += 1
+
     def on_before_optimizer_step(self, optimizer) -> None:
         start = 0
         for p in self.model.parameters():
@@ -147,7 +159,7 @@ class ScaffoldClient(ClientModule):
             start += n
 
     def on_train_end(self) -> None:
-        steps = self.global_step
+        steps = self.steps_taken
         if steps == 0:
             return
         trained = parameters_to_vector(self.model.parameters()).detach()

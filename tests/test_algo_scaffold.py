@@ -86,6 +86,31 @@ def test_a_client_that_takes_no_step_keeps_its_control_variate_and_uploads_zero(
     assert torch.equal(client.control, torch.arange(P, dtype=torch.float32))
 
 
+class FirstStepOverflows(ScaffoldClient):
+    def on_after_backward(self) -> None:
+        if self.global_step == 0:  # an fp16 overflow: the loss scaler finds the inf and skips the step
+            self.model.head.weight.grad[0, 0] = float("inf")
+
+
+def test_a_step_the_loss_scaler_skips_is_not_one_of_option_twos_k_steps():
+    cfg = load_config(
+        None,
+        ["algorithm=scaffold", "train.batch_size=4", f"train.lr={LR}", "train.momentum=0",
+         "train.precision=16-mixed", "ray.num_gpus_per_client=0.25"],
+    )  # fmt: skip
+    client = FirstStepOverflows(flatten_model(), ClientContext(0, cfg, 3, ArrayDataset(X, Y)))
+    x = {k: v.clone() for k, v in client.model.state_dict().items()}
+    c = torch.randn(P, generator=torch.Generator().manual_seed(0))
+    client.begin_round(0, {"model": x, "control": c})
+    LocalTraining(cfg.train, torch.device("cpu")).fit(client, 3)  # 3 steps, the first one skipped
+    assert client.global_step == 3 and client.steps_taken == 2
+    trained = torch.cat([client.model.head.weight.detach().flatten(), client.model.head.bias.detach()])
+    anchor = torch.cat([x["head.weight"].flatten(), x["head.bias"]])
+    assert not torch.equal(trained, anchor)
+    # c_i was 0: c_i+ = -c + (x - y) / (K lr) with K = 2, the steps that moved the model
+    assert_close(client.upload()["delta_control"], (anchor - trained) / (2 * LR) - c)
+
+
 def make_server(num_clients: int, *overrides: str) -> ScaffoldServer:
     cfg = load_config(None, ["algorithm=scaffold", *overrides])
     return ScaffoldServer(

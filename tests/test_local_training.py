@@ -154,23 +154,28 @@ def quietly():
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 
 
-def by_trainer(variant: str, epochs: int = 2, grad_clip: float | None = None) -> Probe:
+def by_trainer(variant: str, epochs: int = 2, grad_clip: float | None = None, precision: str = "32") -> Probe:
     quietly()
     module = Probe(variant)
     trainer = L.Trainer(
         max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        gradient_clip_val=grad_clip,
+        gradient_clip_val=grad_clip, precision=precision,
     )  # fmt: skip
     trainer.fit(module)
     return module
 
 
 def by_loop(
-    variant: str, epochs: int = 2, grad_clip: float | None = None, module: Probe | None = None
+    variant: str,
+    epochs: int = 2,
+    grad_clip: float | None = None,
+    module: Probe | None = None,
+    precision: str = "32",
 ) -> Probe:
     module = module if module is not None else FedProbe(variant)
-    LocalTraining(TrainConfig(grad_clip=grad_clip), torch.device("cpu")).fit(module, epochs)
+    train = TrainConfig(grad_clip=grad_clip, precision=precision)  # type: ignore[arg-type]
+    LocalTraining(train, torch.device("cpu")).fit(module, epochs)
     return module
 
 
@@ -198,6 +203,17 @@ def test_the_loop_calls_what_a_trainer_calls_in_its_order_and_ends_with_its_weig
         assert {c[0] for c in loop.calls} == set(RECORDED)  # the probe reached every hook it records
     for (name, mine), theirs in zip(loop.state_dict().items(), trainer.state_dict().values(), strict=True):
         assert torch.equal(mine, theirs), name
+
+
+def test_bf16_autocast_trains_as_a_bf16_mixed_trainer_does_and_not_as_float32():
+    # the CPU's mixed precision (16-mixed needs a GPU, for the loop and for Lightning alike)
+    trainer = by_trainer("plain", precision="bf16-mixed")
+    loop = by_loop("plain", precision="bf16-mixed")
+    assert loop.calls == trainer.calls
+    for (name, mine), theirs in zip(loop.state_dict().items(), trainer.state_dict().values(), strict=True):
+        assert torch.equal(mine, theirs), name
+    full = by_loop("plain").state_dict()
+    assert not torch.equal(full["net.0.weight"], loop.state_dict()["net.0.weight"])  # autocast ran
 
 
 def test_modes_are_the_authors_a_frozen_part_stays_frozen_through_the_platforms_evaluation():
