@@ -34,6 +34,9 @@ Implementation choices (docs/algorithms/fedssa.md, under the heading named in ea
   B ablation: mu = 0).
 - Personalised evaluation: no global model; each client is tested with its own model (Sec. 4.2,
   Sec. 6.1; "Evaluation").
+- Appendix F's ablations are settings ("Ablations"): ``aggregation=whole_header`` turns M1 off (every
+  client uploads its whole header, the server averages whole headers, as LG-FedAvg); ``fused_rows=all``
+  fuses every row, not only S_k's (with ``mu0=0``: Table 5's case A, the whole header replaced).
 """
 
 from __future__ import annotations
@@ -118,7 +121,7 @@ class FedSSAServer(Server):
 
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
         first = {"header": self.header.clone()}  # S_k not known yet: whole header, put in the store once
-        if self.hp.comm == "full_header":
+        if self.hp.comm == "full_header" or self.hp.ablates_m1_or_m2:  # a client reads beyond S_k
             return self.broadcast(selected, first)
         return {
             cid: {"seen_rows": self.header[self.seen_classes[cid]]} if cid in self.seen_classes else first
@@ -156,29 +159,35 @@ class FedSSAClient(ClientModule):
     hp: FedSSAConfig
     seen: Tensor  # held
     seen_idx: Tensor  # held
+    fused: Tensor  # held
+    shared: Tensor  # held
+    shared_idx: Tensor  # held
 
     def __init__(self, model, ctx) -> None:
         super().__init__(model, ctx)
         self.hold("seen", ctx.class_counts > 0)  # [C] S_k as a mask, fixed for the run
         self.hold("seen_idx", self.seen.nonzero().squeeze(1))  # [|S_k|] sorted class indices
+        every = torch.ones_like(self.seen)
+        self.hold("fused", self.seen if self.hp.fused_rows == "seen" else every)  # the rows Eq. 4 fuses
+        self.hold("shared", self.seen if self.hp.aggregation == "classwise" else every)  # rows it uploads
+        self.hold("shared_idx", self.shared.nonzero().squeeze(1))
 
     def receive(self, rnd: int, payload: Payload) -> None:
         super().receive(rnd, payload)
         local = header_rows(self.model)
-        if "seen_rows" in payload:
-            rows = payload["seen_rows"].to(local.device)
+        if "seen_rows" in payload:  # [|S_k|, d+1]; unseen rows of the [C, d+1] are unused by the fuse
+            global_rows = local.index_copy(0, self.seen_idx, payload["seen_rows"].to(local.device))
         else:
-            rows = payload["header"].to(local.device)[self.seen_idx]
-        global_rows = local.index_copy(0, self.seen_idx, rows)  # [C, d+1]; unseen rows unused by the fuse
+            global_rows = payload["header"].to(local.device)
         mu = mu_schedule(rnd, self.hp.mu0, self.hp.t_stable)
-        load_header_rows(self.model, fuse_header(global_rows, local, self.seen, mu))
+        load_header_rows(self.model, fuse_header(global_rows, local, self.fused, mu))
         self.record("fedssa/mu", mu)
 
     def upload(self) -> Payload:
         rows = header_rows(self.model)
-        if self.hp.comm == "full_header":  # Sec. 4.3: the whole header, unseen rows zero
-            return {"header": torch.where(self.seen[:, None], rows, 0)}
-        return {"rows": rows[self.seen_idx], "classes": self.seen_idx.clone()}
+        if self.hp.comm == "full_header":  # Sec. 4.3: the whole header, rows it does not share zero
+            return {"header": torch.where(self.shared[:, None], rows, 0)}
+        return {"rows": rows[self.shared_idx], "classes": self.shared_idx.clone()}
 
 
 @register("fedssa", server=FedSSAServer, client=FedSSAClient)
@@ -191,6 +200,14 @@ class FedSSAConfig(AlgorithmConfig):
     # True: [code]'s mean over all clients' latest rows (docs/algorithms/fedssa.md, Aggregation set)
     aggregate_all_latest: bool = False
     comm: Literal["seen_rows", "full_header"] = "seen_rows"  # what travels: S_k's rows or the whole header
+    # Appendix F's ablations (docs/algorithms/fedssa.md, Ablations): M1 off averages whole headers
+    aggregation: Literal["classwise", "whole_header"] = "classwise"
+    fused_rows: Literal["seen", "all"] = "seen"  # the local rows Eq. 4 fuses with the global ones
+
+    @property
+    def ablates_m1_or_m2(self) -> bool:
+        """A setting of Appendix F's ablations: a client then reads global rows beyond its S_k."""
+        return self.aggregation != "classwise" or self.fused_rows != "seen"
 
     def validate(self, cfg: ExperimentConfig) -> None:
         if not 0 <= self.mu0 <= 1:
