@@ -272,6 +272,11 @@ class FedL2GConfig(AlgorithmConfig):
             raise ConfigError(f"fedl2g.server_clip={self.server_clip}: must be > 0 (or null for no clipping)")
         if self.warmup_rounds < 0:
             raise ConfigError(f"fedl2g.warmup_rounds={self.warmup_rounds}: must be >= 0")
+        if cfg.train.optimizer != "sgd":
+            raise ConfigError(
+                f"train.optimizer={cfg.train.optimizer} with algorithm=fedl2g: the meta-gradient is taken "
+                "through one SGD step of the client's lr (Eq. 5), the step local training takes; use sgd"
+            )
         for key in ("quiz_size", "study_batch"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"fedl2g.{key}={getattr(self, key)}: must be >= 1")

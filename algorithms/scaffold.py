@@ -31,6 +31,7 @@ Choices where the paper is silent:
 - A client that takes no step in a round (``local_epochs`` 0, or fewer samples than one batch with
   ``train.drop_last``) keeps its ``c_i`` and uploads ``Delta c_i = 0``. K counts the optimizer's
   steps: a ``16-mixed`` step the loss scaler skips for an inf gradient is not one.
+- ``train.optimizer`` other than sgd is refused: an Adam step is not ``lr`` times a gradient.
 - ``train.keep_optimizer_state`` is refused: a momentum buffer carried in from the last round moves
   the model by more than the round's own gradients, and option II would count it as this round's.
 """
@@ -183,6 +184,11 @@ class ScaffoldConfig(AlgorithmConfig):
     def validate(self, cfg: ExperimentConfig) -> None:
         if not self.server_lr > 0:
             raise ConfigError(f"scaffold.server_lr={self.server_lr}: must be > 0")
+        if cfg.train.optimizer != "sgd":
+            raise ConfigError(
+                f"train.optimizer={cfg.train.optimizer} with algorithm=scaffold: option II reads the "
+                "displacement over K * lr as the mean gradient, which only an SGD step makes it; use sgd"
+            )
         if cfg.train.keep_optimizer_state:
             raise ConfigError(
                 "train.keep_optimizer_state=true with algorithm=scaffold: a momentum buffer carried across "

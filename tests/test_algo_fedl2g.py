@@ -21,6 +21,7 @@ from fedray.algorithms.fedl2g import (
 from fedray.platform.api.algorithm import ClientContext, ServerContext
 from fedray.platform.catalog import load_config
 from fedray.platform.data import ArrayDataset
+from fedray.platform.errors import ConfigError
 from fedray.platform.models import FedModel, arch_for_client, build_model
 
 C = 4  # classes of the tiny problems
@@ -316,3 +317,17 @@ def test_the_meta_gradient_steps_with_the_rounds_lr(monkeypatch):
     monkeypatch.setattr(fedl2g_module, "meta_gradient", spy)
     client.upload()
     assert seen == [pytest.approx(0.2 * 0.5**2)]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["fedl2g.server_lr=0"], "fedl2g.server_lr=0.0: must be > 0"),
+        (["fedl2g.warmup_rounds=-1"], "fedl2g.warmup_rounds=-1: must be >= 0"),
+        (["train.optimizer=adamw"], "train.optimizer=adamw with algorithm=fedl2g: the meta-gradient"),
+    ],
+)
+def test_settings_that_break_the_algorithm_are_one_line_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message) as caught:
+        load_config(None, ["algorithm=fedl2g", *overrides])
+    assert "\n" not in str(caught.value)

@@ -170,6 +170,7 @@ def test_the_server_aggregates_the_same_bits_with_or_without_early_uplinks_and_r
     [
         (["scaffold.server_lr=0"], "scaffold.server_lr=0.0: must be > 0"),
         (["train.keep_optimizer_state=true"], "train.keep_optimizer_state=true with algorithm=scaffold"),
+        (["train.optimizer=adam"], "train.optimizer=adam with algorithm=scaffold: option II reads"),
     ],
 )
 def test_settings_that_break_the_algorithm_are_one_line_errors(overrides, message):

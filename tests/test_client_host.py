@@ -432,3 +432,20 @@ def test_caches_forget_the_least_recently_used_by_count_or_by_weight():
     assert list(by_weight) == ["a", "c"] and by_weight.weight == 8
     assert by_weight.keep("d", "w" * 20) == ["x" * 4, "z" * 4]  # the newest stays, however heavy
     assert by_weight.pop("d") == "w" * 20 and by_weight.weight == 0
+
+
+def test_a_kept_adam_state_is_committed_and_read_back_by_a_worker_that_never_held_the_client(tmp_path):
+    settings = {"train.keep_optimizer_state": True, "train.optimizer": "adam"}
+    _, fed, host = host_for(algorithm="fedavg", **settings)
+    payload = {"model": {k: v.clone() for k, v in host.arch_model("cnn_small").state_dict().items()}}
+    tasks = [client_task(0, fed.shards[0], str(tmp_path), version=v) for v in (0, 1)]
+    host.train(0, tasks[:1], [[payload]])
+    first = storage.load_torch(state_file(str(tmp_path), 0, 1))["optimizer"]
+    assert first["param_groups"][0]["betas"] == (0.9, 0.999)  # train.momentum as beta1
+    steps = {float(s["step"]) for s in first["state"].values()}
+    assert len(steps) == 1 and steps.pop() > 0 and all("exp_avg_sq" in s for s in first["state"].values())
+    _, _, fresh = host_for(algorithm="fedavg", **settings)  # another worker: the state comes from the file
+    fresh.train(1, tasks[1:], [[payload]])
+    second = storage.load_torch(state_file(str(tmp_path), 0, 2))["optimizer"]
+    for key, state in second["state"].items():
+        assert float(state["step"]) == 2 * float(first["state"][key]["step"])  # Adam's count carried on

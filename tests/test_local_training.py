@@ -366,3 +366,25 @@ def test_the_clients_lr_decays_by_round_and_a_carried_optimizer_state_keeps_the_
     assert client.round_lr() == pytest.approx(0.01) and now.param_groups[0]["lr"] == pytest.approx(0.01)
     carry_optimizer_state(now, earlier.state_dict())  # round 1's momentum, round 3's lr
     assert now.param_groups[0]["lr"] == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize(
+    "name,kind", [("sgd", torch.optim.SGD), ("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW)]
+)
+def test_the_clients_optimizer_is_train_optimizer_with_momentum_as_adams_beta1(name, kind):
+    settings = ["train.lr=0.003", "train.momentum=0.8", "train.weight_decay=0.01"]
+    cfg = load_config(None, [f"train.optimizer={name}", *settings])
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    fed = FedModel(model, 3, 3, arch="flat", in_channels=1, image_size=2)
+    client = FedAvgClient(
+        fed, ClientContext(0, cfg, 3, ArrayDataset(torch.zeros(2, 1, 2, 2), torch.tensor([0, 1])))
+    )
+    optimizer = client.configure_optimizers()
+    assert type(optimizer) is kind
+    group = optimizer.param_groups[0]
+    assert group["lr"] == 0.003 and group["weight_decay"] == 0.01
+    if name == "sgd":
+        assert group["momentum"] == 0.8
+    else:
+        assert group["betas"] == (0.8, 0.999)
+    assert [p for g in optimizer.param_groups for p in g["params"]] == list(client.parameters())

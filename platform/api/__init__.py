@@ -18,6 +18,7 @@ from fedray.platform.api.algorithm import (
     Server,
     ServerContext,
     batch_loader,
+    client_optimizer,
     cpu_state,
 )
 from fedray.platform.api.averaging import RunningMean, unweighted_models, weighted_average, weighted_models
@@ -57,6 +58,7 @@ __all__ = [
     "check_views_fit",
     "class_prototypes",
     "client_count",
+    "client_optimizer",
     "clients_per_round",
     "cpu_state",
     "crop_flip_views",

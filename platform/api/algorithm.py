@@ -9,7 +9,7 @@ MLflow steps show ``rnd + 1``, the number of rounds completed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -21,7 +21,7 @@ from torch import nn
 from fedray.platform.api.averaging import RunningMean
 from fedray.platform.api.contract import check_client_class
 from fedray.platform.api.lightning_import import lightning as L
-from fedray.platform.config import ExperimentConfig
+from fedray.platform.config import ExperimentConfig, TrainConfig
 from fedray.platform.config.algorithm_config import AlgorithmConfig
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import CheckpointError, ContractError
@@ -340,6 +340,17 @@ class FitProgress:
         return self._fit_step
 
 
+def client_optimizer(
+    params: Iterable[torch.nn.Parameter], t: TrainConfig, lr: float
+) -> torch.optim.Optimizer:
+    """``train.optimizer`` over ``params`` at ``lr``: SGD with ``train.momentum``, or Adam / AdamW with it
+    as beta1 (beta2 0.999); ``train.weight_decay`` either way (AdamW's decoupled from the gradient)."""
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=t.momentum, weight_decay=t.weight_decay)
+    adam = torch.optim.Adam if t.optimizer == "adam" else torch.optim.AdamW
+    return adam(params, lr=lr, betas=(t.momentum, 0.999), weight_decay=t.weight_decay)
+
+
 class ClientModule(FitProgress, L.LightningModule):
     """Client half: a LightningModule that lives in a ClientActor across rounds.
 
@@ -442,10 +453,7 @@ class ClientModule(FitProgress, L.LightningModule):
 
     # ---- Lightning hooks the worker's loop calls
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        t = self.ctx.cfg.train
-        return torch.optim.SGD(
-            self.parameters(), lr=self.round_lr(), momentum=t.momentum, weight_decay=t.weight_decay
-        )
+        return client_optimizer(self.parameters(), self.ctx.cfg.train, self.round_lr())
 
     def round_lr(self) -> float:
         """This round's client learning rate: ``train.lr * train.lr_decay ** rnd`` (what a client

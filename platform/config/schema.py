@@ -114,10 +114,13 @@ class TrainConfig:
     # the clients' lr at round t is lr * lr_decay^t (1 = constant); the reference codes of FedGen and
     # FedNH decay it by 0.99 a round, FedRCL's by 0.998
     lr_decay: float = 1.0
+    # the clients' optimizer: sgd (every paper's), adam or adamw (weight decay decoupled); adam and
+    # adamw take momentum as beta1, beta2 0.999 (torch's defaults)
+    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
     momentum: float = 0.9
     weight_decay: float = 0.0
     grad_clip: float | None = None  # max global grad norm; None = no clipping
-    keep_optimizer_state: bool = False  # carry SGD momentum across rounds on the client
+    keep_optimizer_state: bool = False  # carry the optimizer's state (SGD momentum) across rounds
     # on a GPU: "32" (full float32), "bf16-mixed" or "16-mixed" (autocast; 16-mixed scales the loss)
     precision: Literal["32", "bf16-mixed", "16-mixed"] = "32"
     tf32: bool = False  # let CUDA matmuls and convolutions round to TF32 (faster, not float32-exact)
@@ -383,7 +386,7 @@ def check_fields(cfg: ExperimentConfig) -> None:
     _check(t.batch_size >= 1, f"train.batch_size={t.batch_size}: must be >= 1")
     _check(t.lr > 0, f"train.lr={t.lr}: must be > 0")
     _check(0 < t.lr_decay <= 1, f"train.lr_decay={t.lr_decay}: the per-round factor must be in (0, 1]")
-    _check(0 <= t.momentum < 1, f"train.momentum={t.momentum}: must be in [0, 1)")
+    _check(0 <= t.momentum < 1, f"train.momentum={t.momentum}: must be in [0, 1) (Adam's beta1 too)")
     _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay}: must be >= 0")
     _check(t.grad_clip is None or t.grad_clip > 0, f"train.grad_clip={t.grad_clip}: must be > 0 or null")
     _check(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from fedray.platform.config import ExperimentConfig, clients_per_round
+from fedray.platform.config import ExperimentConfig, TrainConfig, clients_per_round
 from fedray.platform.config.algorithm_config import AlgorithmConfig
 
 
@@ -44,6 +44,12 @@ def _init(cfg: ExperimentConfig) -> str:
     return "each client starts from weights of its own"
 
 
+def _optimizer(t: TrainConfig) -> str:
+    name = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}[t.optimizer]
+    decay = f" x {t.lr_decay:g}^round" if t.lr_decay != 1 else ""
+    return f"{name} lr {t.lr:g}{decay} {'momentum' if t.optimizer == 'sgd' else 'beta1'} {t.momentum:g}"
+
+
 def run_description(cfg: ExperimentConfig) -> str:
     t, s = cfg.train, cfg.data.split
     return (
@@ -53,7 +59,7 @@ def run_description(cfg: ExperimentConfig) -> str:
         f"{s.train:g}/{s.val:g}/{s.test:g} ({s.convention}); model group {cfg.model.group} "
         f"({_init(cfg)}); "
         f"{cfg.rounds} rounds with {clients_per_round(cfg)} clients per round, {t.local_epochs} local "
-        f"epoch(s) of batch {t.batch_size}, SGD lr {t.lr:g}{f' x {t.lr_decay:g}^round' if t.lr_decay != 1 else ''} momentum {t.momentum:g}; seed {cfg.seed}; "
+        f"epoch(s) of batch {t.batch_size}, {_optimizer(t)}; seed {cfg.seed}; "
         f"evaluated every {cfg.eval_every} round(s) on {cfg.eval.clients} clients."
     )
 
