@@ -16,12 +16,15 @@ representations of one class that grow too alike (the collapse the paper's relax
 
   .. math::  \\ell^{div}_i = -\\log \\frac{e^{1/\\tau}}{e^{1/\\tau} + e^{s_i/\\tau}} = \\mathrm{softplus}((s_i - 1)/\\tau)
 
-and ``l = l_CE + scl_weight * mean_i l^scl_i + penalty_weight * mean_i l^div_i``. The server is FedAvg's.
+and ``l = l_CE + scl_weight * L^scl + penalty_weight * L^div``, each ``L`` the mean over the levels of
+the batch means: the representations of the extractor's stages, globally average-pooled, and ``z`` (the
+head's input) the deepest. The server is FedAvg's.
 
 Choices where the paper is silent or fedray's models differ (docs/algorithms/fedrcl.md):
-- [One level] the loss reads the model's representation ``z`` (the head's input) only; the authors'
-  code averages it over five levels of their ResNet (the stem's and each stage's pooled output),
-  which fedray's models do not expose.
+- [Levels] ``levels: all`` reads every level the model declares (``FedModel.feature_levels``: a
+  ResNet's stem and stages, a CNN's convolutions) and ``z``, as the authors' ``branch_level: [0..4]``
+  does; after each stage's ReLU, where the authors' read before it (``feature_relu: False``).
+  ``levels: last`` reads ``z`` alone, as does a model that declares no levels (an LSTM).
 - [A pair left out] a sample with no classmate in the batch has no penalty, and a sample with fewer
   negatives than ``negatives`` uses those it has (the authors' code scores the missing ones 0).
 - The optimiser is the run's ``train.*`` (the authors': SGD lr 0.1 decayed by 0.998 a round, no
@@ -30,12 +33,14 @@ Choices where the paper is silent or fedray's models differ (docs/algorithms/fed
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from fedray.algorithms.fedavg import FedAvgClient, FedAvgServer
 from fedray.platform.api import AlgorithmConfig, ConfigError, ExperimentConfig, Metrics, register
@@ -64,6 +69,23 @@ def relaxed_contrastive_terms(
     return scl.mean(), div.mean()
 
 
+def pooled(h: Tensor) -> Tensor:
+    """A level's output as one vector per sample: ``[B, C, H, W]`` averaged over H and W, else flat."""
+    return F.adaptive_avg_pool2d(h, 1).flatten(1) if h.dim() == 4 else h.flatten(1)
+
+
+@contextlib.contextmanager
+def outputs_of(modules: list[nn.Module]) -> Iterator[list[Tensor]]:
+    """The outputs of ``modules`` in the forward passes of the block, in the order they ran."""
+    outputs: list[Tensor] = []
+    handles = [m.register_forward_hook(lambda _m, _in, out: outputs.append(out)) for m in modules]
+    try:
+        yield outputs
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 # ------------------------------------------------------------------------------------------- client half
 
 
@@ -72,12 +94,22 @@ class FedRCLClient(FedAvgClient):
 
     hp: FedRCLConfig
 
+    def __init__(self, model, ctx) -> None:
+        super().__init__(model, ctx)
+        self.levels = model.feature_levels() if self.hp.levels == "all" else []
+
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
-        logits, z = self.model.forward_with_features(x)
+        with outputs_of(self.levels) as outputs:
+            logits, z = self.model.forward_with_features(x)
         ce = F.cross_entropy(logits, y)
         hp = self.hp
-        scl, div = relaxed_contrastive_terms(z, y, hp.tau, hp.threshold, hp.negatives)
+        terms = [
+            relaxed_contrastive_terms(rep, y, hp.tau, hp.threshold, hp.negatives)
+            for rep in [*map(pooled, outputs), z]
+        ]
+        scl = torch.stack([t[0] for t in terms]).mean()
+        div = torch.stack([t[1] for t in terms]).mean()
         self.record(Metrics.LOSS_TRAIN, ce)
         self.record("loss/scl", scl)
         self.record("loss/penalty", div)
@@ -94,6 +126,8 @@ class FedRCLConfig(AlgorithmConfig):
     negatives: int = 2  # hardest other-class samples per anchor (the authors' topk_neg)
     scl_weight: float = 1.0  # the authors' pair weights: 1 and 1
     penalty_weight: float = 1.0
+    # all: every level the model declares, then z (the authors' five levels); last: z alone
+    levels: Literal["all", "last"] = "all"
 
     def validate(self, cfg: ExperimentConfig) -> None:
         if not self.tau > 0:

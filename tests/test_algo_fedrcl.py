@@ -16,6 +16,7 @@ from fedray.platform.api.algorithm import ClientContext
 from fedray.platform.catalog import load_config
 from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ConfigError
+from fedray.platform.models import build_model
 
 
 def loop_terms(
@@ -101,6 +102,35 @@ def test_the_step_adds_the_weighted_terms_to_cross_entropy():
     stats = client.pop_stats()
     assert stats["loss/penalty"] == pytest.approx(float(div.detach())) and float(div.detach()) > 0
     assert registry.get("fedrcl").server_cls is FedAvgServer
+
+
+def test_the_terms_are_averaged_over_the_models_levels_and_z():
+    # cnn_small declares two levels (conv1's ReLU, the pool after conv2); z is the third
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 1, 8, 8, generator=g), torch.tensor([0, 0, 1, 1, 2, 2])
+    settings = ["algorithm=fedrcl", "fedrcl.threshold=-1", "fedrcl.tau=0.5"]
+    torch.manual_seed(0)
+    model = build_model("cnn_small", 1, 8, 3)
+    client = FedRCLClient(model, ClientContext(0, load_config(None, settings), 3, ArrayDataset(x, y)))
+    loss = client.training_step((x, y), 0)
+    # by hand: the extractor's layers one by one
+    h, reps = x, []
+    for name, layer in model.features.named_children():
+        h = layer(h)
+        if name in ("relu1", "pool"):
+            reps.append(h.mean((2, 3)))
+    reps.append(h)  # z
+    terms = [relaxed_contrastive_terms(r, y, 0.5, -1.0, 2) for r in reps]
+    scl, div = sum(t[0] for t in terms) / 3, sum(t[1] for t in terms) / 3
+    assert_close(loss, F.cross_entropy(model.head(h), y) + scl + div)
+    # levels=last: z alone, a different loss
+    last = FedRCLClient(
+        model, ClientContext(0, load_config(None, [*settings, "fedrcl.levels=last"]), 3, ArrayDataset(x, y))
+    )
+    z_only = F.cross_entropy(model.head(h), y) + terms[-1][0] + terms[-1][1]
+    assert_close(last.training_step((x, y), 0), z_only)
+    assert not torch.allclose(loss, z_only)
+    assert not any(m._forward_hooks for m in model.modules())  # no hook left behind
 
 
 @pytest.mark.parametrize(

@@ -305,6 +305,37 @@ def test_feature_pool_is_channel_average_pooling():
     assert torch.equal(FeaturePool(512)(small), small.repeat_interleave(8, dim=1))
 
 
+# the intermediate levels FedRCL reads before z: a ResNet's stem and every stage but the last, a small
+# CNN's convolutions; none where a model declares none
+LEVELS = {
+    "cnn_small": 2,
+    "cnn_small_deep": 3,
+    "cnn_small_wide@128": 2,
+    "resnet20": 2,
+    "resnet4": 1,
+    "resnet10": 4,
+    "resnet18": 4,
+    "resnet50:imagenet": 4,
+    "fedavg_cnn": 0,
+    "googlenet": 0,
+}
+
+
+@pytest.mark.parametrize(("arch", "count"), LEVELS.items())
+def test_declared_levels_run_once_each_from_shallow_to_deep(arch, count):
+    model = _real(arch)
+    levels = model.feature_levels()
+    assert len(levels) == count
+    ran: list[int] = []
+    handles = [m.register_forward_hook(lambda *_, k=k: ran.append(k)) for k, m in enumerate(levels)]
+    with torch.no_grad():
+        model(_x())
+    for handle in handles:
+        handle.remove()
+    assert ran == list(range(count))
+    assert len(pickle.loads(pickle.dumps(model)).feature_levels()) == count  # as a worker receives it
+
+
 def test_models_pickle_for_ray():
     for arch in ["resnet20", "cnn_small_wide@128"]:
         model = _real(arch, 3, 32)

@@ -8,11 +8,21 @@ share or personalise only the classifier (FedSSA's "header", LG-FedAvg, FedGH, F
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedray.platform.models.inputs import InputShape
+
+
+def declare_levels(module: nn.Module, names: Sequence[str]) -> None:
+    """Name the submodules of an extractor whose outputs are its intermediate representations, from
+    shallow to deep, before ``z`` (FedRCL's multi-level loss reads them, and ``z`` after them)."""
+    for name in names:
+        module.get_submodule(name)  # an AttributeError that names a level the module lacks
+    module.__dict__["level_names"] = tuple(names)  # a plain attribute: no parameter, no state entry
 
 
 class FeaturePool(nn.Module):
@@ -100,6 +110,16 @@ class FedModel(nn.Module):
 
     def forward_features(self, x: Tensor) -> Tensor:
         return self.features(x)
+
+    def feature_levels(self) -> list[nn.Module]:
+        """The submodules of ``features`` whose outputs are its intermediate representations, from
+        shallow to deep before ``z``, as its extractor declares them (:func:`declare_levels`); ``[]``
+        where it declares none."""
+        for module in self.features.modules():
+            names = getattr(module, "level_names", None)
+            if names:
+                return [module.get_submodule(name) for name in names]
+        return []
 
     def forward_with_features(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Logits and representation from a single pass (same dropout mask / BN batch for both)."""

@@ -9,7 +9,7 @@ from collections import OrderedDict
 
 from torch import nn
 
-from fedray.platform.models.base import conv_out
+from fedray.platform.models.base import conv_out, declare_levels
 from fedray.platform.models.registry import register_model
 
 # ------------------------------------------------------------------------------------ quickstart CNNs
@@ -32,7 +32,10 @@ def _small_cnn(in_channels: int, convs: list[int], fc: int) -> tuple[nn.Module, 
     layers["flatten"] = nn.Flatten()
     layers["fc"] = nn.Linear(prev * 16, fc)
     layers["relu_fc"] = nn.ReLU(inplace=True)
-    return nn.Sequential(layers), fc
+    net = nn.Sequential(layers)
+    # each conv's output (the pool's after the second)
+    declare_levels(net, ["pool" if i == 2 else f"relu{i}" for i in range(1, len(convs) + 1)])
+    return net, fc
 
 
 @register_model("cnn_small", min_size=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedray.platform.models.base import init_like_torchvision_resnet
+from fedray.platform.models.base import declare_levels, init_like_torchvision_resnet
 from fedray.platform.models.registry import register_model
 
 # ----------------------------------------------------------------------------------- CIFAR ResNet-20
@@ -57,6 +57,7 @@ class CifarResNet(nn.Module):
                 prev = planes
         self.layers = nn.Sequential(*blocks)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
+        declare_levels(self, [f"layers.{n * (stage + 1) - 1}" for stage in range(2)])  # stage ends before z
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight)
@@ -114,6 +115,8 @@ class ShallowResNet(nn.Module):
         self.layers = nn.Sequential(*stages)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.out_dim = prev
+        # the stem, then each stage but the last (z is its pooled output)
+        declare_levels(self, ["relu", *(f"layers.{i}" for i in range(len(stages) - 1))])
         init_like_torchvision_resnet(self)
 
     def forward(self, x: Tensor) -> Tensor:
