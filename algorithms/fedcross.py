@@ -39,8 +39,8 @@ docs/algorithms/fedcross.md that explains each one:
 - [Dynamic alpha schedule] DA: linear ramp from 0.5 to ``alpha`` over ``dynamic_alpha_rounds`` rounds
   starting at ``dynamic_alpha_start_round`` (PM-DA as in Sec. IV-E3 / Fig. 9: PM for rounds 0..49, DA
   for 50..99).
-- [Local optimizer] local training is the base client's (fresh SGD from ``train.*`` each round, no
-  momentum kept).
+- [Local optimizer] local training is the base client's (a fresh optimizer from ``train.*`` each round,
+  no momentum kept).
 
 Other choices: [The range of alpha] ``alpha = 1.0`` is accepted (the paper's range is [0.5, 1)), since
 it is the identity fusion tests rely on. A client that fails mid-round leaves its middleware model as it was dispatched

@@ -266,6 +266,7 @@ def train_plain_client(
     data = ArrayDataset(x, shard.train.y)
     local.load_state_dict(global_state)
     t = cfg.train
+    assert t.optimizer == "sgd", "the plain loop steps SGD, as the benchmark's configs train"
     opt = torch.optim.SGD(local.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
     for _ in range(t.local_epochs):
         for xb, yb in batch_loader(data, t.batch_size, shuffle=True, seed=rnd * 1000 + cid):

@@ -26,6 +26,7 @@ from fedray.platform.data import ArrayDataset
 from fedray.platform.errors import ContractError
 from fedray.platform.models import FedModel
 from fedray.platform.runtime.local_training import LocalTraining, carry_optimizer_state
+from fedray.platform.tracking.descriptions import run_description
 
 RECORDED = (
     "setup", "configure_optimizers", "on_fit_start", "train_dataloader", "on_train_start",
@@ -388,3 +389,10 @@ def test_the_clients_optimizer_is_train_optimizer_with_momentum_as_adams_beta1(n
     else:
         assert group["betas"] == (0.8, 0.999)
     assert [p for g in optimizer.param_groups for p in g["params"]] == list(client.parameters())
+
+
+def test_the_run_description_names_the_optimizer_and_its_settings():
+    adamw = load_config(None, ["train.optimizer=adamw", "train.lr=0.001", "train.weight_decay=0.01"])
+    assert "AdamW lr 0.001 beta1 0.9 weight decay 0.01;" in run_description(adamw)
+    sgd = load_config(None, ["train.lr=0.05", "train.lr_decay=0.99"])
+    assert "SGD lr 0.05 x 0.99^round momentum 0.9;" in run_description(sgd)

@@ -355,7 +355,7 @@ class ClientModule(FitProgress, L.LightningModule):
     """Client half: a LightningModule that lives in a ClientActor across rounds.
 
     Subclasses override ``receive``, ``training_step`` and ``upload``; the default is plain
-    cross-entropy training of the whole model with SGD from ``cfg.train``. State that must survive
+    cross-entropy training of the whole model with the optimizer ``cfg.train`` names. State that must survive
     a checkpoint belongs in ``state_dict()`` (parameters and registered buffers).
 
     The worker drives the module with its own loop over Lightning's hooks

@@ -120,7 +120,7 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 0.0
     grad_clip: float | None = None  # max global grad norm; None = no clipping
-    keep_optimizer_state: bool = False  # carry the optimizer's state (SGD momentum) across rounds
+    keep_optimizer_state: bool = False  # carry the optimizer's state (momentum, Adam's moments) across rounds
     # on a GPU: "32" (full float32), "bf16-mixed" or "16-mixed" (autocast; 16-mixed scales the loss)
     precision: Literal["32", "bf16-mixed", "16-mixed"] = "32"
     tf32: bool = False  # let CUDA matmuls and convolutions round to TF32 (faster, not float32-exact)

@@ -88,7 +88,7 @@ def scheduler_spec(sched: Any, who: str) -> dict[str, Any]:
 
 def carry_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
     """``train.keep_optimizer_state``: the client's per-parameter state from its last round (SGD's
-    momentum buffers) goes into this round's optimizer, whose settings (the learning rate, as this
+    momentum buffers, Adam's moments) goes into this round's optimizer, whose settings (the learning rate, as this
     round's ``configure_optimizers`` and schedulers set it) stay as they are."""
     optimizer.load_state_dict(
         {"state": saved["state"], "param_groups": optimizer.state_dict()["param_groups"]}

@@ -46,8 +46,10 @@ def _init(cfg: ExperimentConfig) -> str:
 
 def _optimizer(t: TrainConfig) -> str:
     name = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}[t.optimizer]
-    decay = f" x {t.lr_decay:g}^round" if t.lr_decay != 1 else ""
-    return f"{name} lr {t.lr:g}{decay} {'momentum' if t.optimizer == 'sgd' else 'beta1'} {t.momentum:g}"
+    lr_decay = f" x {t.lr_decay:g}^round" if t.lr_decay != 1 else ""
+    momentum = "momentum" if t.optimizer == "sgd" else "beta1"
+    weight_decay = f" weight decay {t.weight_decay:g}" if t.weight_decay else ""
+    return f"{name} lr {t.lr:g}{lr_decay} {momentum} {t.momentum:g}{weight_decay}"
 
 
 def run_description(cfg: ExperimentConfig) -> str:
