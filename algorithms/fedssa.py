@@ -35,8 +35,9 @@ Implementation choices (docs/algorithms/fedssa.md, under the heading named in ea
 - Personalised evaluation: no global model; each client is tested with its own model (Sec. 4.2,
   Sec. 6.1; "Evaluation").
 - Appendix F's ablations are settings ("Ablations"): ``aggregation=whole_header`` turns M1 off (every
-  client uploads its whole header, the server averages whole headers, as LG-FedAvg); ``fused_rows=all``
-  fuses every row, not only S_k's (with ``mu0=0``: Table 5's case A, the whole header replaced).
+  client uploads its whole header, the server averages whole headers, as LG-FedAvg);
+  ``unseen_rows=replaced`` gives a client the global rows of its unseen classes (LG-FedAvg's
+  replacement) where Eq. 4 keeps its own; with ``mu0=0`` too, the whole header is replaced.
 """
 
 from __future__ import annotations
@@ -72,13 +73,17 @@ def mu_schedule(t: int, mu0: float, t_stable: int) -> float:
     return mu0 * math.cos(math.pi * t / (2 * t_stable)) if t <= t_stable else 0.0
 
 
-def fuse_header(global_rows: Tensor, local_rows: Tensor, seen: Tensor, mu: float) -> Tensor:
-    """Eq. 4: ``global + mu * local`` on seen rows; unseen rows are the local ones, bit for bit.
+def fuse_header(
+    global_rows: Tensor, local_rows: Tensor, seen: Tensor, mu: float, keep_unseen: bool = True
+) -> Tensor:
+    """Eq. 4: ``global + mu * local`` on seen rows; unseen rows are the local ones, bit for bit (or,
+    with ``keep_unseen=False``, the global ones: LG-FedAvg's replacement, Appendix F's ablations).
 
     Shape: ``global_rows, local_rows [C, d+1]``, ``seen [C]`` bool -> ``[C, d+1]``. Global values on
-    unseen rows are ignored.
+    unseen rows are ignored when they are kept.
     """
-    return torch.where(seen[:, None], global_rows + mu * local_rows, local_rows)
+    unseen = local_rows if keep_unseen else global_rows
+    return torch.where(seen[:, None], global_rows + mu * local_rows, unseen)
 
 
 def classwise_mean(headers: Tensor, seen: Tensor, previous: Tensor) -> Tensor:
@@ -121,7 +126,7 @@ class FedSSAServer(Server):
 
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
         first = {"header": self.header.clone()}  # S_k not known yet: whole header, put in the store once
-        if self.hp.comm == "full_header" or self.hp.ablates_m1_or_m2:  # a client reads beyond S_k
+        if self.hp.comm == "full_header" or self.hp.whole_header_down:
             return self.broadcast(selected, first)
         return {
             cid: {"seen_rows": self.header[self.seen_classes[cid]]} if cid in self.seen_classes else first
@@ -129,7 +134,8 @@ class FedSSAServer(Server):
         }
 
     def uplink_keys(self) -> tuple[str, ...]:
-        return ("header",) if self.hp.comm == "full_header" else ("rows", "classes")
+        whole = self.hp.comm == "full_header" or self.hp.aggregation == "whole_header"
+        return ("header",) if whole else ("rows", "classes")
 
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
         if not uplinks:
@@ -159,18 +165,11 @@ class FedSSAClient(ClientModule):
     hp: FedSSAConfig
     seen: Tensor  # held
     seen_idx: Tensor  # held
-    fused: Tensor  # held
-    shared: Tensor  # held
-    shared_idx: Tensor  # held
 
     def __init__(self, model, ctx) -> None:
         super().__init__(model, ctx)
         self.hold("seen", ctx.class_counts > 0)  # [C] S_k as a mask, fixed for the run
         self.hold("seen_idx", self.seen.nonzero().squeeze(1))  # [|S_k|] sorted class indices
-        every = torch.ones_like(self.seen)
-        self.hold("fused", self.seen if self.hp.fused_rows == "seen" else every)  # the rows Eq. 4 fuses
-        self.hold("shared", self.seen if self.hp.aggregation == "classwise" else every)  # rows it uploads
-        self.hold("shared_idx", self.shared.nonzero().squeeze(1))
 
     def receive(self, rnd: int, payload: Payload) -> None:
         super().receive(rnd, payload)
@@ -180,14 +179,17 @@ class FedSSAClient(ClientModule):
         else:
             global_rows = payload["header"].to(local.device)
         mu = mu_schedule(rnd, self.hp.mu0, self.hp.t_stable)
-        load_header_rows(self.model, fuse_header(global_rows, local, self.fused, mu))
+        keep = self.hp.unseen_rows == "kept"
+        load_header_rows(self.model, fuse_header(global_rows, local, self.seen, mu, keep_unseen=keep))
         self.record("fedssa/mu", mu)
 
     def upload(self) -> Payload:
         rows = header_rows(self.model)
-        if self.hp.comm == "full_header":  # Sec. 4.3: the whole header, rows it does not share zero
-            return {"header": torch.where(self.shared[:, None], rows, 0)}
-        return {"rows": rows[self.shared_idx], "classes": self.shared_idx.clone()}
+        if self.hp.aggregation == "whole_header":  # M1 off: every row, as LG-FedAvg uploads
+            return {"header": rows}
+        if self.hp.comm == "full_header":  # Sec. 4.3: the whole header, unseen rows zero
+            return {"header": torch.where(self.seen[:, None], rows, 0)}
+        return {"rows": rows[self.seen_idx], "classes": self.seen_idx.clone()}
 
 
 @register("fedssa", server=FedSSAServer, client=FedSSAClient)
@@ -200,14 +202,16 @@ class FedSSAConfig(AlgorithmConfig):
     # True: [code]'s mean over all clients' latest rows (docs/algorithms/fedssa.md, Aggregation set)
     aggregate_all_latest: bool = False
     comm: Literal["seen_rows", "full_header"] = "seen_rows"  # what travels: S_k's rows or the whole header
-    # Appendix F's ablations (docs/algorithms/fedssa.md, Ablations): M1 off averages whole headers
+    # Appendix F's ablations (docs/algorithms/fedssa.md, Ablations): M1 off averages whole headers;
+    # replaced gives a client the global rows of the classes it lacks, where Eq. 4 keeps its own
     aggregation: Literal["classwise", "whole_header"] = "classwise"
-    fused_rows: Literal["seen", "all"] = "seen"  # the local rows Eq. 4 fuses with the global ones
+    unseen_rows: Literal["kept", "replaced"] = "kept"
 
     @property
-    def ablates_m1_or_m2(self) -> bool:
-        """A setting of Appendix F's ablations: a client then reads global rows beyond its S_k."""
-        return self.aggregation != "classwise" or self.fused_rows != "seen"
+    def whole_header_down(self) -> bool:
+        """The server sends the whole header every round, as LG-FedAvg does: under M1 off it does not
+        learn S_k (every row comes up), and a client that replaces its unseen rows reads them all."""
+        return self.aggregation == "whole_header" or self.unseen_rows == "replaced"
 
     def validate(self, cfg: ExperimentConfig) -> None:
         if not 0 <= self.mu0 <= 1:

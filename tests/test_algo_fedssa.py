@@ -273,44 +273,38 @@ def test_m1_off_uploads_and_averages_whole_headers_as_lg_fedavg():
     # Table 4 (cases A and B): every client uploads all C rows, the server averages them over uploaders
     client = client_for([0, 3, 0, 1], ["fedssa.aggregation=whole_header"])
     up = client.upload()
-    assert up["classes"].tolist() == [0, 1, 2, 3]
-    assert_close(up["rows"][:, :128], client.model.head.weight.detach())
-    full = client_for([0, 3, 0, 1], ["fedssa.aggregation=whole_header", "fedssa.comm=full_header"]).upload()
-    assert torch.equal(full["header"], up["rows"])  # no row zeroed: every row is shared
+    assert set(up) == {"header"} and payload_nbytes(up) == 4 * 129 * 4  # no class indices
+    assert torch.equal(up["header"][:, :128], client.model.head.weight.detach())
+    assert torch.equal(up["header"][:, 128], client.model.head.bias.detach())
     server = server_for(["fedssa.aggregation=whole_header"])
-    every = torch.arange(4)
-    a, b = torch.arange(12.0).view(4, 3), torch.full((4, 3), 2.0)
-    server.aggregate(0, {0: {"rows": a, "classes": every}, 1: {"rows": b, "classes": every}})
-    assert_close(server.header, (a + b) / 2)  # e.g. row 3: ((9, 10, 11) + 2) / 2 = (5.5, 6, 6.5)
+    assert server.uplink_keys() == ("header",)
+    a, b = torch.arange(1.0, 13.0).view(4, 3), torch.full((4, 3), 2.0)
+    server.aggregate(0, {0: {"header": a}, 1: {"header": b}})
+    assert_close(server.header, (a + b) / 2)  # e.g. row 3: ((10, 11, 12) + 2) / 2 = (6, 6.5, 7)
     down = server.configure(1, [0, 2])
     assert all(torch.equal(d["header"], server.header) for d in down.values())
 
 
-def test_m1_off_with_m2_fuses_only_the_seen_rows_of_the_global_whole_header():
-    # Table 4 case B: LG-FedAvg's global header, then Eq. 4 on S_k = {1, 3} (round 0: mu = mu0 = 0.5)
-    client = client_for([0, 3, 0, 1], ["fedssa.aggregation=whole_header", "fedssa.mu0=0.5"])
+def test_replaced_unseen_rows_take_the_global_ones_and_seen_rows_still_fuse():
+    # Table 4 case B: LG-FedAvg's replacement plus M2; S_k = {1, 3}, round 0: mu = mu0 = 0.5
+    client = client_for([0, 3, 0, 1], ["fedssa.unseen_rows=replaced", "fedssa.mu0=0.5"])
     w0, b0 = client.model.head.weight.detach().clone(), client.model.head.bias.detach().clone()
     header = torch.randn(4, 129)
     client.receive(0, {"header": header})
     w, b = client.model.head.weight.detach(), client.model.head.bias.detach()
     assert_close(w[[1, 3]], header[[1, 3], :128] + 0.5 * w0[[1, 3]])
     assert_close(b[[1, 3]], header[[1, 3], 128] + 0.5 * b0[[1, 3]])
-    assert torch.equal(w[[0, 2]], w0[[0, 2]]) and torch.equal(b[[0, 2]], b0[[0, 2]])
+    assert torch.equal(w[[0, 2]], header[[0, 2], :128]) and torch.equal(b[[0, 2]], header[[0, 2], 128])
+    assert client.upload()["classes"].tolist() == [1, 3]  # M1 is on: it still uploads S_k's rows
+    # the server sends such a client the whole header every round, though it knows S_k
+    server = server_for(["fedssa.unseen_rows=replaced"])
+    server.aggregate(0, {0: {"rows": torch.ones(2, 3), "classes": torch.tensor([1, 3])}})
+    assert torch.equal(server.configure(1, [0])[0]["header"], server.header)
 
 
-def test_fusing_all_rows_with_mu_zero_replaces_the_whole_header_as_table_5_case_a():
-    client = client_for([0, 3, 0, 1], ["fedssa.fused_rows=all", "fedssa.mu0=0"])
+def test_replaced_unseen_rows_with_mu_zero_replace_the_whole_header_as_table_5_case_a():
+    client = client_for([0, 3, 0, 1], ["fedssa.unseen_rows=replaced", "fedssa.mu0=0"])
     header = torch.randn(4, 129)
     client.receive(3, {"header": header})
     assert torch.equal(client.model.head.weight.detach(), header[:, :128])
     assert torch.equal(client.model.head.bias.detach(), header[:, 128])
-    assert client.upload()["classes"].tolist() == [1, 3]  # M1 is on: it still uploads S_k's rows
-    # with mu > 0 every row is global + mu * local, the unseen ones too
-    fused = client_for([0, 3, 0, 1], ["fedssa.fused_rows=all", "fedssa.mu0=0.5"])
-    w0 = fused.model.head.weight.detach().clone()
-    fused.receive(0, {"header": header})
-    assert_close(fused.model.head.weight.detach(), header[:, :128] + 0.5 * w0)
-    # the server sends such a client the whole header every round, though it knows S_k
-    server = server_for(["fedssa.fused_rows=all"])
-    server.aggregate(0, {0: {"rows": torch.ones(2, 3), "classes": torch.tensor([1, 3])}})
-    assert torch.equal(server.configure(1, [0])[0]["header"], server.header)
