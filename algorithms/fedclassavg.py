@@ -29,7 +29,8 @@ Choices where the paper is silent or fedray's models differ (docs/algorithms/fed
 - [Evaluation] each client is tested with its own extractor and the classifier it last trained, as
   the authors' code tests it (``fedclassavg.eval_head: local``).
 - The global classifier starts from LG-FedAvg's seeded header (docs/algorithms/fedssa.md, Initial global
-  header); the optimiser is the run's ``train.*`` (the authors' code: Adam, lr 1e-4, betas (0.5, 0.999)).
+  header); the optimiser is the run's ``train.*`` (the authors' code: Adam, lr 1e-4, betas
+  (0.5, 0.999), which ``train.optimizer=adam train.lr=1e-4 train.momentum=0.5`` gives).
 """
 
 from __future__ import annotations
