@@ -17,14 +17,15 @@ representations of one class that grow too alike (the collapse the paper's relax
   .. math::  \\ell^{div}_i = -\\log \\frac{e^{1/\\tau}}{e^{1/\\tau} + e^{s_i/\\tau}} = \\mathrm{softplus}((s_i - 1)/\\tau)
 
 and ``l = l_CE + scl_weight * L^scl + penalty_weight * L^div``, each ``L`` the mean over the levels of
-the batch means: the representations of the extractor's stages, globally average-pooled, and ``z`` (the
-head's input) the deepest. The server is FedAvg's.
+the batch means: the extractor's representations before their ReLU (a ResNet's stem and stages),
+globally average-pooled, as the authors' code reads them. The server is FedAvg's.
 
 Choices where the paper is silent or fedray's models differ (docs/algorithms/fedrcl.md):
 - [Levels] ``levels: all`` reads every level the model declares (``FedModel.feature_levels``: a
-  ResNet's stem and stages, a CNN's convolutions) and ``z``, as the authors' ``branch_level: [0..4]``
-  does; after each stage's ReLU, where the authors' read before it (``feature_relu: False``).
-  ``levels: last`` reads ``z`` alone, as does a model that declares no levels (an LSTM).
+  ResNet's stem and each stage, a small CNN's convolutions and its last layer), before its ReLU, as
+  the authors' ``branch_level: [0,1,2,3,4]`` with ``feature_relu: False``; ``levels: last`` the
+  deepest alone (their ``[4]``). A model that declares none (an LSTM, torchvision's ResNets) gives
+  ``z``, the head's input, alone.
 - [A pair left out] a sample with no classmate in the batch has no penalty, and a sample with fewer
   negatives than ``negatives`` uses those it has (the authors' code scores the missing ones 0).
 - The optimiser is the run's ``train.*`` (the authors': SGD lr 0.1 decayed by 0.998 a round, no
@@ -76,9 +77,10 @@ def pooled(h: Tensor) -> Tensor:
 
 @contextlib.contextmanager
 def outputs_of(modules: list[nn.Module]) -> Iterator[list[Tensor]]:
-    """The outputs of ``modules`` in the forward passes of the block, in the order they ran."""
+    """The outputs of ``modules`` in the forward passes of the block, in the order they ran; copies,
+    since the ReLU after a level may overwrite it in place (the copy keeps its gradient)."""
     outputs: list[Tensor] = []
-    handles = [m.register_forward_hook(lambda _m, _in, out: outputs.append(out)) for m in modules]
+    handles = [m.register_forward_hook(lambda _m, _in, out: outputs.append(out.clone())) for m in modules]
     try:
         yield outputs
     finally:
@@ -96,7 +98,8 @@ class FedRCLClient(FedAvgClient):
 
     def __init__(self, model, ctx) -> None:
         super().__init__(model, ctx)
-        self.levels = model.feature_levels() if self.hp.levels == "all" else []
+        levels = model.feature_levels()
+        self.levels = levels if self.hp.levels == "all" else levels[-1:]
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
@@ -106,7 +109,7 @@ class FedRCLClient(FedAvgClient):
         hp = self.hp
         terms = [
             relaxed_contrastive_terms(rep, y, hp.tau, hp.threshold, hp.negatives)
-            for rep in [*map(pooled, outputs), z]
+            for rep in ([*map(pooled, outputs)] or [z])
         ]
         scl = torch.stack([t[0] for t in terms]).mean()
         div = torch.stack([t[1] for t in terms]).mean()
@@ -126,7 +129,7 @@ class FedRCLConfig(AlgorithmConfig):
     negatives: int = 2  # hardest other-class samples per anchor (the authors' topk_neg)
     scl_weight: float = 1.0  # the authors' pair weights: 1 and 1
     penalty_weight: float = 1.0
-    # all: every level the model declares, then z (the authors' five levels); last: z alone
+    # all: every level the model declares (the authors' five on a ResNet); last: the deepest alone
     levels: Literal["all", "last"] = "all"
 
     def validate(self, cfg: ExperimentConfig) -> None:

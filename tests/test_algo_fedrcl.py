@@ -10,7 +10,7 @@ from test_algo_moon import bn_model
 from torch.testing import assert_close
 
 from fedray.algorithms.fedavg import FedAvgServer
-from fedray.algorithms.fedrcl import FedRCLClient, relaxed_contrastive_terms
+from fedray.algorithms.fedrcl import FedRCLClient, outputs_of, relaxed_contrastive_terms
 from fedray.platform.api import registry
 from fedray.platform.api.algorithm import ClientContext
 from fedray.platform.catalog import load_config
@@ -104,8 +104,8 @@ def test_the_step_adds_the_weighted_terms_to_cross_entropy():
     assert registry.get("fedrcl").server_cls is FedAvgServer
 
 
-def test_the_terms_are_averaged_over_the_models_levels_and_z():
-    # cnn_small declares two levels (conv1's ReLU, the pool after conv2); z is the third
+def test_the_terms_are_averaged_over_the_models_levels_before_their_relu():
+    # cnn_small declares three levels: conv1's and conv2's outputs and the last layer's, before the ReLU
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(6, 1, 8, 8, generator=g), torch.tensor([0, 0, 1, 1, 2, 2])
     settings = ["algorithm=fedrcl", "fedrcl.threshold=-1", "fedrcl.tau=0.5"]
@@ -113,24 +113,38 @@ def test_the_terms_are_averaged_over_the_models_levels_and_z():
     model = build_model("cnn_small", 1, 8, 3)
     client = FedRCLClient(model, ClientContext(0, load_config(None, settings), 3, ArrayDataset(x, y)))
     loss = client.training_step((x, y), 0)
-    # by hand: the extractor's layers one by one
+    # by hand: the extractor's layers one by one, each level read before the in-place ReLU after it
     h, reps = x, []
     for name, layer in model.features.named_children():
         h = layer(h)
-        if name in ("relu1", "pool"):
+        if name in ("conv1", "conv2"):
             reps.append(h.mean((2, 3)))
-    reps.append(h)  # z
+        elif name == "fc":
+            reps.append(h.clone())
     terms = [relaxed_contrastive_terms(r, y, 0.5, -1.0, 2) for r in reps]
     scl, div = sum(t[0] for t in terms) / 3, sum(t[1] for t in terms) / 3
     assert_close(loss, F.cross_entropy(model.head(h), y) + scl + div)
-    # levels=last: z alone, a different loss
+    # levels=last: the deepest level alone (the last layer before its ReLU, not z), a different loss
     last = FedRCLClient(
         model, ClientContext(0, load_config(None, [*settings, "fedrcl.levels=last"]), 3, ArrayDataset(x, y))
     )
-    z_only = F.cross_entropy(model.head(h), y) + terms[-1][0] + terms[-1][1]
-    assert_close(last.training_step((x, y), 0), z_only)
-    assert not torch.allclose(loss, z_only)
+    deepest = F.cross_entropy(model.head(h), y) + terms[-1][0] + terms[-1][1]
+    assert_close(last.training_step((x, y), 0), deepest)
+    assert not torch.allclose(loss, deepest)
     assert not any(m._forward_hooks for m in model.modules())  # no hook left behind
+
+
+def test_a_resnets_levels_are_read_before_the_in_place_relu_that_follows_them():
+    # resnet10: the stem's BatchNorm and each stage's sum, each followed by an in-place ReLU
+    torch.manual_seed(0)
+    model = build_model("resnet10", 3, 8, 3).train()
+    with outputs_of(model.feature_levels()) as levels:
+        z = model.forward_features(torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1)))
+    assert len(levels) == 5 and all((level < 0).any() for level in levels)  # not overwritten by the ReLU
+    assert_close(F.relu(levels[-1]).mean((2, 3)), z)  # z: the last stage after its ReLU, pooled
+    assert [level.shape[1] for level in levels] == [64, 64, 128, 256, 512]
+    levels[-1].sum().backward()  # the copies keep their gradient
+    assert model.features.layers[3][0].conv2.weight.grad is not None
 
 
 @pytest.mark.parametrize(

@@ -305,17 +305,17 @@ def test_feature_pool_is_channel_average_pooling():
     assert torch.equal(FeaturePool(512)(small), small.repeat_interleave(8, dim=1))
 
 
-# the intermediate levels FedRCL reads before z: a ResNet's stem and every stage but the last, a small
-# CNN's convolutions; none where a model declares none
+# the levels FedRCL reads, before their ReLU: a ResNet's stem and each stage's last block, a small CNN's
+# convolutions and its last layer; none where a model declares none (torchvision's ResNets among them)
 LEVELS = {
-    "cnn_small": 2,
-    "cnn_small_deep": 3,
-    "cnn_small_wide@128": 2,
-    "resnet20": 2,
-    "resnet4": 1,
-    "resnet10": 4,
-    "resnet18": 4,
-    "resnet50:imagenet": 4,
+    "cnn_small": 3,
+    "cnn_small_deep": 4,
+    "cnn_small_wide@128": 3,
+    "resnet20": 4,
+    "resnet4": 2,
+    "resnet10": 5,
+    "resnet8:imagenet": 4,
+    "resnet18": 0,
     "fedavg_cnn": 0,
     "googlenet": 0,
 }

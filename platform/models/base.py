@@ -18,11 +18,17 @@ from fedray.platform.models.inputs import InputShape
 
 
 def declare_levels(module: nn.Module, names: Sequence[str]) -> None:
-    """Name the submodules of an extractor whose outputs are its intermediate representations, from
-    shallow to deep, before ``z`` (FedRCL's multi-level loss reads them, and ``z`` after them)."""
+    """Name the submodules of an extractor whose outputs are its representations before their ReLU,
+    from shallow to deep, the deepest the one ``z`` is made from (FedRCL's multi-level loss reads them,
+    as its authors' code reads a ResNet's stem and stages)."""
     for name in names:
         module.get_submodule(name)  # an AttributeError that names a level the module lacks
     module.__dict__["level_names"] = tuple(names)  # a plain attribute: no parameter, no state entry
+
+
+class PreActivation(nn.Identity):
+    """Where a residual block's sum passes before its last ReLU: an identity whose output a forward
+    hook can read as a level (:func:`declare_levels`); no parameter, no state entry."""
 
 
 class FeaturePool(nn.Module):
@@ -112,9 +118,9 @@ class FedModel(nn.Module):
         return self.features(x)
 
     def feature_levels(self) -> list[nn.Module]:
-        """The submodules of ``features`` whose outputs are its intermediate representations, from
-        shallow to deep before ``z``, as its extractor declares them (:func:`declare_levels`); ``[]``
-        where it declares none."""
+        """The submodules of ``features`` whose outputs are its representations before their ReLU,
+        from shallow to deep, as its extractor declares them (:func:`declare_levels`); ``[]`` where it
+        declares none. A ReLU may overwrite such an output in place: read it as the module returns it."""
         for module in self.features.modules():
             names = getattr(module, "level_names", None)
             if names:

@@ -33,8 +33,7 @@ def _small_cnn(in_channels: int, convs: list[int], fc: int) -> tuple[nn.Module, 
     layers["fc"] = nn.Linear(prev * 16, fc)
     layers["relu_fc"] = nn.ReLU(inplace=True)
     net = nn.Sequential(layers)
-    # each conv's output (the pool's after the second)
-    declare_levels(net, ["pool" if i == 2 else f"relu{i}" for i in range(1, len(convs) + 1)])
+    declare_levels(net, [*(f"conv{i}" for i in range(1, len(convs) + 1)), "fc"])  # before each ReLU
     return net, fc
 
 

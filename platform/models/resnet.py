@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedray.platform.models.base import declare_levels, init_like_torchvision_resnet
+from fedray.platform.models.base import PreActivation, declare_levels, init_like_torchvision_resnet
 from fedray.platform.models.registry import register_model
 
 # ----------------------------------------------------------------------------------- CIFAR ResNet-20
@@ -35,11 +35,12 @@ class _CifarBlock(nn.Module):
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or in_planes != planes:
             self.shortcut = _ShortcutA(in_planes, planes, stride)
+        self.pre_relu = PreActivation()
 
     def forward(self, x: Tensor) -> Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
-        return F.relu(out + self.shortcut(x))
+        return F.relu(self.pre_relu(out + self.shortcut(x)))
 
 
 class CifarResNet(nn.Module):
@@ -57,7 +58,8 @@ class CifarResNet(nn.Module):
                 prev = planes
         self.layers = nn.Sequential(*blocks)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
-        declare_levels(self, [f"layers.{n * (stage + 1) - 1}" for stage in range(2)])  # stage ends before z
+        # the stem and each stage's last block, before their ReLU
+        declare_levels(self, ["bn1", *(f"layers.{n * (stage + 1) - 1}.pre_relu" for stage in range(3))])
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight)
@@ -79,6 +81,27 @@ def resnet20(in_channels: int, image_size: int) -> tuple[nn.Module, int]:
 # -------------------------------------------------------------------------------- shallow ResNets
 
 
+class _BasicBlock(nn.Module):
+    """torchvision's ``BasicBlock`` (the same modules, names, order of construction and arithmetic), with
+    its sum passing through ``pre_relu`` before the last ReLU, where a level is read."""
+
+    def __init__(self, inplanes: int, planes: int, stride: int, downsample: nn.Module | None) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = downsample
+        self.pre_relu = PreActivation()
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x if self.downsample is None else self.downsample(x)
+        return self.relu(self.pre_relu(out))
+
+
 class ShallowResNet(nn.Module):
     """torchvision-style ResNet with 1-4 stages of BasicBlocks (64/128/256/512 channels).
 
@@ -87,9 +110,6 @@ class ShallowResNet(nn.Module):
     """
 
     def __init__(self, in_channels: int, layers: list[int], style: str) -> None:
-        # imported here: torchvision costs every process that imports the model zoo a third of a second
-        from torchvision.models.resnet import BasicBlock
-
         super().__init__()
         widths = [64, 128, 256, 512][: len(layers)]
         if style == "imagenet":
@@ -109,14 +129,14 @@ class ShallowResNet(nn.Module):
                 down = None
                 if j == 0 and (stride != 1 or prev != width):
                     down = nn.Sequential(nn.Conv2d(prev, width, 1, stride, bias=False), nn.BatchNorm2d(width))
-                blocks.append(BasicBlock(prev, width, stride if j == 0 else 1, down))
+                blocks.append(_BasicBlock(prev, width, stride if j == 0 else 1, down))
                 prev = width
             stages.append(nn.Sequential(*blocks))
         self.layers = nn.Sequential(*stages)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.out_dim = prev
-        # the stem, then each stage but the last (z is its pooled output)
-        declare_levels(self, ["relu", *(f"layers.{i}" for i in range(len(stages) - 1))])
+        # the stem and each stage's last block, before their ReLU (FedRCL's authors' five levels)
+        declare_levels(self, ["bn1", *(f"layers.{i}.{n - 1}.pre_relu" for i, n in enumerate(layers))])
         init_like_torchvision_resnet(self)
 
     def forward(self, x: Tensor) -> Tensor:

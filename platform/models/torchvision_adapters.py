@@ -22,7 +22,6 @@ from typing import Any
 
 from torch import nn
 
-from fedray.platform.models.base import declare_levels
 from fedray.platform.models.registry import register_model
 
 
@@ -67,7 +66,6 @@ def _tv_resnet(depth: int, in_channels: int, style: str) -> tuple[nn.Module, int
         nn.init.kaiming_normal_(net.conv1.weight, mode="fan_out", nonlinearity="relu")
     dim = net.fc.in_features
     net.fc = nn.Identity()
-    declare_levels(net, ["relu", "layer1", "layer2", "layer3"])  # the stem (its own ReLU), stages before z
     return net, dim
 
 
