@@ -96,12 +96,16 @@ def classwise_mean(headers: Tensor, seen: Tensor, previous: Tensor) -> Tensor:
     return torch.where(count[:, None] > 0, mean, previous)
 
 
-def seen_rows_of(uplink: Payload) -> Payload:
-    """An uplink as seen rows and classes; a zero-padded full header gives its non-zero rows."""
+def seen_rows_of(uplink: Payload, every_row: bool = False) -> Payload:
+    """An uplink as seen rows and classes; a zero-padded full header gives its non-zero rows, a whole
+    header (``every_row``: M1 off) all of them, a zero row too."""
     if "header" not in uplink:
         return uplink
     header = uplink["header"]
-    classes = header.ne(0).any(1).nonzero().squeeze(1)
+    if every_row:
+        classes = torch.arange(len(header))
+    else:
+        classes = header.ne(0).any(1).nonzero().squeeze(1)
     return {"rows": header[classes], "classes": classes}
 
 
@@ -140,7 +144,8 @@ class FedSSAServer(Server):
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
         if not uplinks:
             return
-        uplinks = {cid: seen_rows_of(u) for cid, u in uplinks.items()}
+        every_row = self.hp.aggregation == "whole_header"
+        uplinks = {cid: seen_rows_of(u, every_row) for cid, u in uplinks.items()}
         classes = [u["classes"] for u in uplinks.values()]
         self.seen_classes.update(zip(uplinks, classes))
         headers, seen = scatter_rows([u["rows"] for u in uplinks.values()], classes, self.ctx.num_classes)

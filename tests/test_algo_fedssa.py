@@ -281,6 +281,9 @@ def test_m1_off_uploads_and_averages_whole_headers_as_lg_fedavg():
     a, b = torch.arange(1.0, 13.0).view(4, 3), torch.full((4, 3), 2.0)
     server.aggregate(0, {0: {"header": a}, 1: {"header": b}})
     assert_close(server.header, (a + b) / 2)  # e.g. row 3: ((10, 11, 12) + 2) / 2 = (6, 6.5, 7)
+    b[1] = 0  # a row of zeros is a row like any other: averaged in, not read as a class not held
+    server.aggregate(1, {0: {"header": a}, 1: {"header": b}})
+    assert_close(server.header[1], a[1] / 2)
     down = server.configure(1, [0, 2])
     assert all(torch.equal(d["header"], server.header) for d in down.values())
 
