@@ -116,6 +116,7 @@ class FedRCLClient(FedAvgClient):
         self.record(Metrics.LOSS_TRAIN, ce)
         self.record("loss/scl", scl)
         self.record("loss/penalty", div)
+        self.record("fedrcl/levels", len(terms))  # what the model declared: 1 is z alone
         return ce + hp.scl_weight * scl + hp.penalty_weight * div
 
 

@@ -124,6 +124,7 @@ def test_the_terms_are_averaged_over_the_models_levels_before_their_relu():
     terms = [relaxed_contrastive_terms(r, y, 0.5, -1.0, 2) for r in reps]
     scl, div = sum(t[0] for t in terms) / 3, sum(t[1] for t in terms) / 3
     assert_close(loss, F.cross_entropy(model.head(h), y) + scl + div)
+    assert client.pop_stats()["fedrcl/levels"] == 3
     # levels=last: the deepest level alone (the last layer before its ReLU, not z), a different loss
     last = FedRCLClient(
         model, ClientContext(0, load_config(None, [*settings, "fedrcl.levels=last"]), 3, ArrayDataset(x, y))
