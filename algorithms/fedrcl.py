@@ -24,8 +24,8 @@ Choices where the paper is silent or fedray's models differ (docs/algorithms/fed
 - [Levels] ``levels: all`` reads every level the model declares (``FedModel.feature_levels``: a
   ResNet's stem and each stage, a small CNN's convolutions and its last layer), before its ReLU, as
   the authors' ``branch_level: [0,1,2,3,4]`` with ``feature_relu: False``; ``levels: last`` the
-  deepest alone (their ``[4]``). A model that declares none (an LSTM, torchvision's ResNets) gives
-  ``z``, the head's input, alone.
+  deepest alone (their ``[4]``). A model that declares none (an LSTM, VGG) gives ``z``, the head's
+  input, alone.
 - [A pair left out] a sample with no classmate in the batch has no penalty, and a sample with fewer
   negatives than ``negatives`` uses those it has (the authors' code scores the missing ones 0).
 - The optimiser is the run's ``train.*`` (the authors': SGD lr 0.1 decayed by 0.998 a round, no

@@ -306,7 +306,7 @@ def test_feature_pool_is_channel_average_pooling():
 
 
 # the levels FedRCL reads, before their ReLU: a ResNet's stem and each stage's last block, a small CNN's
-# convolutions and its last layer; none where a model declares none (torchvision's ResNets among them)
+# convolutions and its last layer; none where a model declares none
 LEVELS = {
     "cnn_small": 3,
     "cnn_small_deep": 4,
@@ -315,7 +315,8 @@ LEVELS = {
     "resnet4": 2,
     "resnet10": 5,
     "resnet8:imagenet": 4,
-    "resnet18": 0,
+    "resnet18": 5,
+    "resnet50:imagenet": 5,
     "fedavg_cnn": 0,
     "googlenet": 0,
 }

@@ -22,6 +22,7 @@ from typing import Any
 
 from torch import nn
 
+from fedray.platform.models.base import declare_levels
 from fedray.platform.models.registry import register_model
 
 
@@ -66,6 +67,13 @@ def _tv_resnet(depth: int, in_channels: int, style: str) -> tuple[nn.Module, int
         nn.init.kaiming_normal_(net.conv1.weight, mode="fan_out", nonlinearity="relu")
     dim = net.fc.in_features
     net.fc = nn.Identity()
+    from fedray.platform.models.torchvision_levels import expose_pre_activation
+
+    stages = [net.layer1, net.layer2, net.layer3, net.layer4]
+    for stage in stages:
+        expose_pre_activation(stage[-1])
+    # the stem and each stage's last block, before their ReLU (FedRCL's authors' five levels)
+    declare_levels(net, ["bn1", *(f"layer{i}.{len(s) - 1}.pre_relu" for i, s in enumerate(stages, 1))])
     return net, dim
 
 
