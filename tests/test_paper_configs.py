@@ -104,3 +104,18 @@ def test_a_scaled_paper_config_runs_a_round(path, factor):
 def one_round(cfg) -> None:
     rnd = getattr(cfg.algo, "warmup_rounds", 0)  # the first round its clients train (FedL2G warms up)
     train_rounds(cfg, 1, first=rnd)
+
+
+@pytest.mark.parametrize(
+    ("name", "baseline", "setting", "value"),
+    [
+        ("paper_fedcross_cifar10", "fedgen", "hidden_dim", 512),
+        ("paper_fedcross_femnist", "fedprox", "mu", 0.1),
+        ("paper_fedsc_cifar10", "fednh", "scale_init", 20.0),
+        ("paper_fedsc_tinyimagenet", "moon", "mu", 1.0),
+    ],
+)
+def test_a_paper_config_gives_its_baselines_their_papers_settings(name, baseline, setting, value):
+    path = str(Path(__file__).parents[1] / "configs" / f"{name}.yaml")
+    cfg = load_config(path, [f"algorithm={baseline}", "data.root=/nonexistent"])
+    assert getattr(cfg.algo, setting) == value
