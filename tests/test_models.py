@@ -420,3 +420,45 @@ def test_known_models_lists_archs_groups_and_members():
     for group in [*HTFE, "small_hetero", "fedssa_cnns"]:
         assert all(m in names for m in model_group(group))
     assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("kind", ["basic", "bottleneck", "own"])
+@pytest.mark.parametrize("downsample", [False, True])
+def test_a_block_with_a_level_computes_what_torchvisions_block_computes(kind, downsample):
+    # the blocks FedRCL reads a level in: torchvision's turned into twins, fedray's own shallow ResNet's
+    import copy
+
+    from torchvision.models.resnet import BasicBlock, Bottleneck
+
+    from fedray.platform.models.resnet import _BasicBlock
+    from fedray.platform.models.torchvision_levels import expose_pre_activation
+
+    width = 16 if kind == "bottleneck" else 64
+    inplanes = 32 if downsample else width * (4 if kind == "bottleneck" else 1)
+    down = (
+        nn.Sequential(nn.Conv2d(inplanes, 64, 1, 2, bias=False), nn.BatchNorm2d(64)) if downsample else None
+    )
+    stride = 2 if downsample else 1
+    torch.manual_seed(0)
+    theirs = (Bottleneck if kind == "bottleneck" else BasicBlock)(inplanes, width, stride, down)
+    for m in theirs.modules():  # BatchNorm affine away from (1, 0), so a dropped step shows
+        if isinstance(m, nn.BatchNorm2d):
+            nn.init.uniform_(m.weight, 0.5, 1.5), nn.init.uniform_(m.bias, -0.5, 0.5)
+    if kind == "own":
+        mine: nn.Module = _BasicBlock(inplanes, width, stride, copy.deepcopy(down))
+        mine.load_state_dict(theirs.state_dict())
+    else:
+        mine = copy.deepcopy(theirs)
+        expose_pre_activation(mine)
+        assert type(mine) is not type(theirs)
+    assert list(mine.state_dict()) == list(theirs.state_dict())
+    x = torch.randn(3, inplanes, 8, 8, generator=torch.Generator().manual_seed(1))
+    outs = []
+    for block in (theirs, mine):
+        xb = x.clone().requires_grad_(True)
+        out = block(xb)
+        out.square().sum().backward()
+        outs.append((out.detach(), xb.grad, [p.grad for p in block.parameters()]))
+    (o1, g1, p1), (o2, g2, p2) = outs
+    assert torch.equal(o1, o2) and torch.equal(g1, g2)
+    assert all(torch.equal(a, b) for a, b in zip(p1, p2, strict=True))

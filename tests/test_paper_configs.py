@@ -110,6 +110,7 @@ def one_round(cfg) -> None:
     ("name", "baseline", "setting", "value"),
     [
         ("paper_fedcross_cifar10", "fedgen", "hidden_dim", 512),
+        ("paper_fedcross_cifar10", "fedgen", "noise_dim", 64),
         ("paper_fedcross_femnist", "fedprox", "mu", 0.1),
         ("paper_fedsc_cifar10", "fednh", "scale_init", 20.0),
         ("paper_fedsc_tinyimagenet", "moon", "mu", 1.0),

@@ -13,7 +13,6 @@ from fedray.platform.models.base import PreActivation
 class LevelBasicBlock(BasicBlock):
     """``BasicBlock``'s forward, step for step, with ``pre_relu`` before the last ReLU."""
 
-    pre_relu: PreActivation
 
     def forward(self, x: Tensor) -> Tensor:
         identity = x
@@ -28,7 +27,6 @@ class LevelBasicBlock(BasicBlock):
 class LevelBottleneck(Bottleneck):
     """``Bottleneck``'s forward, step for step, with ``pre_relu`` before the last ReLU."""
 
-    pre_relu: PreActivation
 
     def forward(self, x: Tensor) -> Tensor:
         identity = x
