@@ -62,6 +62,9 @@ LAZY_IMPORTS = {
     # every Tune trial process imports the sweep module (its trial function): matplotlib loads only
     # on the sweep's driver, when it draws the trials' curves at the end
     ("fedray.sweeps.tune_sweep", "fedray.dashboards.figures"),
+    # the block twins subclass torchvision's: torchvision loads only when a torchvision model is built
+    # (it costs every process that imports the model zoo a third of a second)
+    ("fedray.platform.models.torchvision_adapters", "fedray.platform.models.torchvision_levels"),
     # the registry imports the algorithm modules on first use, by name (it cannot name them statically)
 }
 
