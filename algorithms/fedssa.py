@@ -130,7 +130,7 @@ class FedSSAServer(Server):
 
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Payload]:
         first = {"header": self.header.clone()}  # S_k not known yet: whole header, put in the store once
-        if self.hp.comm == "full_header" or self.hp.whole_header_down:
+        if self.hp.whole_header_down:
             return self.broadcast(selected, first)
         return {
             cid: {"seen_rows": self.header[self.seen_classes[cid]]} if cid in self.seen_classes else first
@@ -138,8 +138,7 @@ class FedSSAServer(Server):
         }
 
     def uplink_keys(self) -> tuple[str, ...]:
-        whole = self.hp.comm == "full_header" or self.hp.aggregation == "whole_header"
-        return ("header",) if whole else ("rows", "classes")
+        return ("header",) if self.hp.whole_header_up else ("rows", "classes")
 
     def aggregate(self, rnd: int, uplinks: dict[int, Payload]) -> None:
         if not uplinks:
@@ -213,10 +212,15 @@ class FedSSAConfig(AlgorithmConfig):
     unseen_rows: Literal["kept", "replaced"] = "kept"
 
     @property
+    def whole_header_up(self) -> bool:
+        """Clients upload a ``[C, d+1]`` header: zero-padded (Sec. 4.3), or every row (M1 off)."""
+        return self.comm == "full_header" or self.aggregation == "whole_header"
+
+    @property
     def whole_header_down(self) -> bool:
-        """The server sends the whole header every round, as LG-FedAvg does: under M1 off it does not
-        learn S_k (every row comes up), and a client that replaces its unseen rows reads them all."""
-        return self.aggregation == "whole_header" or self.unseen_rows == "replaced"
+        """The server sends the whole header every round: Sec. 4.3's broadcast, or as LG-FedAvg does,
+        since under M1 off it does not learn S_k and a client that replaces its unseen rows reads them all."""
+        return self.whole_header_up or self.unseen_rows == "replaced"
 
     def validate(self, cfg: ExperimentConfig) -> None:
         if not 0 <= self.mu0 <= 1:
