@@ -40,7 +40,7 @@ docs/algorithms/fedcross.md that explains each one:
   starting at ``dynamic_alpha_start_round`` (PM-DA as in Sec. IV-E3 / Fig. 9: PM for rounds 0..49, DA
   for 50..99).
 - [Local optimizer] local training is the base client's (a fresh optimizer from ``train.*`` each round,
-  no momentum kept).
+  no momentum kept); ``train.keep_optimizer_state`` is refused.
 
 Other choices: [The range of alpha] ``alpha = 1.0`` is accepted (the paper's range is [0.5, 1)), since
 it is the identity fusion tests rely on. A client that fails mid-round leaves its middleware model as it was dispatched
@@ -356,6 +356,11 @@ class FedCrossConfig(AlgorithmConfig):
             raise ConfigError(
                 f"train.fraction={cfg.train.fraction}: FedCross needs >= 2 clients per round to "
                 f"cross-aggregate, got {k} of data.num_clients={cfg.data.num_clients}"
+            )
+        if cfg.train.keep_optimizer_state:
+            raise ConfigError(
+                "train.keep_optimizer_state=true with algorithm=fedcross: the shuffle hands a client another "
+                "middleware model almost every round, so the optimizer state it kept belongs to a different model"
             )
         for name in ("propeller_rounds", "dynamic_alpha_rounds", "dynamic_alpha_start_round"):
             if getattr(self, name) < 0:

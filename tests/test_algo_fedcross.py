@@ -436,6 +436,7 @@ def test_config_defaults_follow_the_paper():
             "dynamic_alpha_start_round=0",
         ),
         (["fedcross.dynamic_alpha_rounds=-1"], "fedcross.dynamic_alpha_rounds=-1"),
+        (["train.keep_optimizer_state=true"], "train.keep_optimizer_state=true with algorithm=fedcross"),
     ],
 )
 def test_bad_config_is_a_one_line_error(overrides, needle):
