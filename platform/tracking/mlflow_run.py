@@ -272,10 +272,17 @@ class RunTracker:
         """An ``mlflow.data`` dataset as the run's training input (the UI's Dataset column)."""
         from mlflow.entities import DatasetInput, InputTag
 
-        context = InputTag(key=Tags.DATASET_CONTEXT, value="train")
-        self.patient(
-            self.client.log_inputs, self.run_id, [DatasetInput(dataset._to_mlflow_entity(), [context])]
-        )
+        inputs = [
+            DatasetInput(dataset._to_mlflow_entity(), [InputTag(key=Tags.DATASET_CONTEXT, value="train")])
+        ]
+        try:
+            self.patient(self.client.log_inputs, self.run_id, inputs)
+        except Exception as err:
+            if not lost_an_insert_race(err):
+                raise
+            # a sweep's trials start together and log one dataset: MLflow looks for it, then inserts
+            # it, and another trial's insert came in between; the second try finds it and links to it
+            self.patient(self.client.log_inputs, self.run_id, inputs)
 
     def describe(self, text: str) -> None:
         """The run's description in the UI."""
@@ -373,10 +380,31 @@ def existing_experiment(client, name: str, uri: str):
 
 
 def experiment_id(client, name: str, uri: str) -> str:
+    """The id of the experiment called ``name``, created if none is."""
     found = client.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
-    return client.create_experiment(name, artifact_location=_artifact_root(uri))
+    try:
+        return client.create_experiment(name, artifact_location=_artifact_root(uri))
+    except Exception as err:
+        if not lost_an_insert_race(err):
+            raise
+        return client.get_experiment_by_name(name).experiment_id  # created by a run started beside this one
+
+
+def lost_an_insert_race(err: BaseException) -> bool:
+    """Whether MLflow refused to insert a row because another process inserted it after MLflow had
+    looked for it (runs started together creating one experiment or logging one dataset): trying again
+    finds the row. Store-side, from SQLite, PostgreSQL or MySQL, directly or through a tracking server."""
+    from mlflow.exceptions import MlflowException
+
+    if not isinstance(err, MlflowException):
+        return False
+    text = str(err)
+    return err.error_code == "RESOURCE_ALREADY_EXISTS" or any(
+        said in text
+        for said in ("UNIQUE constraint failed", "UniqueViolation", "duplicate key value", "Duplicate entry")
+    )
 
 
 def recorded_checkpoint_dir(run_id: str, uri: str | None = None) -> str | None:
