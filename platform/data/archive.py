@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import tarfile
+import tempfile
 from pathlib import Path
 
 from fedray.platform.errors import ConfigError
@@ -23,6 +26,9 @@ def unpack_image_archive(archive: str | Path, target: str | Path) -> Path:
 
     Archives that wrap everything in one top folder are handled: the returned path is the folder
     that contains ``train/`` and ``test/``, ready for ``data.dataset=imagefolder data.root=...``.
+    The archive is unpacked beside ``target`` and renamed into place whole, so an unpacking stopped
+    part way (Ctrl-C, a full disk) never leaves a tree that reads as done with images missing, and
+    two commands unpacking at once both end with the one tree.
     """
     archive, target = Path(archive), Path(target).expanduser()
     found = _tree_root(target)
@@ -30,12 +36,20 @@ def unpack_image_archive(archive: str | Path, target: str | Path) -> Path:
         return found
     if not archive.is_file():
         raise ConfigError(f"image archive {str(archive)!r} does not exist")
-    target.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(target, filter="data")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.unpacking."))
+    try:
+        with tarfile.open(archive) as tar:
+            tar.extractall(staging, filter="data")
+        if _tree_root(staging) is None:
+            raise ConfigError(f"{archive}: no train/ and test/ folders inside")
+        with contextlib.suppress(OSError):  # another command's tree got there first
+            staging.rename(target)  # onto an empty folder too; never onto a non-empty one
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     found = _tree_root(target)
     if found is None:
-        raise ConfigError(f"{archive}: no train/ and test/ folders inside")
+        raise ConfigError(f"{target} holds something other than an unpacked image archive; move it away")
     return found
 
 
