@@ -193,6 +193,29 @@ def test_download_true_lets_torchvision_fetch_then_caches(tmp_path, monkeypatch)
     assert len(list((tmp_path / ".fedray_cache").glob("mnist-*.pt"))) == 1
 
 
+def test_runs_started_together_download_once_and_read_the_same_files(tmp_path, monkeypatch):
+    """A sweep's trials load the data at the same moment: one fetches, the others wait for it and
+    read its files, instead of fetching into the same files at once (torchvision truncates them)."""
+    started = []
+    second = threading.Event()
+
+    def slow_download(self):  # the network: slow enough that a second fetch would start meanwhile
+        if (Path(self.root) / "MNIST" / "raw").is_dir():
+            return  # torchvision's own check: the files are there (the test split's constructor)
+        started.append(self.root)
+        if len(started) > 1:
+            second.set()
+        second.wait(timeout=3)
+        make_mnist(Path(self.root))
+
+    monkeypatch.setattr(torchvision.datasets.MNIST, "download", slow_download)
+    cfg = DataConfig(dataset="mnist", root=str(tmp_path), download=True)
+    with ThreadPoolExecutor(3) as pool:
+        bundles = list(pool.map(lambda _: load_dataset(cfg), range(3)))
+    assert len(started) == 1  # one fetch; the later loads found its files
+    assert all(torch.equal(b.train.x, bundles[0].train.x) for b in bundles) and len(bundles[0].train) == 30
+
+
 def test_cifar10_from_pickled_batches_and_cached(tmp_path, skip_cifar_md5, monkeypatch):
     make_cifar(tmp_path)
     cfg = DataConfig(dataset="cifar10", root=str(tmp_path))

@@ -100,6 +100,18 @@ class TorchvisionSet(Source):
         return out
 
     def load(self, cfg: DataConfig) -> DatasetBundle:
+        if not cfg.download:
+            return self._load(cfg)
+        # a sweep's trials start together: without the lock each would fetch into the same files,
+        # truncating the archive another is still checking or reading (torchvision writes in place)
+        from filelock import FileLock
+
+        root = data_root(cfg)
+        root.mkdir(parents=True, exist_ok=True)
+        with FileLock(root / f".fedray-download-{self.name}.lock"):
+            return self._load(cfg)
+
+    def _load(self, cfg: DataConfig) -> DatasetBundle:
         files = self.files(cfg)
         fresh = None
         if files is None:  # download=true (checked): torchvision fetches the files, then we fingerprint them
