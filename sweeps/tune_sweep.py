@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import signal
+import tempfile
 import threading
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
@@ -319,9 +320,14 @@ def restored_tuner(path: Path, trainable, previous, diverged: Collection[str], r
 
 def save_state(state_file: Path, state: dict[str, Any]) -> None:
     """Writes the sweep's state whole or not at all (a second Ctrl-C may land in the write)."""
-    partial = state_file.with_name(state_file.name + ".partial")
-    partial.write_text(json.dumps(state))
-    os.replace(partial, state_file)
+    fd, partial = tempfile.mkstemp(dir=state_file.parent, prefix=f".{state_file.name}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(state))
+        os.replace(partial, state_file)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
 
 
 def point_key(point: dict[str, Any]) -> str:
@@ -437,6 +443,8 @@ def run_sweep(
             "cluster (RAY_ADDRESS=auto) or without the option"
         )
     require_before_ray(base_cfg, new_run=not resume)  # the tracking store among them: read just below
+    if not resume:
+        require_no_stopped_sweep(base_cfg, state_file, name)
     if resume:
         if not tune.Tuner.can_restore(str(path)) or not state_file.is_file():
             raise ConfigError(f"--resume: no sweep to resume at {path}")
@@ -575,23 +583,50 @@ def run_sweep(
     return summarize(grid, space, parent, path, base, state["diverged"])
 
 
-def require_unfinished(cfg: ExperimentConfig, parent_run_id: str, name: str) -> None:
-    """A sweep whose trials have all ended has nothing to resume: one line, and its parent run stays
-    FINISHED (``--restart-errored`` may still start its failed trials again)."""
+def parent_status(cfg: ExperimentConfig, parent_run_id: str) -> str | None:
+    """The status of a sweep's parent run in the tracking store; None when the store has no such run."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     uri = tracking_uri(cfg)
     shorten_http_retries(uri)
     try:
-        status = MlflowClient(uri).get_run(parent_run_id).info.status
+        return MlflowClient(uri).get_run(parent_run_id).info.status
     except MlflowException as err:
         if err.error_code != "RESOURCE_DOES_NOT_EXIST":  # the store's own trouble: said as MLflow says it
             raise
+        return None
+
+
+def require_no_stopped_sweep(cfg: ExperimentConfig, state_file: Path, name: str) -> None:
+    """A new sweep under the name of one that was stopped part way (Ctrl-C, a killed driver) or is
+    running now would write over its state, which is what ``--resume`` continues it from: one line
+    instead. A finished or failed sweep's name is free again, as is one whose parent run this
+    tracking store does not hold (it cannot be resumed from here)."""
+    if not state_file.is_file():
+        return
+    try:
+        parent_run_id = json.loads(state_file.read_text())["parent_run_id"]
+    except (ValueError, KeyError):
+        return  # not a state fedray can resume
+    status = parent_status(cfg, parent_run_id)
+    if status in ("RUNNING", "KILLED"):
+        how = "is running or its driver was killed" if status == "RUNNING" else "was stopped part way"
         raise ConfigError(
-            f"--resume: the sweep {name}'s parent run {parent_run_id} is not in the tracking store {uri}; "
-            "resume with the MLFLOW_TRACKING_URI the sweep was started with"
-        ) from None
+            f"a sweep named {name} {how} (parent run {parent_run_id} is {status}); continue it with "
+            "--resume (same arguments), or start another with --name <new name>"
+        )
+
+
+def require_unfinished(cfg: ExperimentConfig, parent_run_id: str, name: str) -> None:
+    """A sweep whose trials have all ended has nothing to resume: one line, and its parent run stays
+    FINISHED (``--restart-errored`` may still start its failed trials again)."""
+    status = parent_status(cfg, parent_run_id)
+    if status is None:
+        raise ConfigError(
+            f"--resume: the sweep {name}'s parent run {parent_run_id} is not in the tracking store "
+            f"{tracking_uri(cfg)}; resume with the MLFLOW_TRACKING_URI the sweep was started with"
+        )
     if status == "FINISHED":
         raise ConfigError(
             f"--resume: the sweep {name} finished, every trial ended; nothing is left to resume "

@@ -29,6 +29,7 @@ from fedray.platform.tracking.names import Metrics, RunKind, Tags, tag_filter
 from fedray.sweeps.space import SPACES_DIR, check_space, load_space, trial_config
 from fedray.sweeps.tune_sweep import (
     NOT_RUN_AGAIN,
+    SWEEP_STATE,
     InterruptAfterTrials,
     SweepResult,
     _close_stopped_children,
@@ -41,6 +42,7 @@ from fedray.sweeps.tune_sweep import (
     point_key,
     prepare_base,
     remember_divergences,
+    require_no_stopped_sweep,
     restored_tuner,
     run_sweep,
     run_trial,
@@ -189,6 +191,50 @@ def test_resuming_a_finished_sweep_is_one_line_and_leaves_its_parent_run_finishe
     assert client.get_run(parent).info.status == "FINISHED"
     with pytest.raises(ConfigError, match=r"^--resume: the sweep sweep-x's parent run nope is not in the"):
         require_unfinished(cfg, "nope", "sweep-x")  # another store than the sweep's
+
+
+def test_a_new_sweep_under_the_name_of_a_stopped_one_is_one_line_and_leaves_it_resumable(
+    tmp_path, mlflow_store
+):
+    """Starting the sweep's command again without --resume after a Ctrl-C would write over the state
+    --resume reads (its parent run among it): refused before anything starts."""
+    client = MlflowClient(mlflow_store)
+    parent = client.create_run(client.create_experiment("quickstart")).info.run_id
+    client.set_terminated(parent, "KILLED")
+    cfg = load_config(None, tiny_overrides())
+    state_file = Path(cfg.storage_path).resolve() / "sweeps" / "sweep-fedprox-quickstart" / SWEEP_STATE
+    state_file.parent.mkdir(parents=True)
+    state_file.write_text(json.dumps({"parent_run_id": parent, "algorithm": "fedprox", "diverged": {}}))
+    before = state_file.read_bytes()
+    with pytest.raises(
+        ConfigError, match=r"^a sweep named sweep-fedprox-quickstart was stopped part way"
+    ) as err:
+        run_sweep("fedprox", space_file=_tiny_space(tmp_path), overrides=tiny_overrides())
+    assert "\n" not in str(err.value) and "--resume" in str(err.value) and "--name" in str(err.value)
+    assert state_file.read_bytes() == before
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    assert [r.info.run_id for r in runs] == [parent]  # no new parent run
+
+
+@pytest.mark.parametrize(
+    ("status", "refused"), [("RUNNING", True), ("KILLED", True), ("FINISHED", False), ("FAILED", False)]
+)
+def test_only_a_sweep_stopped_part_way_or_running_keeps_its_name(tmp_path, mlflow_store, status, refused):
+    cfg = load_config(None, tiny_overrides())
+    client = MlflowClient(mlflow_store)
+    parent = client.create_run(client.create_experiment("sweeps")).info.run_id
+    if status != "RUNNING":
+        client.set_terminated(parent, status)
+    state_file = tmp_path / SWEEP_STATE
+    state_file.write_text(json.dumps({"parent_run_id": parent}))
+    if refused:
+        with pytest.raises(ConfigError, match=f"parent run {parent} is {status}"):
+            require_no_stopped_sweep(cfg, state_file, "s")
+    else:
+        require_no_stopped_sweep(cfg, state_file, "s")
+    state_file.write_text(json.dumps({"parent_run_id": "elsewhere"}))  # another store's: not resumable here
+    require_no_stopped_sweep(cfg, state_file, "s")
+    require_no_stopped_sweep(cfg, tmp_path / "none.json", "s")
 
 
 @pytest.mark.parametrize(("metric", "overrides", "needle"), BAD_METRICS)
