@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import store_in, tiny_overrides
+from filelock import FileLock, Timeout
 from mlflow.tracking import MlflowClient
 
 from fedray.platform.api import registry
@@ -35,6 +36,7 @@ from fedray.platform.runtime.checkpoint import (
 from fedray.platform.runtime.coordinator import RoundLoop
 from fedray.platform.runtime.driver import run_experiment
 from fedray.platform.runtime.events import CheckpointSaved
+from fedray.platform.runtime.run_folder import LOCK_FILE
 from fedray.platform.runtime.state_store import StateStore
 
 FEDRAY = str(Path(sys.executable).with_name("fedray"))
@@ -171,6 +173,51 @@ def test_resume_refuses_a_server_state_saved_under_other_names_before_anything_r
         "was saved by another version of the algorithm)"
     )
     assert MlflowClient(mlflow_store).get_run(stopped.run_id).info.status == "KILLED"  # not reopened
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_run_is_resumed_by_one_command_at_a_time_and_its_own_driver_holds_it_while_it_goes(
+    tmp_path, mlflow_store
+):
+    """A resume while another command is still on the run (the run itself, or a resume launched
+    twice) would have two Coordinators write one checkpoint and one states folder: refused in one
+    line, before Ray; the lock is the driver's, so a killed run frees it."""
+    cfg = load_config(None, tiny_overrides(rounds=3, checkpoint_every=1))
+    held_while_running = []
+
+    def probe(rnd, metrics):  # the run's own folder, while its rounds go on
+        (folder,) = run_folders(tmp_path)
+        held_while_running.append(folder_is_held(folder))
+
+    stopped = run_experiment(cfg, stop_after_round=1, on_round=probe)
+    assert held_while_running == [True]
+    (folder,) = run_folders(tmp_path)
+    assert not folder_is_held(folder)  # released as the run returned
+
+    with FileLock(folder / LOCK_FILE):  # another command on the run
+        resumed = run_cli(tmp_path, "--resume", stopped.run_id)
+    assert resumed.returncode == 2
+    last = resumed.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"fedray: error: --resume {stopped.run_id}: the run is going on in another command (its folder "
+        f"{folder} is in use); stop that one first, or wait for it to end"
+    ), resumed.stderr[-2000:]
+    assert "Ray" not in resumed.stdout + resumed.stderr.replace(last, "")  # it stopped before Ray started
+    assert MlflowClient(mlflow_store).get_run(stopped.run_id).info.status == "KILLED"  # not reopened
+
+
+def run_folders(tmp_path: Path) -> list[Path]:
+    return [p for p in (tmp_path / ".fedray").iterdir() if (p / "config.yaml").is_file()]
+
+
+def folder_is_held(folder: Path) -> bool:
+    lock = FileLock(folder / LOCK_FILE, timeout=0)  # its own file descriptor: as another command's
+    try:
+        lock.acquire()
+    except Timeout:
+        return True
+    lock.release()
+    return False
 
 
 @pytest.mark.skipif(not hasattr(torch.serialization, "set_crc32_options"), reason="torch < 2.6 always sums")

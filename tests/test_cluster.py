@@ -366,7 +366,7 @@ def check(report: dict, mlflow_store: str, dirs: dict[str, Path]) -> None:
     storage = dirs["storage"].resolve()
     ckpt = Path(client.get_run(resumed["run_id"]).data.tags[Tags.CHECKPOINT_DIR])
     assert ckpt.parent == storage
-    assert {p.name for p in ckpt.iterdir()} == {"config.yaml", "checkpoint.pt", "states"}
+    assert {p.name for p in ckpt.iterdir()} == {"config.yaml", "checkpoint.pt", "states", ".driver.lock"}
     import torch
 
     state = torch.load(ckpt / "checkpoint.pt", weights_only=False)

@@ -61,6 +61,7 @@ from fedray.platform.runtime.processes import (
     start_runtime,
 )
 from fedray.platform.runtime.progress import Progress, mb
+from fedray.platform.runtime.run_folder import RunFolderLock
 from fedray.platform.runtime.session import Ending, RunSession
 from fedray.platform.runtime.worker import model_of_arch
 from fedray.platform.tracking.dataset import federation_dataset
@@ -627,6 +628,21 @@ def run_experiment(
     left KILLED, the checkpoint stays); ``on_round`` sees every round's metrics (Ray Tune reporting);
     ``trial`` places a Tune trial's processes in its reservation.
     """
+    with RunFolderLock() as folder:  # one command at a time on a run's folder, until this returns
+        if resume_run_id is not None:  # another command still on it stops this one before Ray starts
+            folder.hold(checkpoint_dir_of(resume_run_id, tracking_uri(cfg)), f"--resume {resume_run_id}")
+        return _run_experiment(cfg, folder, resume_run_id, stop_after_round, tags, on_round, trial)
+
+
+def _run_experiment(
+    cfg: ExperimentConfig,
+    folder: RunFolderLock,
+    resume_run_id: str | None,
+    stop_after_round: int | None,
+    tags: dict[str, str] | None,
+    on_round: Callable[[int, dict[str, float]], None] | None,
+    trial: Trial | None,
+) -> Result:
     trial = trial or Trial()
     session = RunSession(cfg, tags, trial.parent_run_id)  # its clock starts: the MLflow run's Duration
     fed, baseline = preflight(cfg, new_run=resume_run_id is None)
@@ -637,6 +653,7 @@ def run_experiment(
             ckpt_dir = reopen_run(session, handle, resume_run_id, on_round)
         else:
             ckpt_dir = new_checkpoint_dir(cfg)  # before the MLflow run: its tag points here
+            folder.hold(ckpt_dir)
         # the rounds start now; a new MLflow run is set up while the first one trains, and the events
         # wait in the Coordinator's queue until the driver streams them
         handle.start(ckpt_dir, stop_after_round)
