@@ -37,7 +37,8 @@ class LookupsBeforeInserts:
 
 
 def test_two_runs_logging_one_dataset_at_once_both_record_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", store_in(tmp_path))
+    uri = store_in(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     cfg = load_config(None, ["tracking.system_metrics_s=0"])
     trackers = [RunTracker(cfg), RunTracker(cfg)]  # two trials of one sweep: one experiment
     dataset = mlflow.data.from_numpy(np.zeros((4, 2), np.float32), name="shared", digest="d1")
@@ -56,7 +57,7 @@ def test_two_runs_logging_one_dataset_at_once_both_record_it(tmp_path, monkeypat
     for thread in threads:
         thread.join(timeout=120)
     assert errors == []
-    client = MlflowClient()
+    client = MlflowClient(uri)  # named: an earlier test in this process may have set MLflow's default
     for tracker in trackers:
         (logged,) = client.get_run(tracker.run_id).inputs.dataset_inputs
         assert (logged.dataset.name, logged.dataset.digest) == ("shared", "d1")
