@@ -279,6 +279,12 @@ def test_an_algorithm_config_must_derive_from_the_typed_base():
             ["run", "tracking.uri=foo://bar", "rounds=1"],
             "tracking.uri=foo://bar: MLflow has no tracking store",
         ),
+        (["run", "tracking.uri=runs_folder", "rounds=1"], "MLflow's old file store, which it refuses unless"),
+        (["report", "quickstart", "--tracking-uri", "file:///x/y"], "MLFLOW_ALLOW_FILE_STORE=true"),
+        (
+            ["run", "tracking.uri=sqlite:////proc/nope/x.db", "rounds=1"],
+            "tracking.uri=sqlite:////proc/nope/x.db: cannot make the folder /proc/nope",
+        ),
     ],
 )
 def test_a_bad_command_line_is_one_line_and_starts_nothing(args, needle, capsys, tmp_path, monkeypatch):

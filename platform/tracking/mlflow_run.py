@@ -66,9 +66,29 @@ def require_tracking_store(uri: str, source: str) -> None:
     except Exception:  # MLflow's "unsupported URI" exceptions have no common public base
         raise ConfigError(
             f"{source}={uri}: MLflow has no tracking store for that scheme; give sqlite:///<file>, "
-            "http(s)://<server>, a local folder, or a database URI (postgresql://, mysql://)"
+            "http(s)://<server>, or a database URI (postgresql://, mysql://)"
         ) from None
+    if ("://" not in uri or uri.startswith("file:")) and os.environ.get("MLFLOW_ALLOW_FILE_STORE") != "true":
+        raise ConfigError(
+            f"{source}={uri}: a folder is MLflow's old file store, which it refuses unless "
+            "MLFLOW_ALLOW_FILE_STORE=true; give sqlite:///<file> (mlflow migrate-filestore moves old runs)"
+        )
+    require_sqlite_folder(uri, source)
     require_server_answer(uri, source)
+
+
+def require_sqlite_folder(uri: str, source: str) -> None:
+    """A SQLite store's folder that cannot be made fails in one line here; MLflow would make it as
+    the run is first opened, after Ray and the first round have started."""
+    if not uri.startswith("sqlite:///"):
+        return
+    folder = Path(uri.removeprefix("sqlite:///").partition("?")[0]).parent
+    if folder.is_dir():
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"{source}={uri}: cannot make the folder {folder} ({err.strerror})") from None
 
 
 def missing_sqlite_store(uri: str) -> Path | None:
