@@ -15,7 +15,6 @@ import logging
 import os
 import re
 import signal
-import tempfile
 import threading
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
@@ -320,14 +319,7 @@ def restored_tuner(path: Path, trainable, previous, diverged: Collection[str], r
 
 def save_state(state_file: Path, state: dict[str, Any]) -> None:
     """Writes the sweep's state whole or not at all (a second Ctrl-C may land in the write)."""
-    fd, partial = tempfile.mkstemp(dir=state_file.parent, prefix=f".{state_file.name}.", suffix=".partial")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(json.dumps(state))
-        os.replace(partial, state_file)
-    except BaseException:
-        Path(partial).unlink(missing_ok=True)
-        raise
+    storage.write_bytes(str(state_file), json.dumps(state).encode())  # its temporary name is its own
 
 
 def point_key(point: dict[str, Any]) -> str:
@@ -443,8 +435,6 @@ def run_sweep(
             "cluster (RAY_ADDRESS=auto) or without the option"
         )
     require_before_ray(base_cfg, new_run=not resume)  # the tracking store among them: read just below
-    if not resume:
-        require_no_stopped_sweep(base_cfg, state_file, name)
     if resume:
         if not tune.Tuner.can_restore(str(path)) or not state_file.is_file():
             raise ConfigError(f"--resume: no sweep to resume at {path}")
@@ -456,6 +446,8 @@ def run_sweep(
             )
         if not restart_errored:
             require_unfinished(base_cfg, state["parent_run_id"], name)
+    else:
+        require_no_stopped_sweep(base_cfg, state_file, name)
 
     ensure_ray(base_cfg)
     require_cpus(base_cfg)  # a trial's workers need that many CPUs on one node

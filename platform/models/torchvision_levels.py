@@ -13,7 +13,6 @@ from fedray.platform.models.base import PreActivation
 class LevelBasicBlock(BasicBlock):
     """``BasicBlock``'s forward, step for step, with ``pre_relu`` before the last ReLU."""
 
-
     def forward(self, x: Tensor) -> Tensor:
         identity = x
         out = self.relu(self.bn1(self.conv1(x)))
@@ -26,7 +25,6 @@ class LevelBasicBlock(BasicBlock):
 
 class LevelBottleneck(Bottleneck):
     """``Bottleneck``'s forward, step for step, with ``pre_relu`` before the last ReLU."""
-
 
     def forward(self, x: Tensor) -> Tensor:
         identity = x

@@ -8,6 +8,7 @@ last checkpoint, logging into the same MLflow run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -61,7 +62,7 @@ from fedray.platform.runtime.processes import (
     start_runtime,
 )
 from fedray.platform.runtime.progress import Progress, mb
-from fedray.platform.runtime.run_folder import RunFolderLock
+from fedray.platform.runtime.run_folder import held
 from fedray.platform.runtime.session import Ending, RunSession
 from fedray.platform.runtime.worker import model_of_arch
 from fedray.platform.tracking.dataset import federation_dataset
@@ -628,15 +629,16 @@ def run_experiment(
     left KILLED, the checkpoint stays); ``on_round`` sees every round's metrics (Ray Tune reporting);
     ``trial`` places a Tune trial's processes in its reservation.
     """
-    with RunFolderLock() as folder:  # one command at a time on a run's folder, until this returns
+    with contextlib.ExitStack() as folder:  # one command at a time on a run's folder, until this returns
         if resume_run_id is not None:  # another command still on it stops this one before Ray starts
-            folder.hold(checkpoint_dir_of(resume_run_id, tracking_uri(cfg)), f"--resume {resume_run_id}")
+            ckpt_dir = checkpoint_dir_of(resume_run_id, tracking_uri(cfg))
+            folder.enter_context(held(ckpt_dir, f"--resume {resume_run_id}"))
         return _run_experiment(cfg, folder, resume_run_id, stop_after_round, tags, on_round, trial)
 
 
 def _run_experiment(
     cfg: ExperimentConfig,
-    folder: RunFolderLock,
+    folder: contextlib.ExitStack,
     resume_run_id: str | None,
     stop_after_round: int | None,
     tags: dict[str, str] | None,
@@ -653,7 +655,7 @@ def _run_experiment(
             ckpt_dir = reopen_run(session, handle, resume_run_id, on_round)
         else:
             ckpt_dir = new_checkpoint_dir(cfg)  # before the MLflow run: its tag points here
-            folder.hold(ckpt_dir)
+            folder.enter_context(held(ckpt_dir))
         # the rounds start now; a new MLflow run is set up while the first one trains, and the events
         # wait in the Coordinator's queue until the driver streams them
         handle.start(ckpt_dir, stop_after_round)

@@ -21,23 +21,10 @@ from fedray.platform.runtime import storage
 LOCK_FILE = ".driver.lock"
 
 
-class RunFolderLock(contextlib.AbstractContextManager):
-    """Held folders, released together when the ``with`` block ends."""
-
-    def __init__(self) -> None:
-        self._held = contextlib.ExitStack()
-
-    def hold(self, directory: str, command: str = "this run") -> None:
-        """Hold ``directory``'s lock, or say in one line that another command does (``command``
-        names what was asked, e.g. ``--resume <run id>``)."""
-        self._held.enter_context(held(directory, command))
-
-    def __exit__(self, *exc_info) -> None:
-        self._held.close()
-
-
 @contextlib.contextmanager
 def held(directory: str, command: str = "this run") -> Iterator[None]:
+    """Hold ``directory``'s lock, or say in one line that another command does (``command`` names
+    what was asked, e.g. ``--resume <run id>``)."""
     path = storage.local_path(directory)
     if path is None:
         yield

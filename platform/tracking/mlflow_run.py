@@ -68,7 +68,7 @@ def require_tracking_store(uri: str, source: str) -> None:
             f"{source}={uri}: MLflow has no tracking store for that scheme; give sqlite:///<file>, "
             "http(s)://<server>, or a database URI (postgresql://, mysql://)"
         ) from None
-    if ("://" not in uri or uri.startswith("file:")) and os.environ.get("MLFLOW_ALLOW_FILE_STORE") != "true":
+    if is_file_store(uri) and os.environ.get("MLFLOW_ALLOW_FILE_STORE") != "true":
         raise ConfigError(
             f"{source}={uri}: a folder is MLflow's old file store, which it refuses unless "
             "MLFLOW_ALLOW_FILE_STORE=true; give sqlite:///<file> (mlflow migrate-filestore moves old runs)"
@@ -77,14 +77,23 @@ def require_tracking_store(uri: str, source: str) -> None:
     require_server_answer(uri, source)
 
 
+def is_file_store(uri: str) -> bool:
+    """Whether ``uri`` names MLflow's folder store (a bare path or ``file:``)."""
+    return "://" not in uri or uri.startswith("file:")
+
+
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI (its query left out), or None for another store."""
+    return Path(uri.removeprefix("sqlite:///").partition("?")[0]) if uri.startswith("sqlite:///") else None
+
+
 def require_sqlite_folder(uri: str, source: str) -> None:
     """A SQLite store's folder that cannot be made fails in one line here; MLflow would make it as
     the run is first opened, after Ray and the first round have started."""
-    if not uri.startswith("sqlite:///"):
+    database = sqlite_file(uri)
+    if database is None or database.parent.is_dir():
         return
-    folder = Path(uri.removeprefix("sqlite:///").partition("?")[0]).parent
-    if folder.is_dir():
-        return
+    folder = database.parent
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -93,10 +102,8 @@ def require_sqlite_folder(uri: str, source: str) -> None:
 
 def missing_sqlite_store(uri: str) -> Path | None:
     """The file of a ``sqlite:///`` store that is not there (MLflow would make an empty one), or None."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    path = Path(uri.removeprefix("sqlite:///").partition("?")[0])
-    return None if path.is_file() else path
+    path = sqlite_file(uri)
+    return None if path is None or path.is_file() else path
 
 
 SERVER_CONNECT_TIMEOUT_S = 10  # a tracking server that has not taken a connection by then is not there
@@ -128,7 +135,7 @@ def require_server_answer(uri: str, source: str) -> None:
 
 def _artifact_root(uri: str) -> str | None:
     """Local stores keep artifacts beside the database; a tracking server decides for itself."""
-    if uri.startswith("sqlite:///") or uri.startswith("file:") or "://" not in uri:
+    if uri.startswith("sqlite:///") or is_file_store(uri):
         base = Path(uri.removeprefix("sqlite:///")).parent if uri.startswith("sqlite:///") else Path.cwd()
         return (base / "mlartifacts").resolve().as_uri()
     return None
