@@ -58,6 +58,16 @@ class Param:
         step = self.values[2]
         return round(rng.uniform(low, high) / step) * step
 
+    def corners(self) -> list[Any]:
+        """The values a check must try: every listed value, or a range's two ends (a config's limits are
+        thresholds, so a range that breaks one breaks it at an end)."""
+        if self.kind in ("grid", "choice"):
+            return list(self.values)
+        if self.kind == "quniform":
+            step = self.values[2]
+            return [round(end / step) * step for end in self.values[:2]]
+        return list(self.values[:2])
+
     def tune_domain(self, search: str) -> Any:
         from ray import tune
 
@@ -93,6 +103,11 @@ class SearchSpace:
         return [
             dict(zip([p.key for p in grid], combo)) for combo in itertools.product(*[p.values for p in grid])
         ]
+
+    def corner_points(self, limit: int) -> list[dict[str, Any]]:
+        """Every combination of the params' :meth:`Param.corners`, the first ``limit`` of them."""
+        combos = itertools.product(*[p.corners() for p in self.params])
+        return [dict(zip([p.key for p in self.params], c)) for c in itertools.islice(combos, limit)]
 
     def sample_points(self, n: int, seed: int = 0) -> list[dict[str, Any]]:
         """``n`` points drawn from the space (grid params drawn too), for validation without Ray."""
@@ -216,10 +231,15 @@ def trial_config(base: dict[str, Any], point: dict[str, Any]):
     return build_config(merge(base, parse_overrides(dotted_overrides(point))))
 
 
+# How many combinations of the params' values and ends are checked before Tune starts (about 2 ms each):
+# every one in any space a person writes, so a bad ninth grid point fails here and not as a failed trial.
+CORNERS_CHECKED = 1000
+
+
 def check_space(space: SearchSpace, base: dict[str, Any], n: int = 8) -> None:
     """Fail before Tune starts if a key is unknown or a value invalid for the experiment config, or if
     the metric is one of the platform's that the rounds do not report."""
-    points = space.grid_points()[:n] + space.sample_points(n)
+    points = space.corner_points(CORNERS_CHECKED) + space.sample_points(n)
     for point in points:
         try:
             cfg = trial_config(base, point)

@@ -107,6 +107,13 @@ BAD_SPACES = [
     ({"train.local_epochs": {"randint": [1, 2.5]}}, "randint needs [low, high] as integers"),
     ({"train.lr": {"quniform": [0.01, 0.1, 0]}}, "quniform needs a step > 0"),
     ({"train.lr": {"uniform": [0.01, True]}}, "uniform needs [low, high] as numbers"),
+    # the ninth grid point (30 clients, 20 images) is the only bad one: every combination is checked
+    (
+        {"data.num_clients": {"grid": [10, 20, 30]}, "data.train_subset": {"grid": [1000, 500, 20]}},
+        "data.train_subset=20: must be >= data.num_clients",
+    ),
+    # bad only at a range's end, which a handful of draws would almost never reach
+    ({"fedprox.mu": {"uniform": [-0.001, 1.0]}}, "fedprox.mu=-0.001"),
     # another algorithm's valid key: the trials would not read it, and all be the same
     (
         {"fedcross.alpha": {"grid": [0.9, 0.99]}},
