@@ -23,7 +23,7 @@ from mlflow.tracking import MlflowClient
 from fedray.platform.api import registry
 from fedray.platform.api.algorithm import Server, ServerContext
 from fedray.platform.catalog import load_config
-from fedray.platform.errors import CheckpointError, ContractError
+from fedray.platform.errors import CheckpointError, ConfigError, ContractError
 from fedray.platform.runtime import checkpoint as checkpoint_module
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.checkpoint import (
@@ -60,6 +60,49 @@ def test_a_file_carrying_an_object_is_refused_in_one_line_and_runs_nothing(tmp_p
         storage.load_torch(str(path))
     assert "\n" not in str(info.value) and "it would call posix.mkdir" in str(info.value)
     assert not marker.exists()
+
+
+def whole_checkpoint() -> bytes:
+    return storage.torch_bytes({"server": {"model": {"w": torch.ones(64, 64)}}, "round": 3})
+
+
+@pytest.mark.parametrize(
+    ("content", "detail"),
+    [
+        (lambda: b"", "(empty)"),
+        (lambda: b"hello\n", "(6 bytes, "),  # a text file put in its place
+        (lambda: whole_checkpoint()[:5000], "(5,000 bytes, "),  # a copy cut short
+        (lambda: whole_checkpoint()[:-100], " bytes, "),  # its zip index cut off
+    ],
+)
+def test_a_damaged_checkpoint_is_one_line_naming_the_file_not_a_traceback(tmp_path, content, detail):
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(content())
+    with pytest.raises(CheckpointError) as info:
+        storage.load_torch(str(path))
+    message = str(info.value)
+    assert message.startswith(f"{path}: not a file torch can read (") and detail in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (b"", "is empty: it was cut short or overwritten"),  # not the defaults: a different run
+        (b"rounds: [\n", "line 2, column 1: not valid YAML"),
+        (b"- 1\n- 2\n", "top level must be a mapping"),
+        (b"\xff\xfe", "not UTF-8 text"),
+        (None, "is gone; the run cannot resume without it"),
+    ],
+)
+def test_a_damaged_saved_config_is_one_line_naming_the_file(tmp_path, content, needle):
+    if content is not None:
+        (tmp_path / checkpoint_module.CONFIG_FILE).write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        checkpoint_module.saved_config_mapping(str(tmp_path))
+    message = str(info.value)
+    assert f"the run's saved config '{tmp_path / 'config.yaml'}'" in message and needle in message
+    assert "\n" not in message
 
 
 def test_tensors_and_plain_values_round_trip(tmp_path):
@@ -140,6 +183,7 @@ def test_resume_refuses_an_altered_checkpoint_before_anything_runs(tmp_path, mlf
     (checkpoint,) = (tmp_path / ".fedray").rglob("checkpoint.pt")
 
     marker = tmp_path / "ran"
+    whole = checkpoint.read_bytes()
     state = torch.load(checkpoint, weights_only=True)
     state["history"].append(Payload(marker))
     torch.save(state, checkpoint)
@@ -153,6 +197,13 @@ def test_resume_refuses_an_altered_checkpoint_before_anything_runs(tmp_path, mlf
     assert "Ray" not in resumed.stdout + resumed.stderr.replace(
         lines[-1], ""
     )  # it stopped before Ray started
+
+    # the checkpoint whole again, its saved config emptied: one line too, never a run of the defaults
+    checkpoint.write_bytes(whole)
+    (checkpoint.parent / "config.yaml").write_text("")
+    resumed = run_cli(tmp_path, "--resume", run.info.run_id)
+    assert resumed.returncode == 2
+    assert resumed.stderr.strip().splitlines()[-1].endswith("is empty: it was cut short or overwritten")
 
 
 @pytest.mark.usefixtures("ray_session")

@@ -10,6 +10,7 @@ from fedray.platform.config.loading import (
     parse_overrides,
     raw_config,
     read_config,
+    yaml_mapping,
     yaml_problem,
 )
 from fedray.platform.config.schema import (
@@ -64,5 +65,6 @@ __all__ = [
     "scale",
     "scaled_count",
     "validate",
+    "yaml_mapping",
     "yaml_problem",
 ]

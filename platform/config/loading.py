@@ -100,19 +100,28 @@ def load_yaml(path: str | Path, what: str = "config file") -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{name} does not exist")
     try:
-        text = path.read_bytes().decode("utf-8")  # whole: a decoding error's offset is the file's
-        raw = yaml.safe_load(text) or {}
+        data = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{name}: cannot be read ({err.strerror or err})") from None
+    return yaml_mapping(data, name)
+
+
+def yaml_mapping(data: bytes, name: str, empty: str | None = None) -> dict[str, Any]:
+    """``data`` read as a YAML mapping, an error naming ``name`` if it is not one. An empty file is
+    an empty mapping, unless ``empty`` says why that would be wrong."""
+    try:
+        raw = yaml.safe_load(data.decode("utf-8"))  # whole: a decoding error's offset is the file's
     except yaml.YAMLError as err:
         raise ConfigError(f"{name}: {yaml_problem(err)}") from None
     except UnicodeDecodeError as err:
         raise ConfigError(
             f"{name}: not UTF-8 text (byte {err.object[err.start]:#04x} at {err.start})"
         ) from None
-    except OSError as err:
-        raise ConfigError(f"{name}: cannot be read ({err.strerror or err})") from None
-    if not isinstance(raw, dict):
+    if raw is None and empty is not None:
+        raise ConfigError(f"{name} is empty: {empty}")
+    if not isinstance(raw, dict | None):
         raise ConfigError(f"{name}: top level must be a mapping")
-    return raw
+    return raw or {}
 
 
 def check_platform_sections(raw: dict[str, Any], algorithms: frozenset[str] | None) -> None:

@@ -17,11 +17,12 @@ import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from fedray.platform.api.algorithm import Payload, Server, payload_nbytes
-from fedray.platform.config import ExperimentConfig, config_yaml
+from fedray.platform.config import ExperimentConfig, config_yaml, yaml_mapping
 from fedray.platform.errors import ConfigError, first_line
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.state_store import StateStore
@@ -103,8 +104,16 @@ def new_checkpoint_dir(cfg: ExperimentConfig) -> str:
     return path
 
 
-def saved_config_text(directory: str) -> str:
-    return storage.read_bytes(storage.join(directory, CONFIG_FILE)).decode()
+def saved_config_mapping(directory: str) -> dict[str, Any]:
+    """The run's ``config.yaml`` as it was written; one line if it is gone or is not a config."""
+    path = storage.join(directory, CONFIG_FILE)
+    name = f"the run's saved config {path!r}"
+    try:
+        data = storage.read_bytes(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{name} is gone; the run cannot resume without it") from None
+    # empty, it would resume as the defaults: a different run
+    return yaml_mapping(data, name, empty="it was cut short or overwritten")
 
 
 def recorded_checkpoint(run) -> str | None:

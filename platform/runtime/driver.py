@@ -24,7 +24,6 @@ from typing import Any
 import pandas as pd
 import ray
 import torch
-import yaml
 
 from fedray.platform.api.registry import get as get_algorithm
 from fedray.platform.catalog import build_config, model_inputs
@@ -44,12 +43,13 @@ from fedray.platform.errors import ALGORITHM_ERRORS, ConfigError, first_line
 from fedray.platform.models import arch_for_client
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.checkpoint import (
+    CONFIG_FILE,
     checkpoint_dir_of,
     checkpoint_file,
     has_checkpoint,
     new_checkpoint_dir,
     require_storage,
-    saved_config_text,
+    saved_config_mapping,
 )
 from fedray.platform.runtime.devices import missing_gpus, require_visible_gpus
 from fedray.platform.runtime.events import ClientFailed, RoundEnded, WorkerJoined
@@ -756,6 +756,10 @@ def resume_experiment(run_id: str, **kwargs: Any) -> Result:
     """Continue an interrupted run from its last checkpoint, to the same final numbers."""
     directory = checkpoint_dir_of(run_id)
     saved = storage.load_torch(checkpoint_file(directory))  # an altered checkpoint stops here, before Ray
-    cfg = saved_config(yaml.safe_load(saved_config_text(directory)))
+    raw = saved_config_mapping(directory)
+    try:
+        cfg = saved_config(raw)
+    except ConfigError as err:  # a setting in it that this fedray refuses: say whose setting it is
+        raise ConfigError(f"the run's saved config {storage.join(directory, CONFIG_FILE)!r}: {err}") from None
     get_algorithm(cfg.algorithm).server_cls.check_saved(saved["server"])  # before Ray and the MLflow run
     return run_experiment(cfg, resume_run_id=run_id, **kwargs)

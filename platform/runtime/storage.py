@@ -17,6 +17,7 @@ import pickle
 import posixpath
 import re
 import uuid
+import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -234,13 +235,25 @@ def no_crc32() -> Iterator[None]:
 def load_torch(uri: str) -> Any:
     """Tensors and plain values only (``weights_only``): a file under a shared storage path that
     carries a pickled object is refused in one line, and nothing in it runs."""
+    data = read_bytes(uri)
     try:
         # map_location: a checkpoint written next to a GPU loads on a machine without one
-        return torch.load(io.BytesIO(read_bytes(uri)), map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         found = re.search(r"GLOBAL ([\w.]+)", str(err))  # the callable the file names
-        reason = f"it would call {found.group(1)}" if found else first_line(err)
+        if found is None:
+            raise CheckpointError(damaged(uri, data, err)) from None
         raise CheckpointError(
-            f"{uri}: refused to load, it holds more than tensors and plain values ({reason}); "
-            "it was not written by fedray or has been altered"
+            f"{uri}: refused to load, it holds more than tensors and plain values (it would call "
+            f"{found.group(1)}); it was not written by fedray or has been altered"
         ) from None
+    # what torch raises on an empty, cut short or overwritten file, which it reads as a zip or a pickle
+    except (EOFError, KeyError, ValueError, RuntimeError, zipfile.BadZipFile) as err:
+        raise CheckpointError(damaged(uri, data, err)) from None
+
+
+def damaged(uri: str, data: bytes, err: BaseException) -> str:
+    detail = "empty" if not data else f"{len(data):,} bytes, {type(err).__name__}: {first_line(err)}"
+    return (
+        f"{uri}: not a file torch can read ({detail}); it was cut short, overwritten or not written by fedray"
+    )
