@@ -28,8 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 from fedray.platform.catalog import CATALOG, build_config
-from fedray.platform.config import dotted_overrides, load_yaml, merge, parse_overrides
+from fedray.platform.config import dotted_tree, load_yaml, merge
 from fedray.platform.config.schema import _coerce as coerce
 from fedray.platform.errors import ConfigError
 from fedray.platform.tracking.names import PERSONAL_METRICS, Metrics, personal_on
@@ -228,7 +230,9 @@ def load_space(path: str | Path) -> SearchSpace:
 
 def trial_config(base: dict[str, Any], point: dict[str, Any]):
     """The experiment config of one trial: the base config with the sampled values on top."""
-    return build_config(merge(base, parse_overrides(dotted_overrides(point))))
+    # Tune may hand a numpy number (np.int64 is no int): each value as the plain Python one
+    plain = {key: value.item() if isinstance(value, np.generic) else value for key, value in point.items()}
+    return build_config(merge(base, dotted_tree(plain, "the trial's point")))
 
 
 # How many combinations of the params' values and ends are checked before Tune starts (about 2 ms each):

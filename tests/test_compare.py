@@ -51,6 +51,30 @@ def test_a_bad_entry_fails_before_any_run(tmp_path):
         load_comparison(_write(tmp_path, [{"label": "x"}]))
 
 
+def test_a_compare_files_values_are_taken_as_written(tmp_path):
+    # quoted text stays text and null is None: neither goes through a key=value string and back
+    runs = [
+        {"algorithm": "fedavg", "tracking.experiment": "007", "data.train_subset": None},
+        {"algorithm": "fedssa", "fedssa": {"mu0": 0.25}, "fedssa.t_stable": 3, "tracking.experiment": "a: b"},
+    ]
+    path = _write(tmp_path, runs)
+    spec = yaml.safe_load(path.read_text())
+    spec["overrides"]["data.train_subset"] = 500
+    path.write_text(yaml.safe_dump(spec))
+    plain, hetero = load_comparison(path)
+    assert plain.config.tracking.experiment == "007" and plain.config.data.train_subset is None
+    assert hetero.config.tracking.experiment == "a: b" and hetero.config.data.train_subset == 500
+    assert (hetero.config.algo.mu0, hetero.config.algo.t_stable) == (0.25, 3)  # a section and a dotted key
+
+
+@pytest.mark.parametrize("base", [5, ["base.yaml"]])
+def test_a_base_that_is_not_a_path_is_one_line(tmp_path, base):
+    path = _write(tmp_path, ["fedavg"])
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "base": base}))
+    with pytest.raises(ConfigError, match=r"base=.*: the path of a config file, relative to this file"):
+        load_comparison(path)
+
+
 @pytest.mark.usefixtures("ray_session")
 def test_compare_runs_every_entry_into_one_experiment(tmp_path, mlflow_store):
     path = _write(tmp_path, ["local", "fedavg"])

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -68,6 +69,15 @@ def test_shipped_space_parses_and_every_point_builds_a_config(path):
             section, name = key.split(".")
             got = getattr(cfg.algo if section == cfg.algorithm else getattr(cfg, section), name)
             assert got == value or got == pytest.approx(value), key
+
+
+def test_a_points_values_are_taken_as_given():
+    # Tune may hand numpy numbers; a choice of text or null is that text or None, not re-read as YAML
+    base = load_yaml(ROOT / "configs" / "quickstart.yaml")
+    point = {"train.local_epochs": np.int64(2), "tracking.experiment": "007", "data.train_subset": None}
+    cfg = trial_config(base, point)
+    assert cfg.train.local_epochs == 2 and type(cfg.train.local_epochs) is int
+    assert cfg.tracking.experiment == "007" and cfg.data.train_subset is None
 
 
 def test_required_hyperparameters_are_in_the_spaces():

@@ -4,7 +4,7 @@
 from fedray.platform.config.algorithm_config import AlgorithmConfig, client_count, round_count
 from fedray.platform.config.loading import (
     Catalog,
-    dotted_overrides,
+    dotted_tree,
     load_yaml,
     merge,
     parse_overrides,
@@ -54,7 +54,7 @@ __all__ = [
     "client_count",
     "clients_per_round",
     "config_yaml",
-    "dotted_overrides",
+    "dotted_tree",
     "flatten",
     "load_yaml",
     "merge",

@@ -11,7 +11,7 @@ from typing import Any
 from fedray.platform.config.algorithm_names import known_algorithm_names
 from fedray.platform.config.loading import (
     check_platform_sections,
-    dotted_overrides,
+    dotted_tree,
     load_yaml,
     merge,
     parse_overrides,
@@ -40,11 +40,13 @@ def comparison_raws(
     runs = spec.get("runs") or []
     if not isinstance(runs, list) or not runs:
         raise ConfigError(f"{path}: 'runs' must list at least one algorithm, e.g. runs: [fedavg, fedprox]")
+    if not isinstance(spec.get("base") or "", str):
+        raise ConfigError(f"{path}: base={spec['base']!r}: the path of a config file, relative to this file")
     base = load_yaml(path.parent / spec["base"]) if spec.get("base") else {}
     if not isinstance(spec.get("overrides") or {}, dict):
         raise ConfigError(f"{path}: 'overrides' must map keys to values, e.g. overrides: {{rounds: 30}}")
     common = merge(
-        parse_overrides(dotted_overrides(spec.get("overrides") or {})), parse_overrides(overrides or [])
+        dotted_tree(spec.get("overrides") or {}, f"{path}: overrides"), parse_overrides(overrides or [])
     )
     name = name or spec.get("name") or path.stem
     seeds = seeds or spec.get("seeds") or [base.get("seed", 0)]
@@ -62,7 +64,7 @@ def comparison_raws(
             raise ConfigError(f"{path}: runs[{i}] needs an 'algorithm'")
         label = str(run.pop("label", run["algorithm"]))
         for seed in seeds:
-            raw = merge(merge(base, common), parse_overrides(dotted_overrides(run)))
+            raw = merge(merge(base, common), dotted_tree(run, f"{path}: runs[{i}]"))
             raws.append((label, merge(raw, {"name": name, "seed": seed})))
     return raws
 

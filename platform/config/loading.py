@@ -9,6 +9,7 @@ section, the dataset and the model without them: a misspelt key or a bad value i
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,15 +52,11 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
                 value = None if raw.strip() in ("null", "~") else unquoted(raw.strip())
             else:
                 value = yaml.safe_load(raw) if raw != "" else ""
+            put_dotted(tree, key, value)
         except yaml.YAMLError as err:
             raise ConfigError(f"override {item!r}: {yaml_problem(err)}") from None
-        node = tree
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {part!r} is not a section")
-        node[parts[-1]] = value
+        except ConfigError as err:
+            raise ConfigError(f"override {item!r}: {err}") from None
     return tree
 
 
@@ -68,9 +65,28 @@ def unquoted(text: str) -> str:
     return text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" else text
 
 
-def dotted_overrides(mapping: dict[str, Any]) -> list[str]:
-    """``{"fedprox.mu": 0.1}`` -> ``["fedprox.mu=0.1"]``, for :func:`parse_overrides`."""
-    return [f"{k}={v}" for k, v in mapping.items()]
+def dotted_tree(mapping: dict[str, Any], where: str) -> dict[str, Any]:
+    """``{"fedprox.mu": 0.1}`` (a YAML file's dotted keys) -> ``{"fedprox": {"mu": 0.1}}``, each value as
+    the file gave it: ``"007"`` stays text and ``null`` None, as they would not through ``key=value``."""
+    tree: dict[str, Any] = {}
+    for key, value in mapping.items():
+        try:
+            put_dotted(tree, str(key), copy.deepcopy(value))  # the file's own mapping is left as it was
+        except ConfigError as err:
+            raise ConfigError(f"{where}: {key}: {err}") from None
+    return tree
+
+
+def put_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    node = tree
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{part!r} is not a section")
+    last = parts[-1]
+    both = isinstance(value, dict) and isinstance(node.get(last), dict)  # fedprox: {...} and fedprox.mu
+    node[last] = merge(node[last], value) if both else value
 
 
 def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
