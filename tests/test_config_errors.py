@@ -54,6 +54,8 @@ def no_proxy_for_loopback(monkeypatch):
         (["ray.num_cpus=0"], "ray.num_cpus=0: must be >= 1 or null"),  # not "all of them"
         (["ray.address=garbage"], "ray.address='garbage': not a Ray address"),
         (["ray.address=10.0.0.1:99999"], "not a Ray address"),
+        (["ray.address=foo://bar"], "not a Ray address (ray.init would import a module 'foo' for that"),
+        (["ray.address=http://10.0.0.1:8265"], "not a Ray address (that is a web address)"),  # the dashboard
         (["tracking.system_metrics_s=-1"], "tracking.system_metrics_s=-1.0: must be >= 0"),
         (["data.image_size=1"], "model 'cnn_small' needs images of at least 2x2 pixels, the data has 1x1"),
     ],
@@ -114,6 +116,7 @@ def test_a_run_that_cannot_go_on_is_one_line_and_exit_status_1(capsys, monkeypat
 # checked in a fresh process only: in the tests' own process a Ray may already be up, and a run joins it
 FRESH_CLI_CASES = [
     (["ray.address=127.0.0.1:1"], "ray.address=127.0.0.1:1: nothing answers there"),  # no cluster there
+    (["ray.address=ray://127.0.0.1:1"], "ray.address=ray://127.0.0.1:1: nothing answers there"),  # Ray Client
     # more than this machine's Ray has: the set-up would wait for room that never comes
     (["ray.num_cpus_per_client=64"], "ray.num_cpus_per_client=64: a ClientActor needs that many CPUs"),
     (["ray.num_cpus=2", "ray.num_cpus_per_client=3"], "ray.num_cpus is 2"),
@@ -384,7 +387,8 @@ def test_resuming_a_sweeps_or_a_reports_run_says_what_it_is(capsys, mlflow_store
 def test_valid_cluster_addresses_pass_and_a_cluster_is_not_asked_for_cpus_it_may_get_later():
     from fedray.platform.runtime.driver import require_cpus
 
-    for address in ("", "auto", "local", "ray://head:10001", "anyscale://cluster", "head:6379"):
+    # a module's own scheme, where that module is installed (ray.init imports it by the scheme's name)
+    for address in ("", "auto", "local", "ray://head:10001", "yaml://cluster", "head:6379"):
         load_config(None, [f"ray.address={address}"])  # "": a local Ray, as before
     for ipv6 in ("[::1]:6379", '"[::1]:6379"', "'[::1]:6379'"):  # bare (not a YAML list) or quoted
         assert load_config(None, [f"ray.address={ipv6}"]).ray.address == "[::1]:6379"

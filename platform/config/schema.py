@@ -12,6 +12,7 @@ and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import types
@@ -431,15 +432,29 @@ def address_ok(address: str) -> bool:
     if address in ("auto", "local"):
         return True
     scheme, sep, rest = address.partition("://")
-    if sep:  # ray:// (Ray Client) or a module's own scheme, which ray.init looks up
-        return bool(scheme) and bool(rest)
+    if sep:  # ray:// (Ray Client), or a module that ray.init imports by the scheme's name
+        return bool(rest) and (scheme == "ray" or module_exists(scheme)) and scheme not in ("http", "https")
     host, _, port = address.rpartition(":")
     return bool(host) and port.isdigit() and 0 < int(port) < 65536 and "/" not in host
 
 
+def module_exists(name: str) -> bool:
+    try:
+        return bool(name) and importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a dotted name whose parent is not there; an empty part
+        return False
+
+
 def bad_address(source: str, address: str) -> str:
+    scheme, sep, rest = address.partition("://")
+    if scheme in ("http", "https"):  # the dashboard's or the job server's URL
+        why = " (that is a web address)"
+    elif sep and rest and scheme != "ray":  # anyscale://... works where the anyscale package is
+        why = f" (ray.init would import a module {scheme!r} for that scheme, and none is installed)"
+    else:
+        why = ""
     return (
-        f"{source}={address!r}: not a Ray address; give host:port (the head's, e.g. 10.0.0.1:6379), "
+        f"{source}={address!r}: not a Ray address{why}; give host:port (the head's, e.g. 10.0.0.1:6379), "
         "auto, or ray://host:port (Ray Client)"
     )
 

@@ -225,10 +225,10 @@ CONNECT_TIMEOUT_S = 10  # a cluster's head that has not answered by then is not 
 
 def require_answer(address: str, source: str) -> None:
     """A cluster address where nothing answers fails in one line at once: Ray itself retries for about
-    a minute, then fails with a stack trace. ``auto``, ``local`` and Ray Client's ``ray://`` addresses,
-    and anything not ``host:port``, are left to Ray."""
-    host, _, port = address.rpartition(":")
-    if "://" in address or not host or not port.isdigit():
+    a minute (Ray Client half a minute), then fails with a stack trace. ``auto``, ``local``, a module's
+    own scheme and anything not ``host:port`` are left to Ray."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if "://" in host or not host or not port.isdigit():
         return
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
