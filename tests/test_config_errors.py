@@ -316,6 +316,34 @@ def test_the_tracking_uri_from_the_environment_is_named_as_such(capsys, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_a_ui_address_it_cannot_listen_on_is_one_line_before_the_server_starts(capsys, tmp_path, monkeypatch):
+    # uvicorn logs either and exits 0: a script would take it for a UI that ran and was stopped
+    import socket
+
+    from mlflow.tracking import MlflowClient
+
+    from fedray.platform.apps import ui
+
+    def server_started(*args):
+        raise AssertionError("the MLflow UI server was started")
+
+    monkeypatch.setattr(ui.os, "execv", server_started)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").search_experiments()  # the store exists
+    capsys.readouterr()  # MLflow's lines as it made the store
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        in_use = str(taken.getsockname()[1])
+        for host, port, needle in [
+            ("999.1.1.1", "5000", "999.1.1.1 --port 5000: the UI cannot listen there"),
+            ("127.0.0.1", in_use, f"--port {in_use}: the UI cannot listen there (Address"),
+        ]:
+            assert main(["ui", "--host", host, "--port", port]) == 2
+            err = capsys.readouterr().err.strip()
+            assert needle in err and len(err.splitlines()) == 1, err
+
+
 def test_a_mistyped_command_line_is_one_line(capsys):
     for args, needle in (
         (["run", "--bogus"], "fedray: error: unrecognized arguments: --bogus (see fedray --help)"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 
 from fedray.platform.errors import ConfigError
@@ -37,6 +38,21 @@ def find_experiment(uri: str, name: str | None) -> tuple[str, str] | None:
     return found.experiment_id, found.name
 
 
+def require_listenable(host: str, port: int) -> None:
+    """The UI server's address, tried before the server replaces this process: uvicorn logs a host it
+    cannot resolve or a port in use and exits 0, which a script would take for a UI that ran."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as err:
+        raise ConfigError(
+            f"--host {host} --port {port}: the UI cannot listen there ({err.strerror or err}); "
+            "give this machine's address (127.0.0.1, 0.0.0.0 for every interface) and a free port"
+        ) from None
+
+
 def ui_command(args: argparse.Namespace) -> int:
     from fedray.platform.tracking.mlflow_run import (
         missing_sqlite_store,
@@ -58,6 +74,7 @@ def ui_command(args: argparse.Namespace) -> int:
     if uri.startswith(("http://", "https://")):  # a tracking server serves its own UI
         print(f"the tracking server {uri} serves the UI: {runs_table_url(found[0], uri) if found else uri}")
         return 0
+    require_listenable(args.host, args.port)
     server = f"http://{args.host}:{args.port}"
     if found is None:
         print(f"MLflow UI: {server}/  (the store has no runs yet)")
