@@ -193,6 +193,18 @@ def test_partition_dispatch_applies_long_tail_then_partitions():
     assert all(np.array_equal(a, b) for a, b in zip(parts, same))
 
 
+def test_too_few_samples_after_the_long_tail_names_the_long_tail():
+    # min_samples alone fits the whole pool: the message must say what thinned it
+    cfg = PartitionConfig(kind="dirichlet", min_samples=50, long_tail_rho=10.0)
+    partition(LABELS, PartitionConfig(kind="dirichlet", min_samples=50), 10, NUM_CLASSES, seed=0)
+    with pytest.raises(ConfigError) as err:
+        partition(LABELS, cfg, 10, NUM_CLASSES, seed=0)
+    assert str(err.value) == (
+        f"data.partition.min_samples=50: 10 clients x 50 exceeds the 403 samples, which "
+        f"data.partition.long_tail_rho=10 left of {len(LABELS)}"
+    )
+
+
 def test_partition_kind_file_is_not_supported_yet():
     with pytest.raises(ConfigError, match=r"data\.partition\.kind=file is not a partitioner"):
         partition(LABELS, PartitionConfig(kind="file", path="x.json"), 5, NUM_CLASSES, seed=0)

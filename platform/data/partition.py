@@ -305,8 +305,20 @@ def partition(
     pool = np.arange(len(labels), dtype=np.int64)
     if cfg.long_tail_rho is not None:
         pool = long_tail(labels, cfg.long_tail_rho, numpy_rng("data/long_tail", seed))
-    sub = labels[pool]
-    rng = numpy_rng("data/partition", seed)
+    try:
+        parts = partition_pool(labels[pool], cfg, num_clients, num_classes, numpy_rng("data/partition", seed))
+    except ConfigError as err:  # too few samples for the clients: say what thinned the pool
+        if len(pool) == len(labels):
+            raise
+        raise ConfigError(
+            f"{err}, which data.partition.long_tail_rho={cfg.long_tail_rho:g} left of {len(labels)}"
+        ) from None
+    return [pool[p] for p in parts]
+
+
+def partition_pool(
+    sub: np.ndarray, cfg: PartitionConfig, num_clients: int, num_classes: int, rng: np.random.Generator
+) -> list[np.ndarray]:
     if cfg.kind == "iid":
         parts = iid(sub, num_clients, rng)
     elif cfg.kind == "dirichlet":
@@ -324,4 +336,4 @@ def partition(
         raise ConfigError(
             f"data.partition.kind={cfg.kind!r}: allowed values are iid, dirichlet, shards, shamsian, file"
         )
-    return [pool[p] for p in parts]
+    return parts
