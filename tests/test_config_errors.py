@@ -81,6 +81,7 @@ CLI_CASES = [
     (["storage_path=file:///proc/fedray"], "storage_path=file:///proc/fedray: cannot make the folder"),
     (["storage_path=foo://bar/x"], "storage_path=foo://bar/x: Unrecognized filesystem type"),
     (["storage_path=file://relative/x"], "a file:// URI is absolute (file:///home/...)"),
+    (["storage_path=hdfs://nn:8020/x"], "storage_path=hdfs://nn:8020/x: cannot be reached"),  # no Java here
     # no client could take a step: the run would train nothing (checked on the partition, before Ray)
     (["train.drop_last=true", "train.batch_size=100000"], "no client has that many training samples"),
 ]
@@ -288,6 +289,10 @@ def test_an_algorithm_config_must_derive_from_the_typed_base():
             ["run", "tracking.uri=sqlite:////proc/nope/x.db", "rounds=1"],
             "tracking.uri=sqlite:////proc/nope/x.db: cannot make the folder /proc/nope",
         ),
+        (  # no MySQL driver here; the password is not shown
+            ["run", "tracking.uri=mysql://u:secret@127.0.0.1:1/db", "rounds=1"],
+            "tracking.uri=mysql://u:***@127.0.0.1:1/db: its database driver MySQLdb is not installed",
+        ),
     ],
 )
 def test_a_bad_command_line_is_one_line_and_starts_nothing(args, needle, capsys, tmp_path, monkeypatch):
@@ -455,3 +460,49 @@ def test_a_tracking_server_behind_a_proxy_is_left_to_mlflow(monkeypatch):
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     with pytest.raises(ConfigError, match=r"tracking.uri=http://127.0.0.1:1: no tracking server answers"):
         require_server_answer("http://127.0.0.1:1", "tracking.uri")
+
+
+def test_a_database_store_where_nothing_answers_is_one_line_without_its_password(monkeypatch):
+    """With its driver installed (faked here: none is), a database store is asked for a connection
+    before Ray starts, and the line does not show the password."""
+    from sqlalchemy.engine.url import URL
+
+    from fedray.platform.tracking.mlflow_run import require_database
+
+    class InstalledDriver:
+        @staticmethod
+        def import_dbapi():
+            return object()
+
+    monkeypatch.setattr(URL, "get_dialect", lambda self, **kwargs: InstalledDriver)
+    with pytest.raises(ConfigError) as err:
+        require_database("postgresql://u:secret@127.0.0.1:1/db", "tracking.uri")
+    assert str(err.value).startswith("tracking.uri=postgresql://u:***@127.0.0.1:1/db: no database answers")
+    assert "secret" not in str(err.value) and "\n" not in str(err.value)
+    require_database("sqlite:///x.db", "tracking.uri")  # not a server database: nothing to ask
+
+
+def test_an_object_store_that_never_answers_is_one_line_after_the_wait(monkeypatch):
+    """GCS without credentials waits minutes for a metadata server: the look is given up on."""
+    import threading
+
+    from fedray.platform.runtime import checkpoint
+    from fedray.platform.runtime.checkpoint import require_remote_answer
+
+    never = threading.Event()
+    monkeypatch.setattr(checkpoint.storage, "exists", lambda uri: never.wait(30))
+    monkeypatch.setattr(checkpoint, "REMOTE_ANSWER_TIMEOUT_S", 0.2)
+    with pytest.raises(ConfigError, match=r"^storage_path=gs://b/x: no answer from the object store in 0 s"):
+        require_remote_answer("gs://b/x", "gs://b/x")
+    never.set()
+
+    def refused(uri):
+        raise OSError("When getting information for bucket 'b': AWS Error ACCESS_DENIED")
+
+    monkeypatch.setattr(checkpoint.storage, "exists", refused)
+    with pytest.raises(
+        ConfigError, match=r"^storage_path=s3://b/x: cannot be reached \(When getting .*DENIED\)$"
+    ):
+        require_remote_answer("s3://b/x", "s3://b/x")
+    monkeypatch.setattr(checkpoint.storage, "exists", lambda uri: False)
+    require_remote_answer("s3://b/x", "s3://b/x")  # answered: the folder is made at the first write

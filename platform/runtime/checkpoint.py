@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as NoAnswer  # the builtin's alias only from 3.11
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,13 +59,18 @@ def has_checkpoint(directory: str) -> bool:
 REMOTE_SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
 
 
+# an object store's first answer (a region, credentials, the bucket); one that has none by then hangs
+REMOTE_ANSWER_TIMEOUT_S = 30.0
+
+
 def require_storage(cfg: ExperimentConfig) -> None:
     """A local storage path that cannot hold the run's folder fails in one line before Ray starts,
-    not at the folder's making once the workers are up; so does a URI pyarrow cannot read. An object
-    store's is left to its first write."""
+    not at the folder's making once the workers are up; so does a URI pyarrow cannot read, and an
+    object store that cannot be reached (no network, no credentials, no Java for HDFS)."""
     uri = storage.resolve(cfg.storage_path)
     scheme = uri.split("://", 1)[0] if "://" in uri else ""
     if scheme in REMOTE_SCHEMES:
+        require_remote_answer(cfg.storage_path, uri)
         return
     if scheme not in ("", "file", "local"):
         from pyarrow import fs
@@ -91,6 +98,30 @@ def require_storage(cfg: ExperimentConfig) -> None:
         ) from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"storage_path={cfg.storage_path}: the folder {path} cannot be written to")
+
+
+def require_remote_answer(setting: str, uri: str) -> None:
+    """One look at the storage path in an object store, in a thread that is given up on after
+    ``REMOTE_ANSWER_TIMEOUT_S`` (GCS without credentials waits minutes for a metadata server)."""
+    answer: Future = Future()
+
+    def look() -> None:
+        try:
+            storage.exists(uri)
+            answer.set_result(None)
+        except BaseException as err:  # pyarrow's OSError or ArrowException, whatever the store says
+            answer.set_exception(err)
+
+    threading.Thread(target=look, name="fedray-storage-check", daemon=True).start()
+    try:
+        answer.result(timeout=REMOTE_ANSWER_TIMEOUT_S)
+    except NoAnswer:
+        raise ConfigError(
+            f"storage_path={setting}: no answer from the object store in {REMOTE_ANSWER_TIMEOUT_S:.0f} s; "
+            "check the network and the credentials, or use a local folder"
+        ) from None
+    except Exception as err:
+        raise ConfigError(f"storage_path={setting}: cannot be reached ({first_line(err)})") from None
 
 
 def new_checkpoint_dir(cfg: ExperimentConfig) -> str:

@@ -75,6 +75,7 @@ def require_tracking_store(uri: str, source: str) -> None:
         )
     require_sqlite_folder(uri, source)
     require_server_answer(uri, source)
+    require_database(uri, source)
 
 
 def is_file_store(uri: str) -> bool:
@@ -130,6 +131,50 @@ def require_server_answer(uri: str, source: str) -> None:
         raise ConfigError(
             f"{source}={uri}: no tracking server answers there ({getattr(err, 'strerror', None) or err}); "
             "start it (mlflow server ...) or give its address"
+        ) from None
+
+
+# what to install for the Python module a database URI's driver is (SQLAlchemy's default per scheme)
+DATABASE_DRIVERS = {
+    "MySQLdb": "pip install mysqlclient, or mysql+pymysql:// and pip install pymysql",
+    "pymysql": "pip install pymysql",
+    "psycopg": "pip install 'psycopg[binary]'",
+    "psycopg2": "pip install psycopg2-binary",
+    "pyodbc": "pip install pyodbc",
+}
+DATABASE_PORTS = {"mysql": 3306, "postgresql": 5432, "mssql": 1433}
+
+
+def require_database(uri: str, source: str) -> None:
+    """A database store (postgresql://, mysql://, mssql://) whose driver is not installed, or where
+    nothing answers, fails in one line here: MLflow would fail with a traceback as the run is first
+    opened, after Ray has started. The password is not shown."""
+    import socket
+
+    from sqlalchemy.engine import make_url
+
+    scheme = uri.split("://", 1)[0].split("+", 1)[0]
+    if scheme not in DATABASE_PORTS:
+        return
+    try:
+        url = make_url(uri)
+        shown = url.render_as_string(hide_password=True)
+        url.get_dialect().import_dbapi()
+    except ModuleNotFoundError as err:
+        install = DATABASE_DRIVERS.get(err.name or "", f"pip install {err.name}")
+        raise ConfigError(
+            f"{source}={shown}: its database driver {err.name} is not installed ({install})"
+        ) from None
+    except Exception as err:  # SQLAlchemy's ArgumentError: a URI it cannot parse
+        raise ConfigError(f"{source}: not a database URI SQLAlchemy reads ({first_line(err)})") from None
+    if not url.host:  # a local socket: MLflow's connection says
+        return
+    try:
+        port = url.port or DATABASE_PORTS[scheme]
+        socket.create_connection((url.host, port), timeout=SERVER_CONNECT_TIMEOUT_S).close()
+    except OSError as err:
+        raise ConfigError(
+            f"{source}={shown}: no database answers there ({err.strerror or err}); start it or give its address"
         ) from None
 
 
