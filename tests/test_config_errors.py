@@ -417,6 +417,20 @@ def test_resuming_a_sweeps_or_a_reports_run_says_what_it_is(capsys, mlflow_store
         assert client.get_run(run).info.status == "RUNNING"  # as it was
 
 
+def test_resuming_a_run_whose_object_store_cannot_be_reached_is_one_line(capsys, mlflow_store):
+    """The run's folder is looked for in its object store once, with the wait of a run's start."""
+    from mlflow.tracking import MlflowClient
+
+    from fedray.platform.tracking.names import Tags
+
+    client = MlflowClient(mlflow_store)
+    folder = "hdfs://nn:8020/fedray/quickstart-1"  # no Java here: HDFS cannot be reached
+    run = client.create_run(client.create_experiment("remote"), tags={Tags.CHECKPOINT_DIR: folder})
+    assert main(["run", "--resume", run.info.run_id]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after MLflow's log of the store's making
+    assert err.startswith(f"fedray: error: the run's folder {folder}: cannot be reached (")
+
+
 def test_valid_cluster_addresses_pass_and_a_cluster_is_not_asked_for_cpus_it_may_get_later():
     from fedray.platform.runtime.driver import require_cpus
 
@@ -493,7 +507,7 @@ def test_an_object_store_that_never_answers_is_one_line_after_the_wait(monkeypat
     monkeypatch.setattr(checkpoint.storage, "exists", lambda uri: never.wait(30))
     monkeypatch.setattr(checkpoint, "REMOTE_ANSWER_TIMEOUT_S", 0.2)
     with pytest.raises(ConfigError, match=r"^storage_path=gs://b/x: no answer from the object store in 0 s"):
-        require_remote_answer("gs://b/x", "gs://b/x")
+        require_remote_answer("storage_path=gs://b/x", "gs://b/x")
     never.set()
 
     def refused(uri):
@@ -503,6 +517,8 @@ def test_an_object_store_that_never_answers_is_one_line_after_the_wait(monkeypat
     with pytest.raises(
         ConfigError, match=r"^storage_path=s3://b/x: cannot be reached \(When getting .*DENIED\)$"
     ):
-        require_remote_answer("s3://b/x", "s3://b/x")
+        require_remote_answer("storage_path=s3://b/x", "s3://b/x")
     monkeypatch.setattr(checkpoint.storage, "exists", lambda uri: False)
-    require_remote_answer("s3://b/x", "s3://b/x")  # answered: the folder is made at the first write
+    require_remote_answer(
+        "storage_path=s3://b/x", "s3://b/x"
+    )  # answered: the folder is made at the first write

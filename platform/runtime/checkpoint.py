@@ -59,6 +59,10 @@ def has_checkpoint(directory: str) -> bool:
 REMOTE_SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
 
 
+def is_remote(uri: str) -> bool:
+    return "://" in uri and uri.split("://", 1)[0] in REMOTE_SCHEMES
+
+
 # an object store's first answer (a region, credentials, the bucket); one that has none by then hangs
 REMOTE_ANSWER_TIMEOUT_S = 30.0
 
@@ -69,8 +73,8 @@ def require_storage(cfg: ExperimentConfig) -> None:
     object store that cannot be reached (no network, no credentials, no Java for HDFS)."""
     uri = storage.resolve(cfg.storage_path)
     scheme = uri.split("://", 1)[0] if "://" in uri else ""
-    if scheme in REMOTE_SCHEMES:
-        require_remote_answer(cfg.storage_path, uri)
+    if is_remote(uri):
+        require_remote_answer(f"storage_path={cfg.storage_path}", uri)
         return
     if scheme not in ("", "file", "local"):
         from pyarrow import fs
@@ -100,7 +104,7 @@ def require_storage(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"storage_path={cfg.storage_path}: the folder {path} cannot be written to")
 
 
-def require_remote_answer(setting: str, uri: str) -> None:
+def require_remote_answer(name: str, uri: str) -> None:
     """One look at the storage path in an object store, in a thread that is given up on after
     ``REMOTE_ANSWER_TIMEOUT_S`` (GCS without credentials waits minutes for a metadata server)."""
     answer: Future = Future()
@@ -117,11 +121,11 @@ def require_remote_answer(setting: str, uri: str) -> None:
         answer.result(timeout=REMOTE_ANSWER_TIMEOUT_S)
     except NoAnswer:
         raise ConfigError(
-            f"storage_path={setting}: no answer from the object store in {REMOTE_ANSWER_TIMEOUT_S:.0f} s; "
+            f"{name}: no answer from the object store in {REMOTE_ANSWER_TIMEOUT_S:.0f} s; "
             "check the network and the credentials, or use a local folder"
         ) from None
     except Exception as err:
-        raise ConfigError(f"storage_path={setting}: cannot be reached ({first_line(err)})") from None
+        raise ConfigError(f"{name}: cannot be reached ({first_line(err)})") from None
 
 
 def new_checkpoint_dir(cfg: ExperimentConfig) -> str:
@@ -150,7 +154,11 @@ def saved_config_mapping(directory: str) -> dict[str, Any]:
 def recorded_checkpoint(run) -> str | None:
     """The checkpoint folder an MLflow run recorded, if a checkpoint is there (None otherwise)."""
     path = run.data.tags.get(Tags.CHECKPOINT_DIR)
-    return path if path and has_checkpoint(path) else None
+    if not path:
+        return None
+    if is_remote(path):  # an object store that does not answer would hang the look below
+        require_remote_answer(f"the run's folder {path}", path)
+    return path if has_checkpoint(path) else None
 
 
 def checkpoint_dir_of(run_id: str, uri: str | None = None) -> str:
