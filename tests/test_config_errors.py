@@ -522,3 +522,30 @@ def test_an_object_store_that_never_answers_is_one_line_after_the_wait(monkeypat
     require_remote_answer(
         "storage_path=s3://b/x", "s3://b/x"
     )  # answered: the folder is made at the first write
+
+
+def test_a_pool_larger_than_the_free_memory_is_one_line_before_ray(monkeypatch):
+    """One ClientActor per CPU of ray.num_cpus, each a process of at least WORKER_MEMORY_MB: a pool
+    that cannot fit is refused with the ray.max_actors that would (here with 2 GB free)."""
+    from types import SimpleNamespace
+
+    import psutil
+
+    from fedray.platform.runtime import driver
+
+    monkeypatch.setattr(driver, "local_ray", lambda cfg: True)  # as a fresh command would start one
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=2048 * 2**20))
+    with pytest.raises(ConfigError) as err:
+        driver.require_memory_for_pool(load_config(None, ["ray.num_cpus=8"]))
+    assert str(err.value) == (
+        "ray.num_cpus=8: a pool of 8 ClientActors, each a process of at least 400 MB, needs more than "
+        "this machine's free 2.0 GB; set ray.max_actors=4 or lower"
+    )
+    with pytest.raises(ConfigError, match=r"^ray.max_actors=5: a pool of 5 ClientActors"):
+        driver.require_memory_for_pool(load_config(None, ["ray.num_cpus=8", "ray.max_actors=5"]))
+    driver.require_memory_for_pool(
+        load_config(None, ["ray.num_cpus=8", "ray.max_actors=4"])
+    )  # and the Coordinator
+    driver.require_memory_for_pool(
+        load_config(None, ["ray.num_cpus=64", "data.num_clients=4"])
+    )  # one per client

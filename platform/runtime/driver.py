@@ -51,6 +51,7 @@ from fedray.platform.runtime.checkpoint import (
     require_storage,
     saved_config_mapping,
 )
+from fedray.platform.runtime.coordinator import pool_size
 from fedray.platform.runtime.devices import missing_gpus, require_visible_gpus
 from fedray.platform.runtime.events import ClientFailed, RoundEnded, WorkerJoined
 from fedray.platform.runtime.process_roles import set_up_driver
@@ -491,6 +492,7 @@ def require_before_ray(cfg: ExperimentConfig, new_run: bool = True) -> None:
     require_gpus(cfg, before_ray=True)
     require_cpus(cfg, before_ray=True)
     require_object_store_room(cfg)
+    require_memory_for_pool(cfg)
     require_tracking_store(tracking_uri(cfg), tracking_uri_source())
     if new_run:
         require_storage(cfg)
@@ -547,6 +549,38 @@ def require_object_store_room(cfg: ExperimentConfig) -> None:
             f"ray.object_store_mb={store_mb}: more than this machine's free memory allows "
             f"({room / 2**20:,.0f} MB); lower it, or leave it unset (Ray's default: 30 % of the memory)"
         )
+
+
+# a ClientActor's own memory (USS) once torch, Lightning and the quickstart's model are loaded:
+# 445 MB measured on CPU with torch 2.15's CUDA build; the floor of what a worker costs
+WORKER_MEMORY_MB = 400
+
+
+def require_memory_for_pool(cfg: ExperimentConfig) -> None:
+    """The pool a local Ray would start (one ClientActor per ``ray.num_cpus_per_client`` CPUs, up to
+    the clients) fits this machine's free memory, or one line now: Ray would otherwise start them all
+    and its memory monitor kill them part way (``ray.num_cpus=500`` on a 2-core laptop)."""
+    if not local_ray(cfg):
+        return
+    import psutil
+
+    cpus = cfg.ray.num_cpus or os.cpu_count() or 1
+    gpus = torch.cuda.device_count() if cfg.ray.num_gpus_per_client > 0 else 0
+    workers = pool_size(cfg, {"CPU": cpus, "GPU": gpus})
+    free_mb = psutil.virtual_memory().available / 2**20
+    if (workers + 1) * WORKER_MEMORY_MB <= free_mb:  # and the Coordinator's process
+        return
+    if cfg.ray.max_actors == workers:
+        what = f"ray.max_actors={workers}"
+    elif cfg.ray.num_cpus:
+        what = f"ray.num_cpus={cpus}"
+    else:
+        what = f"this machine's {cpus} CPUs"
+    fits = max(1, int(free_mb // WORKER_MEMORY_MB) - 1)
+    raise ConfigError(
+        f"{what}: a pool of {workers} ClientActors, each a process of at least {WORKER_MEMORY_MB} MB, "
+        f"needs more than this machine's free {free_mb / 1024:,.1f} GB; set ray.max_actors={fits} or lower"
+    )
 
 
 def reopen_run(
