@@ -51,6 +51,12 @@ def no_proxy_for_loopback(monkeypatch):
         (["data.partition.alpha=nan"], "data.partition.alpha='nan': expected a finite number"),
         (["name="], "name: must not be empty"),
         (["storage_path="], "storage_path: must not be empty"),
+        # checked with the config, before the model would see an image of 0x0 pixels
+        (
+            ["data.dataset=synthetic", "data.synthetic_image_size=0"],
+            "data.synthetic_image_size=0: must be >= 1",
+        ),
+        (["data.synthetic_classes=0"], "data.synthetic_classes=0: must be >= 1"),
         (["ray.num_cpus=0"], "ray.num_cpus=0: must be >= 1 or null"),  # not "all of them"
         (["ray.address=garbage"], "ray.address='garbage': not a Ray address"),
         (["ray.address=10.0.0.1:99999"], "not a Ray address"),

@@ -382,6 +382,8 @@ def check_fields(cfg: ExperimentConfig) -> None:
     )
     _check(leaf.vocab_size >= 2, f"data.leaf.vocab_size={leaf.vocab_size}: must be >= 2")
     _check(d.image_size is None or d.image_size >= 1, f"data.image_size={d.image_size}: must be >= 1 or null")
+    _check(d.synthetic_classes >= 1, f"data.synthetic_classes={d.synthetic_classes}: must be >= 1")
+    _check(d.synthetic_image_size >= 1, f"data.synthetic_image_size={d.synthetic_image_size}: must be >= 1")
     _check(0 < t.fraction <= 1, f"train.fraction={t.fraction}: the participation fraction must be in (0, 1]")
     _check(t.local_epochs >= 0, f"train.local_epochs={t.local_epochs}: must be >= 0")
     _check(t.batch_size >= 1, f"train.batch_size={t.batch_size}: must be >= 1")

@@ -33,10 +33,6 @@ class Synthetic(Source):
     doc = "class prototypes plus noise from a fixed seed (data.synthetic_*): the tests' fixture"
 
     def check(self, cfg: DataConfig) -> None:
-        if cfg.synthetic_classes < 1:
-            raise ConfigError(f"data.synthetic_classes={cfg.synthetic_classes}: must be >= 1")
-        if cfg.synthetic_image_size < 1:
-            raise ConfigError(f"data.synthetic_image_size={cfg.synthetic_image_size}: must be >= 1")
         if cfg.synthetic_samples < 2 * cfg.synthetic_classes:
             raise ConfigError(
                 f"data.synthetic_samples={cfg.synthetic_samples}: need at least 2 per class "
