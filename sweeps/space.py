@@ -68,7 +68,10 @@ class Param:
         if self.kind == "quniform":
             step = self.values[2]
             return [round(end / step) * step for end in self.values[:2]]
-        return list(self.values[:2])
+        low, high = self.values[:2]
+        if self.kind in ("uniform", "loguniform"):  # Tune draws from [low, high): not high itself
+            return [low, math.nextafter(high, low)]
+        return [low, high]
 
     def tune_domain(self, search: str) -> Any:
         from ray import tune

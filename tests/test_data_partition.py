@@ -208,3 +208,11 @@ def test_too_few_samples_after_the_long_tail_names_the_long_tail():
 def test_partition_kind_file_is_not_supported_yet():
     with pytest.raises(ConfigError, match=r"data\.partition\.kind=file is not a partitioner"):
         partition(LABELS, PartitionConfig(kind="file", path="x.json"), 5, NUM_CLASSES, seed=0)
+
+
+def test_the_long_tail_note_is_only_on_the_too_few_samples_error():
+    """Another partition error (no Dirichlet draw gave each client its minimum) keeps its own ending."""
+    cfg = PartitionConfig(kind="dirichlet", alpha=0.01, min_samples=40, long_tail_rho=10.0)
+    with pytest.raises(ConfigError) as err:
+        partition(LABELS, cfg, 10, NUM_CLASSES, seed=0)
+    assert str(err.value).endswith("or use fewer clients"), err.value

@@ -1113,3 +1113,13 @@ def test_a_resumed_run_hands_the_rounds_it_logs_late_to_on_round(monkeypatch):
     monkeypatch.setattr(driver, "checkpoint_dir_of", lambda run_id, uri: "/runs/r1")
     folder = driver.reopen_run(session, handle, "r1", lambda rnd, metrics: seen.append((rnd, metrics)))
     assert folder == "/runs/r1" and logged == [3, 4] and seen == [(3, history[2]), (4, history[3])]
+
+
+def test_a_range_is_checked_where_tune_draws_not_at_its_open_top_end(tmp_path):
+    """Tune draws a uniform range from [low, high): momentum in [0.5, 1.0) is a valid space though
+    momentum=1.0 is refused, and the point just below the top is what is checked."""
+    path = tmp_path / "space.yaml"
+    path.write_text(
+        yaml.safe_dump({"search": "random", "params": {"train.momentum": {"uniform": [0.5, 1.0]}}})
+    )
+    check_space(load_space(path), prepare_base(None, "fedavg", tiny_overrides()))

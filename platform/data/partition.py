@@ -32,6 +32,10 @@ RngLike = np.random.Generator | int
 # ------------------------------------------------------------------------------------------ helpers
 
 
+class TooFewSamples(ConfigError):
+    """The pool holds fewer samples than the clients' minimum asks for (a long tail may have thinned it)."""
+
+
 def _class_order(labels: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Indices grouped by class (classes ascending, random order inside a class).
 
@@ -151,7 +155,7 @@ def dirichlet(
     labels = np.asarray(labels)
     class_sizes = np.unique(labels, return_counts=True)[1]
     if min_samples * num_clients > len(labels):
-        raise ConfigError(
+        raise TooFewSamples(
             f"data.partition.min_samples={min_samples}: {num_clients} clients x {min_samples} exceeds the "
             f"{len(labels)} samples"
         )
@@ -307,7 +311,7 @@ def partition(
         pool = long_tail(labels, cfg.long_tail_rho, numpy_rng("data/long_tail", seed))
     try:
         parts = partition_pool(labels[pool], cfg, num_clients, num_classes, numpy_rng("data/partition", seed))
-    except ConfigError as err:  # too few samples for the clients: say what thinned the pool
+    except TooFewSamples as err:  # too few samples for the clients: say what thinned the pool
         if len(pool) == len(labels):
             raise
         raise ConfigError(

@@ -147,6 +147,8 @@ def saved_config_mapping(directory: str) -> dict[str, Any]:
         data = storage.read_bytes(path)
     except FileNotFoundError:
         raise ConfigError(f"{name} is gone; the run cannot resume without it") from None
+    except OSError as err:  # no permission, a folder in its place
+        raise ConfigError(f"{name} cannot be read ({first_line(err)})") from None
     # empty, it would resume as the defaults: a different run
     return yaml_mapping(data, name, empty="it was cut short or overwritten")
 

@@ -492,7 +492,8 @@ def require_before_ray(cfg: ExperimentConfig, new_run: bool = True) -> None:
     require_gpus(cfg, before_ray=True)
     require_cpus(cfg, before_ray=True)
     require_object_store_room(cfg)
-    require_memory_for_pool(cfg)
+    if new_run:  # a resume takes no overrides: ray.max_actors could not be lowered for it
+        require_memory_for_pool(cfg)
     require_tracking_store(tracking_uri(cfg), tracking_uri_source())
     if new_run:
         require_storage(cfg)
@@ -576,7 +577,12 @@ def require_memory_for_pool(cfg: ExperimentConfig) -> None:
         what = f"ray.num_cpus={cpus}"
     else:
         what = f"this machine's {cpus} CPUs"
-    fits = max(1, int(free_mb // WORKER_MEMORY_MB) - 1)
+    fits = int(free_mb // WORKER_MEMORY_MB) - 1
+    if fits < 1:
+        raise ConfigError(
+            f"this machine's free memory ({free_mb / 1024:,.1f} GB) cannot hold a ClientActor and the "
+            f"Coordinator, each a process of at least {WORKER_MEMORY_MB} MB; free some memory"
+        )
     raise ConfigError(
         f"{what}: a pool of {workers} ClientActors, each a process of at least {WORKER_MEMORY_MB} MB, "
         f"needs more than this machine's free {free_mb / 1024:,.1f} GB; set ray.max_actors={fits} or lower"

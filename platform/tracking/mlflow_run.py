@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from fedray.platform.config import ExperimentConfig, config_yaml, flatten
 from fedray.platform.environ import environ_restored
@@ -152,6 +153,7 @@ def require_database(uri: str, source: str) -> None:
     import socket
 
     from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
 
     scheme = uri.split("://", 1)[0].split("+", 1)[0]
     if scheme not in DATABASE_PORTS:
@@ -159,14 +161,16 @@ def require_database(uri: str, source: str) -> None:
     try:
         url = make_url(uri)
         shown = url.render_as_string(hide_password=True)
-        url.get_dialect().import_dbapi()
+        dialect = url.get_dialect()
+        import_dbapi: Any = getattr(dialect, "import_dbapi", None) or dialect.dbapi  # SQLAlchemy 2, or 1.4
+        import_dbapi()
     except ModuleNotFoundError as err:
         install = DATABASE_DRIVERS.get(err.name or "", f"pip install {err.name}")
         raise ConfigError(
             f"{source}={shown}: its database driver {err.name} is not installed ({install})"
         ) from None
-    except Exception as err:  # SQLAlchemy's ArgumentError: a URI it cannot parse
-        raise ConfigError(f"{source}: not a database URI SQLAlchemy reads ({first_line(err)})") from None
+    except (ArgumentError, ValueError):  # a URI it cannot parse; its message would show the password
+        raise ConfigError(f"{source}: not a database URI SQLAlchemy reads") from None
     if not url.host:  # a local socket: MLflow's connection says
         return
     try:
