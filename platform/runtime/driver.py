@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import math
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from fedray.platform.data.federation import sample_pool
 from fedray.platform.data.split_file import dumps_split, federation_to_split
 from fedray.platform.errors import ALGORITHM_ERRORS, ConfigError, first_line
 from fedray.platform.models import arch_for_client
+from fedray.platform.network import no_answer
 from fedray.platform.runtime import storage
 from fedray.platform.runtime.checkpoint import (
     CONFIG_FILE,
@@ -217,11 +217,8 @@ def ensure_ray(cfg: ExperimentConfig, prestart: bool = False) -> None:
         else:
             if cfg.ray.object_store_mb is not None:
                 kwargs["object_store_memory"] = cfg.ray.object_store_mb * 2**20
-            start_local_ray(cfg.ray.num_cpus or os.cpu_count() or 1, prestart, **kwargs)
+            start_local_ray(local_cpus(cfg), prestart, **kwargs)
     set_up_driver()  # the shards and the global test set leave as raw bytes
-
-
-CONNECT_TIMEOUT_S = 10  # a cluster's head that has not answered by then is not there
 
 
 def require_answer(address: str, source: str) -> None:
@@ -231,13 +228,12 @@ def require_answer(address: str, source: str) -> None:
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if "://" in host or not host or not port.isdigit():
         return
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
-    except OSError as err:
+    why = no_answer(host.strip("[]"), int(port))
+    if why:
         raise ConfigError(
-            f"{source}={address}: nothing answers there ({err.strerror or err}); start the cluster's "
+            f"{source}={address}: nothing answers there ({why}); start the cluster's "
             "head there (ray start --head) or give its address"
-        ) from None
+        )
 
 
 def require_gpus(cfg: ExperimentConfig, before_ray: bool = False) -> None:
@@ -492,11 +488,15 @@ def require_before_ray(cfg: ExperimentConfig, new_run: bool = True) -> None:
     require_gpus(cfg, before_ray=True)
     require_cpus(cfg, before_ray=True)
     require_object_store_room(cfg)
-    if new_run:  # a resume takes no overrides: ray.max_actors could not be lowered for it
-        require_memory_for_pool(cfg)
     require_tracking_store(tracking_uri(cfg), tracking_uri_source())
-    if new_run:
+    if new_run:  # a resume takes no overrides (ray.max_actors could not be lowered for it)
+        require_memory_for_pool(cfg)
         require_storage(cfg)
+
+
+def local_cpus(cfg: ExperimentConfig) -> int:
+    """The CPUs a local Ray is started with: ``ray.num_cpus``, or the machine's."""
+    return cfg.ray.num_cpus or os.cpu_count() or 1
 
 
 def local_ray(cfg: ExperimentConfig) -> bool:
@@ -521,7 +521,7 @@ def require_cpus(cfg: ExperimentConfig, before_ray: bool = False) -> None:
     if before_ray:
         if not local_ray(cfg):
             return
-        have: float = cfg.ray.num_cpus or os.cpu_count() or 1
+        have: float = local_cpus(cfg)
         where = "ray.num_cpus is" if cfg.ray.num_cpus else "this machine has"
     else:  # a local Ray this process started (an earlier run's, say); a cluster's nodes may join later
         if cfg.ray.cluster_address():
@@ -565,7 +565,7 @@ def require_memory_for_pool(cfg: ExperimentConfig) -> None:
         return
     import psutil
 
-    cpus = cfg.ray.num_cpus or os.cpu_count() or 1
+    cpus = local_cpus(cfg)
     gpus = torch.cuda.device_count() if cfg.ray.num_gpus_per_client > 0 else 0
     workers = pool_size(cfg, {"CPU": cpus, "GPU": gpus})
     free_mb = psutil.virtual_memory().available / 2**20

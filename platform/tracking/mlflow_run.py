@@ -21,6 +21,7 @@ from fedray.platform.config import ExperimentConfig, config_yaml, flatten
 from fedray.platform.environ import environ_restored
 from fedray.platform.errors import ConfigError, first_line
 from fedray.platform.interrupts import deferred
+from fedray.platform.network import no_answer
 from fedray.platform.tracking.descriptions import partition_names
 from fedray.platform.tracking.names import Metrics, Tags
 from fedray.platform.tracking.outage import PatientCalls, shorten_http_retries, unreachable
@@ -108,15 +109,11 @@ def missing_sqlite_store(uri: str) -> Path | None:
     return None if path is None or path.is_file() else path
 
 
-SERVER_CONNECT_TIMEOUT_S = 10  # a tracking server that has not taken a connection by then is not there
-
-
 def require_server_answer(uri: str, source: str) -> None:
     """A tracking server where nothing answers fails in one line at once. MLflow itself retries each
     request for minutes: a report or ``fedray ui`` would wait in silence, and a run would start Ray
     and train its first round before its first write failed with a traceback. (An outage once the
     run is going is waited out: ``tracking.max_outage_s``.)"""
-    import socket
     from urllib.parse import urlsplit
     from urllib.request import getproxies, proxy_bypass
 
@@ -127,12 +124,14 @@ def require_server_answer(uri: str, source: str) -> None:
         return  # MLflow's requests go through the proxy (HTTP(S)_PROXY), which may be all that reaches it
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        socket.create_connection((parts.hostname, port), timeout=SERVER_CONNECT_TIMEOUT_S).close()
-    except (OSError, ValueError) as err:  # ValueError: a port out of range
+    except ValueError as err:  # a port out of range
+        why: str | None = str(err)
+    else:
+        why = no_answer(parts.hostname, port)
+    if why:
         raise ConfigError(
-            f"{source}={uri}: no tracking server answers there ({getattr(err, 'strerror', None) or err}); "
-            "start it (mlflow server ...) or give its address"
-        ) from None
+            f"{source}={uri}: no tracking server answers there ({why}); start it (mlflow server ...) or give its address"
+        )
 
 
 # what to install for the Python module a database URI's driver is (SQLAlchemy's default per scheme)
@@ -150,8 +149,6 @@ def require_database(uri: str, source: str) -> None:
     """A database store (postgresql://, mysql://, mssql://) whose driver is not installed, or where
     nothing answers, fails in one line here: MLflow would fail with a traceback as the run is first
     opened, after Ray has started. The password is not shown."""
-    import socket
-
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
@@ -173,13 +170,11 @@ def require_database(uri: str, source: str) -> None:
         raise ConfigError(f"{source}: not a database URI SQLAlchemy reads") from None
     if not url.host:  # a local socket: MLflow's connection says
         return
-    try:
-        port = url.port or DATABASE_PORTS[scheme]
-        socket.create_connection((url.host, port), timeout=SERVER_CONNECT_TIMEOUT_S).close()
-    except OSError as err:
+    why = no_answer(url.host, url.port or DATABASE_PORTS[scheme])
+    if why:
         raise ConfigError(
-            f"{source}={shown}: no database answers there ({err.strerror or err}); start it or give its address"
-        ) from None
+            f"{source}={shown}: no database answers there ({why}); start it or give its address"
+        )
 
 
 def _artifact_root(uri: str) -> str | None:
