@@ -20,12 +20,13 @@ LAYERS: list[tuple[str, ...]] = [
     # tracking layer that holds them, so this one module sits at the bottom and imports nothing of fedray
     ("fedray.platform.tracking.names",),
     # seeds: named random streams, numpy and torch; interrupts: Ctrl-C held past a tracking write;
-    # environ: environment variables put back after a library's call
+    # environ: environment variables put back after a library's call; network: is anything at an address
     (
         "fedray.platform.errors",
         "fedray.platform.seeds",
         "fedray.platform.interrupts",
         "fedray.platform.environ",
+        "fedray.platform.network",
     ),
     ("fedray.platform.config",),
     ("fedray.platform.data", "fedray.platform.models"),
