@@ -160,8 +160,12 @@ def patient_pool_sizing(monkeypatch):
 @pytest.fixture
 def mlflow_store(tmp_path, monkeypatch):
     """A real sqlite MLflow store in a temporary directory, used through MLFLOW_TRACKING_URI."""
+    from mlflow.tracking._tracking_service import utils
+
     uri = store_in(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    # an earlier test's mlflow.set_tracking_uri would win over the variable for MlflowClient()
+    monkeypatch.setattr(utils, "_tracking_uri", None)
     monkeypatch.chdir(tmp_path)
     return uri
 
